@@ -1,0 +1,92 @@
+"""Tiny random-weight Hugging Face models of every supported architecture, built once per session.
+
+Each directory holds config.json, model.safetensors and a small byte-level BPE tokenizer (with a chat
+template), so the engine loads them exactly as it loads a real checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Paged attention stores keys and values in fixed-size blocks of tokens.",
+    "Continuous batching admits new requests as soon as others finish.",
+    "def main():\n    print('hello world')\n    return 0\n",
+    "Hello, world! The capital of France is Paris. 0123456789",
+    "Speculative decoding proposes several tokens and verifies them in one pass.",
+]
+
+ARCHS = {
+    # arch -> (config class name, extra config fields)
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=2,
+                                  rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, num_key_value_heads=1, sliding_window=48)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False, num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, num_key_value_heads=2, head_dim=32)),
+}
+
+_cache: dict[str, str] = {}
+_root = None
+
+
+def build_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(path)
+    return fast
+
+
+def _root_dir() -> str:
+    global _root
+    if _root is None:
+        _root = tempfile.mkdtemp(prefix="tokenmill-tiny-")
+    return _root
+
+
+def tiny_model(arch: str) -> str:
+    """Path of a tiny random `arch` model directory (built on first use, then reused)."""
+    if arch in _cache:
+        return _cache[arch]
+    import transformers
+
+    path = os.path.join(_root_dir(), arch)
+    tok = build_tokenizer(path)
+    cls_name, extra = ARCHS[arch]
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(1234 + sorted(ARCHS).index(arch))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # biases are zero-initialised; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    _cache[arch] = path
+    return path
+
+
+def hf_model(path: str, dtype=torch.float32):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

@@ -1,0 +1,16 @@
+"""tokenmill: a readable, measurable, fast LLM inference engine."""
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "LLM":  # lazy: importing the package must not pull in the engine (torch) for light tools
+        from tokenmill.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

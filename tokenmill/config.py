@@ -1,0 +1,216 @@
+"""Engine configuration: one dataclass per concern, built from kwargs or CLI flags.
+
+All validation and the error messages users see for bad settings live here.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+def parse_size(value: Any) -> int:
+    """'4GiB' -> 4294967296; plain numbers are bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse size {value!r}; use e.g. 4GiB, 512MiB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str) -> torch.dtype:
+    """--dtype auto follows the config; without one (GGUF) bf16 where the hardware has it, else fp32.
+    float16 maps to bf16 on CPU (no fast fp16 kernels there)."""
+    if isinstance(requested, torch.dtype):
+        dtype = requested
+    elif requested == "auto":
+        if isinstance(config_dtype, str):
+            config_dtype = _DTYPES.get(config_dtype)
+        if isinstance(config_dtype, torch.dtype):
+            dtype = config_dtype
+        elif device == "cuda":
+            dtype = torch.bfloat16
+        else:
+            dtype = torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+    elif requested in _DTYPES:
+        dtype = _DTYPES[requested]
+    else:
+        raise ValueError(f"unknown dtype {requested!r}; choose one of auto, float32, bfloat16, float16")
+    if device == "cpu" and dtype == torch.float16:
+        logger.info("float16 is slow on CPU; using bfloat16 instead")
+        dtype = torch.bfloat16
+    return dtype
+
+
+def resolve_model_path(model: Optional[str], install_default: bool = False) -> str:
+    """A local HF directory, a .gguf file, or None for the built-in default model.
+    Returns a Hugging Face directory (GGUF files are converted once and cached)."""
+    from tokenmill.models import default_model, gguf
+
+    if model is None or model == "default":
+        model = default_model.default_model_path(install=install_default)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return gguf.gguf_to_hf_dir(model)
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model} has no config.json")
+        return model
+    raise ValueError(f"model {model!r} is neither a local Hugging Face directory nor a .gguf file "
+                     "(nothing is downloaded at run time)")
+
+
+@dataclass
+class ModelConfig:
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    served_model_name: Optional[str] = None
+    # Resolved in finalize():
+    model_dir: str = ""
+    hf_config: Any = None
+    torch_dtype: Optional[torch.dtype] = None
+
+    def finalize(self, device: str, install_default: bool = False) -> None:
+        from transformers import AutoConfig
+
+        self.model_dir = resolve_model_path(self.model, install_default)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+        except Exception as e:  # noqa: BLE001 - surface a one-line reason
+            raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
+        cfg_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device)
+        derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif self.max_model_len > derived:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={derived}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.served_model_name is None:
+            self.served_model_name = self.model or "default"
+        if self.tokenizer is None:
+            self.tokenizer = self.model_dir
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None  # CPU: bytes for KV; default 4 GiB
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be at least 1")
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+
+    def validate(self, max_model_len: int) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"
+
+    def finalize(self, install_default: bool = False) -> "EngineConfig":
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        self.cache.validate()
+        self.model.finalize(self.device, install_default)
+        self.scheduler.validate(self.model.max_model_len)
+        return self
+
+    @classmethod
+    def from_kwargs(cls, **kw: Any) -> "EngineConfig":
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        built = {}
+        for name, klass in parts.items():
+            names = {f.name for f in fields(klass) if f.init}
+            built[name] = klass(**{k: kw.pop(k) for k in list(kw) if k in names})
+        device = kw.pop("device", "auto")
+        if kw:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
+        return cls(device=device, **built)
+
+    # -- CLI -------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", nargs="?", default=None,
+                       help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+        p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+        p.add_argument("--tokenizer", default=None)
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half",
+                                                            "float", "bf16", "fp32", "fp16"])
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size, e.g. 4GiB (CPU default 4GiB)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--max-num-batched-tokens", type=int, default=None)
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> "EngineConfig":
+        return cls.from_kwargs(
+            model=a.model_flag or a.model, tokenizer=a.tokenizer, dtype=a.dtype, max_model_len=a.max_model_len,
+            seed=a.seed, served_model_name=a.served_model_name, block_size=a.block_size,
+            kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
+            num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device)

@@ -1,0 +1,80 @@
+"""EngineCore: the loop both fronts drive. One step = schedule -> execute -> update."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.executor.base import Executor
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_blocks: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        self.executor = Executor.create(config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_cache(num_blocks)
+        bs = config.cache.block_size
+        gib = num_blocks * self.executor.bytes_per_block() / 2**30
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs, gib)
+        self.scheduler = Scheduler(config, num_blocks)
+        self.vocab_size = config.model.hf_config.vocab_size
+        self._pending: list[EngineCoreOutput] = []  # abort notices not yet returned by step()
+        logger.info("engine ready in %.1fs", time.perf_counter() - t0)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Raises ValueError (nothing queued) for a request that could never run."""
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary of {self.vocab_size}")
+        if req.sampling_params.logit_bias:
+            bad = [t for t in req.sampling_params.logit_bias if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocabulary of {self.vocab_size}")
+        self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
+        self.scheduler.add_request(Request(req, self.config.model.max_model_len))
+
+    def abort_requests(self, request_ids) -> None:
+        self._pending.extend(self.scheduler.abort_requests(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if sched.finished_req_ids:  # let the worker drop state of finished requests
+                self.executor.execute_model(sched)
+            return outputs
+        result = self.executor.execute_model(sched)
+        outputs += self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s, kv = self.scheduler, self.scheduler.kv
+        return EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
+                           s.num_preemptions, kv.pool.num_free, kv.num_blocks)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

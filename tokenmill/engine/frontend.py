@@ -1,0 +1,61 @@
+"""What both fronts (offline LLM, API server) do before a request reaches the engine: tokenize,
+validate, and fan an n>1 request out into one engine request per sample."""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+PromptType = Union[str, dict, list[int]]
+
+
+def load_tokenizer(config: EngineConfig):
+    if config.model.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(config.model.tokenizer)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot load a tokenizer from {config.model.tokenizer}: {str(e).splitlines()[0]}") from None
+
+
+def eos_token_id(config: EngineConfig, tokenizer) -> Optional[int]:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(config.model.hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[int]]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt["prompt"]
+    if isinstance(prompt, list):
+        return None, list(prompt)
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]} "
+                         "or do not set skip_tokenizer_init")
+    return prompt, tokenizer(prompt).input_ids
+
+
+def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos: Optional[int],
+            enable_prefix_caching: bool, cache_salt: Optional[str] = None,
+            arrival_time: float = 0.0) -> list[EngineCoreRequest]:
+    """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
+    (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM."""
+    if params.n == 1:
+        return [EngineCoreRequest(request_id, prompt_ids, params, eos, arrival_time,
+                                  cache_salt if enable_prefix_caching else None)]
+    salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
+    reqs = []
+    for i in range(params.n):
+        child = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+        reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos, arrival_time, salt))
+    return reqs

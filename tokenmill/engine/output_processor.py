@@ -1,0 +1,217 @@
+"""Front-side processing of engine outputs: incremental detokenization, stop strings, logprobs,
+and the fan-in of n>1 samples. Runs in the API process (or the offline LLM), never in the engine loop."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from tokenmill.engine.request import EngineCoreOutput, FinishReason, PositionLogprobs
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive. Decodes a short window of ids and emits only the part past what was
+    already emitted, holding back while the window ends in an incomplete UTF-8 sequence."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool) -> None:
+        self.tok = tokenizer
+        self.ids = list(prompt_ids[-6:])  # a little prompt context gets leading spaces right
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.kw = dict(skip_special_tokens=skip_special_tokens)
+        if not spaces_between_special_tokens:
+            self.kw["spaces_between_special_tokens"] = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, **self.kw)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+
+class _SampleState:
+    """One sample (one engine request) of a user request."""
+
+    def __init__(self, index: int, engine_id: str) -> None:
+        self.index = index
+        self.engine_id = engine_id
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent_text = 0     # delta mode: chars already returned
+        self.sent_tokens = 0
+        self.sent_logprobs = 0
+        self.logprobs: Optional[list[dict[int, Logprob]]] = None
+        self.cumulative_logprob: Optional[float] = None
+        self.finish_reason: Optional[str] = None
+        self.stop_reason = None
+        self.final_sent = False
+        self.detok: Optional[IncrementalDetokenizer] = None
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                 tokenizer, delta: bool) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.tok = tokenizer
+        self.delta = delta
+        self.samples: list[_SampleState] = []
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
+        self.sent_prompt_logprobs = False
+        self.num_cached_tokens = 0
+        self.arrival = time.monotonic()
+        self.first_token_time: Optional[float] = None
+
+    def add_sample(self, index: int, engine_id: str) -> None:
+        s = _SampleState(index, engine_id)
+        if self.params.logprobs is not None:
+            s.logprobs, s.cumulative_logprob = [], 0.0
+        if self.tok is not None and self.params.detokenize:
+            s.detok = IncrementalDetokenizer(self.tok, self.prompt_ids, self.params.skip_special_tokens,
+                                             self.params.spaces_between_special_tokens)
+        self.samples.append(s)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def _decoded(self, token_id: int) -> Optional[str]:
+        return self.tok.decode([token_id]) if self.tok is not None else None
+
+    def _logprob_dict(self, entry: PositionLogprobs) -> dict[int, Logprob]:
+        ids, lps, rank = entry
+        d = {ids[0]: Logprob(lps[0], rank, self._decoded(ids[0]))}
+        for r, (t, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            d.setdefault(t, Logprob(lp, r, self._decoded(t)))
+        return d
+
+    def process(self, s: _SampleState, out: EngineCoreOutput) -> bool:
+        """Fold one engine output into the sample. Returns True if a stop string finished it (the engine
+        must then abort that request)."""
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
+        if s.finish_reason is not None:
+            return False
+        stopped = False
+        for i, t in enumerate(out.new_token_ids):
+            if self.first_token_time is None:
+                self.first_token_time = time.monotonic()
+            s.token_ids.append(t)
+            if s.logprobs is not None and out.new_logprobs:
+                d = self._logprob_dict(out.new_logprobs[i])
+                s.logprobs.append(d)
+                s.cumulative_logprob += d[t].logprob
+            if s.detok is not None:
+                stopped = self._add_text(s, t)
+                if stopped:
+                    break
+        if not stopped and out.finish_reason is not None:
+            s.finish_reason = str(FinishReason(out.finish_reason))
+            s.stop_reason = out.stop_reason
+        return stopped
+
+    def _add_text(self, s: _SampleState, token_id: int) -> bool:
+        new = s.detok.add(token_id)
+        if not new:
+            return False
+        start = max(len(s.text) - self.params.max_stop_len + 1, 0)
+        s.text += new
+        for stop in self.params.stop:
+            pos = s.text.find(stop, start)
+            if pos >= 0:
+                end = pos + len(stop) if self.params.include_stop_str_in_output else pos
+                s.text = s.text[:end]
+                s.finish_reason, s.stop_reason = "stop", stop
+                return True
+        return False
+
+    def make_output(self) -> Optional[RequestOutput]:
+        """Delta mode: what is new since the last call (None if nothing). Otherwise the cumulative state."""
+        outs = []
+        for s in self.samples:
+            if not self.delta:
+                outs.append(CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
+                                             s.logprobs, s.finish_reason, s.stop_reason))
+                continue
+            # Hold back a possible partial stop string until the sample finishes.
+            hold = 0 if s.finish_reason is not None else max(self.params.max_stop_len - 1, 0)
+            text_end = max(len(s.text) - hold, s.sent_text)
+            text = s.text[s.sent_text:text_end]
+            toks = s.token_ids[s.sent_tokens:]
+            lps = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
+            if not text and not toks and s.finish_reason is None:
+                continue
+            if s.final_sent:
+                continue
+            outs.append(CompletionOutput(s.index, text, toks, s.cumulative_logprob, lps, s.finish_reason,
+                                         s.stop_reason))
+            s.sent_text, s.sent_tokens = text_end, len(s.token_ids)
+            s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
+            s.final_sent = s.finish_reason is not None
+        if self.delta and not outs and not (self.prompt_logprobs and not self.sent_prompt_logprobs):
+            return None
+        plp = self.prompt_logprobs
+        if self.delta:
+            plp = plp if (plp is not None and not self.sent_prompt_logprobs) else None
+            self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp is not None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished, plp,
+                             self.num_cached_tokens)
+
+
+class OutputProcessor:
+    """Maps engine request ids (one per sample) back to user requests."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.engine_ids: dict[str, tuple[RequestState, _SampleState]] = {}
+
+    def add_request(self, state: RequestState, engine_ids: list[str]) -> None:
+        self.requests[state.request_id] = state
+        for i, eid in enumerate(engine_ids):
+            state.add_sample(i, eid)
+            self.engine_ids[eid] = (state, state.samples[-1])
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs to deliver, engine ids to abort because a stop string ended them)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.engine_ids.get(out.request_id)
+            if entry is None:
+                continue
+            state, sample = entry
+            if state.process(sample, out):
+                to_abort.append(out.request_id)
+            if sample.finish_reason is not None:
+                del self.engine_ids[out.request_id]
+            touched[state.request_id] = state
+        results = []
+        for rid, state in touched.items():
+            ro = state.make_output()
+            if state.finished:
+                del self.requests[rid]
+            if ro is not None and (state.delta or state.finished):
+                results.append(ro)
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a user request; returns the engine ids the engine must abort."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [s.engine_id for s in state.samples if s.finish_reason is None]
+        for eid in ids:
+            self.engine_ids.pop(eid, None)
+        return ids

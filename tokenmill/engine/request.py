@@ -1,0 +1,114 @@
+"""Engine-side request state and the messages that cross the API/engine boundary."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import msgspec
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What a front (LLM or API server) submits to the engine core."""
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int] = None
+    arrival_time: float = 0.0
+    # Requests with the same cache_salt may share prefix-cache blocks; others never do.
+    cache_salt: Optional[str] = None
+
+
+# One top-logprob entry per position: (token ids, logprobs, rank of the first id). First id is the
+# sampled (or prompt) token, followed by the top-n ids.
+PositionLogprobs = tuple[list[int], list[float], int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What the engine core reports per request per step."""
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[PositionLogprobs]] = None
+    new_prompt_logprobs: Optional[list[PositionLogprobs]] = None
+    finish_reason: Optional[int] = None
+    stop_reason: Optional[int] = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """Scheduler-side state. Tokens [0, num_computed_tokens) have KV in the request's blocks."""
+
+    def __init__(self, req: EngineCoreRequest, max_model_len: int) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params = req.sampling_params
+        self.eos_token_id = req.eos_token_id
+        self.cache_salt = req.cache_salt
+        self.arrival_time = req.arrival_time or time.time()
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 = not scheduled yet
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[FinishReason] = None
+        self.stop_reason: Optional[int] = None
+        self.block_hashes: list[bytes] = []  # hash chain over full blocks of all_token_ids
+        self.num_preemptions = 0
+        self.num_prompt_logprobs_done = 0  # prompt positions whose logprobs were reported
+        sp = self.sampling_params
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - self.num_prompt_tokens
+        self.max_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Token-id stops and length; stop strings are the front's job (they need text)."""
+        sp = self.sampling_params
+        n_out = self.num_output_tokens
+        last = self.all_token_ids[-1]
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and last == self.eos_token_id:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, None
+                return True
+            if last in sp.stop_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, last
+                return True
+        if n_out >= self.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False

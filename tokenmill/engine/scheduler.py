@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill, FCFS, preemption by recompute.
+
+Each step hands out a token budget (max_num_batched_tokens): running requests first (decodes and
+unfinished prefill chunks, oldest first), then waiting requests in arrival order. A request's next chunk
+is just "tokens it has minus tokens with KV", so prefill chunks and decodes are the same thing to it.
+When blocks run out the newest running request is preempted: its blocks are freed and it goes back to
+the front of the waiting queue, to be recomputed (prefix cache permitting, cheaply).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class ScheduledRequest:
+    """Everything a worker needs about one request for one step (self-contained: works across processes)."""
+    request_id: str
+    token_ids: list[int]          # the tokens to run this step
+    start_pos: int                # = num_computed_tokens before this step
+    block_ids: list[int]
+    sample: bool                  # this chunk reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    output_token_ids: list[int]   # for penalties (only filled when a penalty is set)
+    prompt_token_ids: Optional[list[int]] = None  # for repetition penalty / prompt logprobs
+    prompt_logprobs_from: int = 0  # prompt positions before this were already reported (preemption)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # worker may drop per-request state
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_model_len = config.model.max_model_len
+        self.block_size = config.cache.block_size
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- admission --------------------------------------------------------------------------
+    def check_fits(self, prompt_len: int, sp: SamplingParams) -> None:
+        """Reject at once what could never run, rather than letting it wait forever."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty; it must contain at least one token")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
+                             f"{self.max_model_len}; nothing is left to generate")
+        if sp.max_tokens is not None and prompt_len + sp.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                             f"{prompt_len + sp.max_tokens} exceeds the context length {self.max_model_len}")
+        max_total = prompt_len + (sp.max_tokens if sp.max_tokens is not None else self.max_model_len - prompt_len)
+        blocks = -(-max_total // self.block_size)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(f"the request needs up to {max_total} tokens of KV cache ({blocks} blocks) but the "
+                             f"whole cache holds {self.kv.num_blocks * self.block_size} tokens; "
+                             "raise --kv-cache-memory-bytes or lower max_tokens")
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.finish_reason = FinishReason.ABORT
+            outs.append(self._finish(req))
+        return outs
+
+    def _finish(self, req: Request) -> EngineCoreOutput:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        return EngineCoreOutput(req.request_id, [], finish_reason=int(req.finish_reason),
+                                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                chosen.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+
+        for req, n in chosen:
+            start = req.num_computed_tokens
+            sp = req.sampling_params
+            needs_history = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+            out.scheduled.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids[start:start + n],
+                start_pos=start,
+                block_ids=self.kv.block_ids(req.request_id),
+                sample=start + n == req.num_tokens,
+                sampling_params=sp,
+                num_prompt_tokens=req.num_prompt_tokens,
+                output_token_ids=req.output_token_ids if needs_history else [],
+                prompt_token_ids=req.prompt_token_ids if (needs_history or sp.prompt_logprobs is not None) else None,
+                prompt_logprobs_from=req.num_prompt_logprobs_done,
+            ))
+            if sp.prompt_logprobs is not None:
+                req.num_prompt_logprobs_done = max(req.num_prompt_logprobs_done,
+                                                   min(start + n, req.num_prompt_tokens - 1))
+            req.num_computed_tokens += n
+            out.num_batched_tokens += n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (KV cache full)", req.request_id)
+
+    # -- after the forward pass ---------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, sampled: dict[str, int],
+               logprobs: dict, prompt_logprobs: dict) -> list[EngineCoreOutput]:
+        outs: list[EngineCoreOutput] = []
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            plp = prompt_logprobs.get(s.request_id)
+            token = sampled.get(s.request_id)
+            if token is None:
+                if plp:  # a prefill chunk that does not sample still reports its prompt logprobs
+                    outs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=plp))
+                continue
+            req.append_token(token)
+            lp = logprobs.get(s.request_id)
+            done = req.check_stop()
+            out = EngineCoreOutput(req.request_id, [token], new_logprobs=[lp] if lp else None,
+                                   new_prompt_logprobs=plp, num_cached_tokens=max(req.num_cached_tokens, 0))
+            if done:
+                fin = self._finish(req)
+                out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+            outs.append(out)
+        return outs
+
+    # -- stats ------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

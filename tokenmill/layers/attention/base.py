@@ -1,0 +1,47 @@
+"""The attention backend interface: attention over one flat batch and the paged KV cache.
+
+KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (k at 0, v at 1).
+The token at position p of a request lives in slot block_ids[p // block_size] * block_size + p % block_size.
+Every backend first writes the step's new k/v into their slots for all requests, then attends: a request
+may read blocks another request of the same step is writing (shared prefix), which is why writes come first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor          # [T]
+    slot_mapping: torch.Tensor       # [T]
+    block_table: torch.Tensor        # [B, max_blocks] (padded with 0)
+    query_start_loc: list[int]       # [B+1]
+    seq_lens: list[int]              # [B] context length after this step
+    block_size: int
+    cache: dict[Any, Any] = field(default_factory=dict)  # per-step derived tensors, built once, shared by layers
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+class AttentionBackend:
+    name = "base"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, window: Optional[int]) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        raise NotImplementedError
+
+
+def get_attention_backend(device: str) -> AttentionBackend:
+    from tokenmill.layers.attention.cpu import TorchSDPABackend
+
+    # SDPA over the paged cache serves both devices until a dedicated CUDA kernel lands.
+    return TorchSDPABackend()

@@ -1,0 +1,51 @@
+"""Rotary position embedding (neox/HF-llama layout: the two halves of head_dim rotate together).
+inv_freq comes from transformers' own rope initialisers, so every rope_type the config names
+(default, linear, dynamic-free llama3, yarn, longrope...) matches the reference."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' is not supported (it changes with sequence length)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

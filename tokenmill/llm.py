@@ -1,0 +1,100 @@
+"""Offline API, vLLM-shaped: LLM(model=...).generate(prompts, sampling_params) and .chat(messages)."""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Optional, Sequence, Union
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineCore
+from tokenmill.engine.frontend import PromptType, eos_token_id, fan_out, load_tokenizer, tokenize_prompt
+from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs).finalize()
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.config)
+        self.eos_token_id = eos_token_id(self.config, self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._ids))
+                self._add(rid, prompt, sp)
+                order[rid] = i
+            return self._run(order, use_tqdm)
+        except BaseException:
+            for rid in order:  # a failure (or Ctrl-C) must not leave requests holding KV blocks
+                self.engine.abort_requests(self.processor.abort(rid))
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None, **template_kwargs: Any) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+                   for text in (self.tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
+                                                                   add_generation_prompt=add_generation_prompt,
+                                                                   **template_kwargs)
+                                for conv in conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- internals --------------------------------------------------------------------------
+    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
+        text, ids = tokenize_prompt(prompt, self.tokenizer)
+        reqs = fan_out(rid, ids, sp, self.eos_token_id, self.config.cache.enable_prefix_caching)
+        for r in reqs:
+            self.engine.add_request(r)  # validates; raises before anything runs for a bad request
+        self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),
+                                   [r.request_id for r in reqs])
+
+    def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[Optional[RequestOutput]] = [None] * len(order)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(order), desc="Processed prompts", dynamic_ncols=True)
+        remaining = len(order)
+        while remaining:
+            outputs = self.engine.step()
+            finished, to_abort = self.processor.process(outputs)
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            for ro in finished:
+                results[order[ro.request_id]] = ro
+                remaining -= 1
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        # Flush aborts (stop strings) so their blocks return to the pool now.
+        while self.engine.has_unfinished_requests() and not self.engine.scheduler.requests:
+            self.engine.step()
+        return results

@@ -1,0 +1,239 @@
+"""Turn a GGUF checkpoint into a cached Hugging Face model directory.
+
+The engine only loads HF directories, so a GGUF file is converted once into
+`<cache>/gguf/<key>/` holding `config.json`, a float32 `model.safetensors`, tokenizer files and
+`generation_config.json`. The key hashes (converter version, absolute path, size, mtime_ns), so an
+edited or replaced file is converted again and a warm start is a single `stat`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger("tokenmill")
+
+_CONVERTER_VERSION = 1  # bump whenever the output changes, so stale cache entries are not reused
+
+# GGUF architecture -> (HF class, HF model_type). Mistral GGUFs use the "llama" architecture.
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+_SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
+
+
+def gguf_to_hf_dir(gguf_path: str) -> str:
+    """Return a HF model directory equivalent to `gguf_path`, converting it on first use."""
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    digest = hashlib.sha256(f"{_CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+    final = cache_root() / "gguf" / f"{Path(path).stem}-{digest[:16]}"
+    if final.is_dir():  # only complete conversions are ever renamed into place
+        return str(final)
+
+    t0 = time.perf_counter()
+    reader, meta = _read(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+    try:
+        logger.info("converting GGUF %s -> %s", path, final)
+        _convert(path, reader, meta, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            logger.info("another process converted %s first; using its result", path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1fs", path, time.perf_counter() - t0)
+    return str(final)
+
+
+def _read(path: str):
+    """Parse the GGUF header, turning any parse failure into a one-line ValueError."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        meta = {key: _scalar(field) for key, field in reader.fields.items()}
+    except Exception as e:  # truncated or corrupt files fail deep inside numpy with assorted errors
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {msg})") from e
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
+    for t in reader.tensors:
+        if t.tensor_type.name not in _SUPPORTED_TYPES:
+            raise ValueError(f"{path}: unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name})")
+    return reader, meta
+
+
+def _scalar(field):
+    """Value of a scalar metadata field; arrays (token lists) are left to the tokenizer converter."""
+    from gguf import GGUFValueType
+
+    kind = field.types[0] if field.types else None
+    if kind == GGUFValueType.ARRAY or not field.data:
+        return None
+    part = field.parts[field.data[0]]
+    if kind == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    if kind == GGUFValueType.FLOAT32:  # shortest float32 repr: 1e-05, not 9.999999747378752e-06
+        return float(str(part[0]))
+    return part[0].item()
+
+
+def _convert(path: str, reader, meta: dict, out: Path) -> None:
+    arch = meta["general.architecture"]
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
+    config = _hf_config(path, arch, meta, shapes)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    _write_safetensors(out / "model.safetensors", _hf_tensors(path, reader, arch, config))
+    _save_tokenizer(path, meta, config, out)
+
+
+def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
+    def need(key):
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    if "token_embd.weight" not in shapes:
+        raise ValueError(f"{path}: GGUF file has no token_embd.weight tensor")
+    # rope.dimension_count equals head_dim for llama; other archs state key_length or use hidden // heads
+    head_dim = meta.get(f"{arch}.attention.key_length") or (
+        meta.get(f"{arch}.rope.dimension_count") if arch == "llama" else None) or hidden // heads
+    hf_class, model_type = _ARCHS[arch]
+    config = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.get(f"{arch}.context_length", 2048),
+        # the embedding matrix is authoritative: Qwen pads it past the tokenizer's size
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "tokenmill_source": "gguf",  # no dtype on purpose: the engine picks one for dtype-less configs
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling in ("linear", "yarn"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": meta.get(f"{arch}.rope.scaling.factor", 1.0)}
+        if scaling == "yarn":
+            config["rope_scaling"]["original_max_position_embeddings"] = meta.get(
+                f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
+    return config
+
+
+def _hf_tensors(path: str, reader, arch: str, config: dict):
+    """Yield (hf_name, hf_shape, thunk producing float32 data) in file order; data is made lazily."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        base, _, suffix = t.name.rpartition(".")
+        parts = base.split(".")
+        if base == "rope_freqs":
+            # llama3-style per-frequency factors precomputed by llama.cpp; HF recomputes them from
+            # rope_scaling, which the GGUF does not carry, so long-context rope may differ slightly.
+            logger.warning("%s: ignoring rope_freqs.weight (llama3 rope scaling is not carried over)", path)
+            continue
+        if base in _GLOBAL_NAMES:
+            hf = _GLOBAL_NAMES[base]
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        else:
+            raise ValueError(f"{path}: unexpected tensor {t.name} for GGUF architecture {arch}")
+        shape = tuple(int(d) for d in reversed(t.shape))
+        n_head = None
+        if arch == "llama" and parts[-1] == "attn_q":
+            n_head = config["num_attention_heads"]
+        elif arch == "llama" and parts[-1] == "attn_k":
+            n_head = config["num_key_value_heads"]
+
+        def make(t=t, shape=shape, n_head=n_head):
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            return w if n_head is None else _unpermute_rope_rows(w, n_head)
+
+        yield f"{hf}.{suffix}", shape, make
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter reorders each head's Q/K rows from HF's "first half | second half" rotary
+    # layout to interleaved pairs (row 2i <- i, row 2i+1 <- i + d/2); this is the inverse.
+    return w.reshape(n_head, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_safetensors(file: Path, tensors) -> None:
+    """Write float32 tensors one at a time, so peak memory is one tensor rather than the model."""
+    tensors = list(tensors)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in tensors:
+        size = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format allows space padding; keeps tensor data 8-byte aligned
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape, make in tensors:
+            data = np.ascontiguousarray(make(), dtype="<f4")
+            assert data.shape == shape, (name, data.shape, shape)
+            f.write(data.tobytes())
+
+
+def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    # make the special tokens agree with the GGUF's ids, whatever the converter inferred
+    for attr in ("bos", "eos", "pad"):
+        token_id = config.get(f"{attr}_token_id")
+        if token_id is not None and getattr(tok, f"{attr}_token_id") != token_id:
+            setattr(tok, f"{attr}_token", tok.convert_ids_to_tokens(token_id))
+    if tok.chat_template is None and meta.get("tokenizer.chat_template"):
+        tok.chat_template = meta["tokenizer.chat_template"]
+    tok.model_max_length = config["max_position_embeddings"]
+    tok.save_pretrained(out)

@@ -1,0 +1,169 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the flat batch.
+
+The families differ only in switches read from the HF config: q/k/v bias (Qwen2), per-head q/k RMSNorm
+(Qwen3), explicit head_dim, sliding-window layers (Mistral, Qwen2), rope scaling, tied embeddings.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from tokenmill.distributed import tp_size
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+def _layer_window(config, layer_idx: int) -> Optional[int]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        tp = tp_size()
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(config.num_key_value_heads // tp, 1)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+        self.window = _layer_window(config, layer_idx)
+        self.layer_idx = layer_idx
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        hd = self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.num_attention_heads * hd, config.num_key_value_heads * hd, config.num_key_value_heads * hd],
+            bias=qkv_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2",
+                                        dtype=dtype)
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(meta.positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.o_proj(o.reshape(T, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype, backend, rotary) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, dtype, backend, rotary)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, meta, kv_cache):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        if tp_size() > 1:
+            raise NotImplementedError("tensor parallelism is not wired into the model yet")
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, backend, rotary)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, meta, kv)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+
+    # -- weights ----------------------------------------------------------------------------
+    # HF checkpoint name -> (our parameter prefix, shard index within a merged linear)
+    _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name.startswith("model."):
+                name = name[len("model."):]
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in self._MERGED:
+                merged, shard = self._MERGED[parts[-2]]
+                parts[-2] = merged
+            target = ".".join(parts)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            module = self.get_submodule(".".join(parts[:-1]))
+            if hasattr(module, "load_shard"):
+                module.load_shard(param, tensor, shard or 0)
+            else:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(target)
+        return loaded
+
+
+MistralForCausalLM = Qwen2ForCausalLM = Qwen3ForCausalLM = LlamaForCausalLM

@@ -1,0 +1,61 @@
+"""Build a model from a local Hugging Face directory (config.json + one or many *.safetensors)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.models.registry import get_model_class
+
+logger = logging.getLogger("tokenmill")
+
+
+def weight_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"corrupt weight index {index}: {e}") from None
+        files = [os.path.join(model_dir, n) for n in names]
+        for f in files:
+            if not os.path.isfile(f):
+                raise ValueError(f"missing weight file {f} (listed in {index})")
+        return files
+    files = sorted(os.path.join(model_dir, n) for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weight files in {model_dir}")
+    return files
+
+
+def iter_weights(files: list[str]):
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ValueError(f"corrupt weight file {path}: {str(e).splitlines()[0]}") from None
+
+
+def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int):
+    t0 = time.perf_counter()
+    cls = get_model_class(config)
+    with torch.device(device):
+        model = cls(config, dtype, backend, max_positions)
+    loaded = model.load_weights(iter_weights(weight_files(model_dir)))
+    expected = {n for n, _ in model.named_parameters()}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}")
+    model.eval()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("loaded %s (%s, %.1f MB of weights) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
+                nbytes / 1e6, time.perf_counter() - t0)
+    return model

@@ -1,0 +1,24 @@
+"""Architecture name (config.json "architectures") -> model class."""
+from __future__ import annotations
+
+from tokenmill.models import llama
+
+_REGISTRY = {
+    "LlamaForCausalLM": llama.LlamaForCausalLM,
+    "MistralForCausalLM": llama.LlamaForCausalLM,
+    "Qwen2ForCausalLM": llama.LlamaForCausalLM,
+    "Qwen3ForCausalLM": llama.LlamaForCausalLM,
+}
+
+
+def get_model_class(config):
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            return _REGISTRY[arch]
+    raise ValueError(f"unsupported architecture {', '.join(archs) or '(none in config.json)'}; "
+                     f"supported: {', '.join(sorted(_REGISTRY))}")
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)

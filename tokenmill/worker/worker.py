@@ -1,0 +1,64 @@
+"""A worker owns one device: the model, its KV cache tensors, and the model runner."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.layers.attention.base import get_attention_backend
+from tokenmill.models.loader import load_model
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("tokenmill")
+
+DEFAULT_CPU_KV_BYTES = 4 * 2**30
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        torch.manual_seed(mc.seed)
+        self.device = config.device
+        self.backend = get_attention_backend(self.device)
+        self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
+                                max_positions=mc.max_model_len)
+        self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
+                                  mc.hf_config.vocab_size, mc.seed)
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        attn = self.model.layers[0].self_attn
+        return (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
+
+    def bytes_per_block(self) -> int:
+        shape = self.kv_shape(1)
+        per_layer = torch.Size(shape).numel() * torch.tensor([], dtype=self.config.model.torch_dtype).element_size()
+        return per_layer * len(self.model.layers)
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            budget = total * cc.gpu_memory_utilization - (total - free)
+            budget -= 2 * 2**30 if cc.kv_cache_memory_bytes is None else 0  # activation headroom
+            if cc.kv_cache_memory_bytes is not None:
+                budget = cc.kv_cache_memory_bytes
+        else:
+            budget = cc.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        num = int(budget // self.bytes_per_block())
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget / 2**30:.2f} GiB holds no block "
+                             f"({self.bytes_per_block()} bytes each); raise --kv-cache-memory-bytes")
+        return num
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        shape = self.kv_shape(num_blocks)
+        dtype = self.config.model.torch_dtype
+        self.runner.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
+                                 for _ in range(len(self.model.layers))]
+
+    def execute_model(self, scheduler_output):
+        return self.runner.execute(scheduler_output)
