@@ -1,0 +1,109 @@
+"""`tokenmill serve | generate` (bench, plan, ... arrive with their issues)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.core import EngineCore
+    from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
+    from tokenmill.engine.output_processor import OutputProcessor, RequestState
+    from tokenmill.sampling_params import SamplingParams
+
+    config = EngineConfig.from_cli_args(args)
+    config.finalize(install_default=args.install_default_model)
+    engine = EngineCore(config)
+    tok = load_tokenizer(config)
+    sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed_sample, ignore_eos=args.ignore_eos)
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    else:
+        ids = tok(args.prompt).input_ids
+    proc = OutputProcessor(tok)
+    proc.add_request(RequestState("0", args.prompt, ids, sp, tok, delta=True), ["0"])
+    for r in fan_out("0", ids, sp, eos_token_id(config, tok), config.cache.enable_prefix_caching):
+        engine.add_request(r)
+    first = None
+    n_tokens = 0
+    while engine.has_unfinished_requests():
+        outs, to_abort = proc.process(engine.step())
+        engine.abort_requests(to_abort)
+        for ro in outs:
+            for c in ro.outputs:
+                if first is None and c.token_ids:
+                    first = time.perf_counter()
+                n_tokens += len(c.token_ids)
+                sys.stdout.write(c.text)
+                sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    if first is not None:
+        decode = (n_tokens - 1) / (end - first) if n_tokens > 1 and end > first else 0.0
+        print(f"[{n_tokens} tokens; start to first token {first - t0:.2f}s; decode {decode:.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenmill.serve.api_server import run_server
+
+    return run_server(args) or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenmill.config import EngineConfig
+
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
+    EngineConfig.add_cli_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--install-default-model", action="store_true",
+                     help="pip-install the built-in default model if it is missing")
+    gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    EngineConfig.add_cli_args(srv)
+    try:
+        from tokenmill.serve.api_server import add_serve_args
+    except ImportError:
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(srv)
+    srv.set_defaults(func=_serve)
+
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
