@@ -32,6 +32,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_prompt_tokens: int
     output_token_ids: list[int]   # for penalties (only filled when a penalty is set)
+    eos_token_id: Optional[int] = None
     prompt_token_ids: Optional[list[int]] = None  # for repetition penalty / prompt logprobs
     prompt_logprobs_from: int = 0  # prompt positions before this were already reported (preemption)
 
@@ -163,6 +164,7 @@ class Scheduler:
                 sampling_params=sp,
                 num_prompt_tokens=req.num_prompt_tokens,
                 output_token_ids=req.output_token_ids if needs_history else [],
+                eos_token_id=req.eos_token_id,
                 prompt_token_ids=req.prompt_token_ids if (needs_history or sp.prompt_logprobs is not None) else None,
                 prompt_logprobs_from=req.num_prompt_logprobs_done,
             ))

@@ -39,7 +39,7 @@ def iter_weights(files: list[str]):
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
             raise ValueError(f"corrupt weight file {path}: {str(e).splitlines()[0]}") from None
 
 
