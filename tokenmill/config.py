@@ -107,7 +107,8 @@ class ModelConfig:
             self.hf_config = AutoConfig.from_pretrained(self.model_dir)
         except Exception as e:  # noqa: BLE001 - surface a one-line reason
             raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
-        cfg_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        cfg = self.hf_config
+        cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
         self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device)
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:

@@ -8,6 +8,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.models.loader import load_model
+from tokenmill.structured import StructuredOutputManager
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -26,6 +27,8 @@ class Worker:
                                 max_positions=mc.max_model_len)
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
                                   mc.hf_config.vocab_size, mc.seed)
+        if mc.tokenizer is not None:
+            self.runner.structured = StructuredOutputManager(mc.tokenizer, mc.hf_config.vocab_size)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         attn = self.model.layers[0].self_attn
@@ -57,8 +60,12 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         shape = self.kv_shape(num_blocks)
         dtype = self.config.model.torch_dtype
-        self.runner.kv_caches = [torch.zeros(shape, dtype=dtype, device=self.device)
-                                 for _ in range(len(self.model.layers))]
+        # Never-written slots are read (masked) by attention, so they must hold finite values. On CPU a large
+        # torch.empty is a fresh anonymous mmap, which the kernel hands out zeroed page by page as it is first
+        # touched; torch.zeros would instead touch all 4 GiB up front (seconds of start-up).
+        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
+        self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
 
     def execute_model(self, scheduler_output):
         return self.runner.execute(scheduler_output)
