@@ -8,6 +8,38 @@ import msgspec
 _GREEDY_EPS = 1e-5
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """Constrain generation to a grammar (vLLM's names). Exactly one field is set; `json` is a JSON schema
+    as a string. Enforced by tokenmill/structured/ through a token bitmask in the sampler."""
+    json: Optional[str] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None  # EBNF (GBNF dialect)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {kinds or 'none'}.")
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs choice must list at least one string.")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what a compiled grammar is cached by."""
+        if self.json is not None:
+            return "json", self.json
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", msgspec.json.encode(self.choice).decode()
+        return "grammar", self.grammar
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -30,6 +62,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,6 +1,7 @@
 """Batched sampling: one set of tensor ops for the whole batch, whatever mix of settings it holds.
 
-Order (as vLLM): raw log-softmax for reported logprobs -> logit bias, min_tokens ban, penalties ->
+Order (as vLLM): raw log-softmax for reported logprobs -> logit bias, min_tokens ban, penalties,
+structured-output token bitmask ->
 greedy argmax | temperature, top-k, top-p, min-p, then an exponential race (argmax p/q, q ~ Exp(1)),
 which equals sampling from p. Seeded requests draw their q from their own generator, so their samples
 do not depend on what else is in the batch.
@@ -31,6 +32,8 @@ class SamplingMetadata:
     logit_bias: list[tuple[int, list[int], list[float]]] = field(default_factory=list)
     generators: dict[int, torch.Generator] = field(default_factory=dict)       # row -> seeded generator
     max_num_logprobs: int = -1                # -1: no row wants logprobs
+    # Structured output: [B, ceil(V/32)] int32, bit j of word w allows token 32*w + j (all ones: free row).
+    token_bitmask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -85,6 +88,13 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    B, V = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).view(B, -1)[:, :V].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
     """logits: [B, V] float32."""
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs >= 0 else None
@@ -97,6 +107,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch
             logits[row, ids] = float("-inf")
     if md.output_tokens is not None:
         logits = apply_penalties(logits, md)
+    if md.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, md.token_bitmask)
 
     greedy_tokens = logits.argmax(-1)
     if md.all_greedy:

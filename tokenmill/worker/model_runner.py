@@ -34,6 +34,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
+        self.structured = None  # StructuredOutputManager, set by the worker
 
     # -- inputs -----------------------------------------------------------------------------
     def _build_attention(self, reqs: list[ScheduledRequest]):
@@ -100,6 +101,8 @@ class ModelRunner:
                 ids = [int(t) for t in sp.logit_bias]
                 md.logit_bias.append((row, ids, [float(v) for v in sp.logit_bias.values()]))
         md.max_num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
+        if self.structured is not None:
+            md.token_bitmask = self.structured.bitmask(reqs)
         return md
 
     def _pad(self, seqs: list[list[int]]) -> torch.Tensor:
@@ -114,6 +117,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.request_generators.pop(rid, None)
+            if self.structured is not None:
+                self.structured.free(rid)
         out = ModelRunnerOutput()
         reqs = so.scheduled
         if not reqs:
@@ -126,8 +131,11 @@ class ModelRunner:
             rows = [int(qsl[i + 1]) - 1 for i in sampling]
             logits = self.model.compute_logits(hidden[rows])
             sreqs = [reqs[i] for i in sampling]
-            result = sample(logits, self._sampling_metadata(sreqs), self.generator)
+            md = self._sampling_metadata(sreqs)
+            result = sample(logits, md, self.generator)
             tokens = result.token_ids.tolist()
+            if md.token_bitmask is not None:
+                self.structured.accept(sreqs, tokens)
             for r, t in zip(sreqs, tokens):
                 out.sampled[r.request_id] = t
             if result.logprobs is not None:
