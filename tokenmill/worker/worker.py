@@ -32,7 +32,7 @@ class Worker:
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         attn = self.model.layers[0].self_attn
-        return (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
+        return (2, attn.num_kv_heads, num_blocks, self.config.cache.block_size, attn.head_dim)
 
     def bytes_per_block(self) -> int:
         shape = self.kv_shape(1)

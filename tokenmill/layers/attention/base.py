@@ -1,6 +1,7 @@
 """The attention backend interface: attention over one flat batch and the paged KV cache.
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (k at 0, v at 1).
+KV cache layout per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (k at 0, v at 1). Heads
+outermost, so gathering a batch's blocks yields [heads, batch, context, head_dim] with no transpose copy.
 The token at position p of a request lives in slot block_ids[p // block_size] * block_size + p % block_size.
 Every backend first writes the step's new k/v into their slots for all requests, then attends: a request
 may read blocks another request of the same step is writing (shared prefix), which is why writes come first.

@@ -3,7 +3,8 @@
 Decodes (query length 1) of all requests run as one batched SDPA over their gathered KV, with the query
 heads grouped by KV head so GQA needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
 starting at position 0 attends to its own fresh k/v (causal), a later chunk gathers its context from the
-cache with an offset causal mask.
+cache with an offset causal mask. Inputs are always 4-D: torch's fused CPU kernel takes only 4-D tensors
+(3-D ones fall back to the unfused math path, ~10x slower).
 """
 from __future__ import annotations
 
@@ -16,41 +17,41 @@ from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
 class _StepPlan:
-    """Index tensors and masks for one step, shared by all layers (built on first use per window)."""
+    """Index tensors and masks for one step, shared by all layers (built on first use per window/group)."""
 
-    def __init__(self, meta: AttentionMetadata, window: Optional[int]) -> None:
+    def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int) -> None:
         bs = meta.block_size
-        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1]
-        self.prefills = [i for i in range(meta.num_reqs) if meta.query_len(i) > 1]
         dev = meta.slot_mapping.device
-        self.dec_tokens = torch.tensor([meta.query_start_loc[i] for i in dec], dtype=torch.long, device=dev)
-        self.dec_all = len(dec) == meta.num_reqs and len(dec) == int(meta.slot_mapping.numel())
+        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1]
         self.num_dec = len(dec)
+        self.dec_all = len(dec) == meta.num_reqs
+        self.dec_tokens = torch.tensor([meta.query_start_loc[i] for i in dec], dtype=torch.long, device=dev)
         if dec:
             lens = torch.tensor([meta.seq_lens[i] for i in dec], device=dev)
-            max_len = int(lens.max())
-            nb = -(-max_len // bs)
-            self.dec_blocks = meta.block_table[dec, :nb]                                 # [Bd, nb]
+            nb = -(-int(lens.max()) // bs)
+            self.dec_blocks = meta.block_table[dec, :nb].reshape(-1)                      # [Bd*nb]
             key_pos = torch.arange(nb * bs, device=dev)
             mask = key_pos[None, :] < lens[:, None]
             if window is not None:
                 mask &= key_pos[None, :] > (lens[:, None] - 1 - window)
-            self.dec_mask = mask[:, None, None, :]                                       # [Bd,1,1,L]
-        self.prefill_plans = []
-        for i in self.prefills:
-            q0, q1 = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            seq_len = meta.seq_lens[i]
-            start = seq_len - (q1 - q0)
-            if start == 0 and window is None:
-                self.prefill_plans.append((q0, q1, None, None))
+            self.dec_mask = mask[None, :, None, :]                                       # [1,Bd,1,L]
+        self.prefills = []  # (q0, q1, context blocks or None, mask [G*n, s] or None)
+        for i in range(meta.num_reqs):
+            n = meta.query_len(i)
+            if n == 1:
                 continue
-            blocks = meta.block_table[i, : -(-seq_len // bs)]
+            q0, seq_len = meta.query_start_loc[i], meta.seq_lens[i]
+            start = seq_len - n
+            if start == 0 and window is None:
+                self.prefills.append((q0, q0 + n, None, None))
+                continue
+            blocks = meta.block_table[i, : -(-seq_len // bs)] if start > 0 else None
             qpos = torch.arange(start, seq_len, device=dev)[:, None]
             kpos = torch.arange(seq_len, device=dev)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            self.prefill_plans.append((q0, q1, blocks if start > 0 else None, mask))
+            self.prefills.append((q0, q0 + n, blocks, mask.repeat(group, 1)))
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -59,36 +60,44 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int]):
         T, Hq, D = q.shape
         Hkv = k.shape[1]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+        G = Hq // Hkv
+        k_cache, v_cache = kv_cache[0], kv_cache[1]                                      # [Hkv, N, bs, D]
+        k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-        plan = meta.cache.get(("sdpa", window))
+        plan = meta.cache.get(("sdpa", window, G))
         if plan is None:
-            plan = meta.cache[("sdpa", window)] = _StepPlan(meta, window)
-        out = torch.empty_like(q) if not plan.dec_all else None
+            plan = meta.cache[("sdpa", window, G)] = _StepPlan(meta, window, G)
+        out = None if plan.dec_all else torch.empty_like(q)
 
         if plan.num_dec:
-            G = Hq // Hkv
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
-            qd = qd.view(-1, Hkv, G, D)                                                  # [Bd,Hkv,G,D]
             Bd = qd.shape[0]
-            kd = k_cache[plan.dec_blocks].view(Bd, -1, Hkv, D).transpose(1, 2)          # [Bd,Hkv,L,D]
-            vd = v_cache[plan.dec_blocks].view(Bd, -1, Hkv, D).transpose(1, 2)
+            qd = qd.view(Bd, Hkv, G, D).transpose(0, 1)                                 # [Hkv,Bd,G,D]
+            kd = k_cache.index_select(1, plan.dec_blocks).view(Hkv, Bd, -1, D)          # [Hkv,Bd,L,D]
+            vd = v_cache.index_select(1, plan.dec_blocks).view(Hkv, Bd, -1, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
-            od = od.reshape(Bd, Hq, D)
+            od = od.transpose(0, 1).reshape(Bd, Hq, D)
             if plan.dec_all:
                 return od
             out.index_copy_(0, plan.dec_tokens, od)
 
-        for q0, q1, blocks, mask in plan.prefill_plans:
-            qp = q[q0:q1].transpose(0, 1)                                                 # [Hq,n,D]
+        for q0, q1, blocks, mask in plan.prefills:
+            n = q1 - q0
+            if mask is None:  # whole causal prompt in this chunk: fused causal kernel on fresh k/v
+                op = F.scaled_dot_product_attention(
+                    q[q0:q1].transpose(0, 1)[None], k[q0:q1].transpose(0, 1)[None], v[q0:q1].transpose(0, 1)[None],
+                    is_causal=True, scale=scale, enable_gqa=G > 1)[0]                  # [Hq,n,D]
+                out[q0:q1] = op.transpose(0, 1)
+                continue
             if blocks is None:
-                kp, vp = k[q0:q1].transpose(0, 1), v[q0:q1].transpose(0, 1)
+                kp, vp = k[q0:q1].transpose(0, 1), v[q0:q1].transpose(0, 1)              # [Hkv,s,D]
             else:
-                kp = k_cache[blocks].view(-1, Hkv, D)[: mask.shape[1]].transpose(0, 1)
-                vp = v_cache[blocks].view(-1, Hkv, D)[: mask.shape[1]].transpose(0, 1)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=mask is None,
-                                                scale=scale, enable_gqa=Hq != Hkv)
-            out[q0:q1] = op.transpose(0, 1)
+                s = mask.shape[1]
+                kp = k_cache.index_select(1, blocks).view(Hkv, -1, D)[:, :s]
+                vp = v_cache.index_select(1, blocks).view(Hkv, -1, D)[:, :s]
+            # Query heads grouped under their KV head: [1, Hkv, G*n, D] against [1, Hkv, s, D].
+            qg = q[q0:q1].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * n, D)
+            op = F.scaled_dot_product_attention(qg, kp[None], vp[None], attn_mask=mask, scale=scale)
+            out[q0:q1] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
         return out
