@@ -31,6 +31,18 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
+# xgrammar (0.2.x) writes a string with maxLength as single characters from [^"\\\r\n]: that admits raw
+# control characters (a tab), which JSON forbids. Rewrite that class to JSON's unescaped character set.
+_LOOSE_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema_ebnf(schema: str) -> str:
+    """The JSON schema as EBNF: compact (no free whitespace between tokens, so a model cannot pad its
+    output with endless newlines; every valid document is still reachable), strings strictly JSON."""
+    return str(_xgr().Grammar.from_json_schema(schema, any_whitespace=False)).replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
 def validate(so: StructuredOutputsParams) -> None:
     """Raise ValueError (naming the problem) for a grammar xgrammar cannot build. Needs no tokenizer,
     so it is cheap enough for the API process; the engine compiles against the vocabulary later."""
@@ -38,7 +50,7 @@ def validate(so: StructuredOutputsParams) -> None:
     kind, spec = so.key
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+            xgr.Grammar.from_ebnf(_json_schema_ebnf(spec))
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "choice":
@@ -74,12 +86,10 @@ class StructuredOutputManager:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         t0 = time.perf_counter()
         kind, spec = key
-        # Compact JSON (no free whitespace between tokens): a model cannot pad its output with endless
-        # newlines, and every valid document is still reachable.
         if kind == "json":
-            compiled = self._compiler.compile_json_schema(spec, any_whitespace=False)
+            compiled = self._compiler.compile_grammar(_json_schema_ebnf(spec))
         elif kind == "json_object":  # OpenAI's JSON mode: any JSON object
-            compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            compiled = self._compiler.compile_grammar(_json_schema_ebnf('{"type": "object"}'))
         elif kind == "regex":
             compiled = self._compiler.compile_regex(spec)
         elif kind == "choice":

@@ -1,0 +1,407 @@
+"""AsyncLLM: the API process's side of the engine. Starts the engine core in its own process
+(engine/core_proc.py), sends it requests over ZMQ, and runs one asyncio output loop that detokenizes
+what comes back (OutputProcessor) and routes the deltas to a per-request asyncio queue.
+
+Nothing here blocks the event loop on the engine: sends are fire-and-forget ZMQ messages and the output
+loop awaits its socket. If the engine process dies, every open request fails at once with
+EngineDeadError and new ones are refused.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import AsyncIterator, Optional, Union
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.core import EngineStats
+from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
+from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
+from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@contextlib.contextmanager
+def _engine_env():
+    """Environment the engine process starts with. OpenMP threads that spin at barriers stall ~10x
+    whenever another process (this one, serving HTTP) takes a core from them; passive waiting costs
+    little when the engine has the machine to itself. A user's own setting wins."""
+    added = {k: v for k, v in {"OMP_WAIT_POLICY": "PASSIVE"}.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; the server cannot generate until it is restarted."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused a request (it would never fit); the message says why."""
+
+
+@dataclass
+class RequestStream:
+    """One user request in flight: its outputs queue and the timings the metrics need."""
+    request_id: str
+    queue: asyncio.Queue
+    engine_ids: list[str]
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    arrival_wall: float = field(default_factory=time.time)
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    num_generation_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)  # of samples finished so far (n > 1)
+    finished: bool = False
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO) -> None:
+        """Starts the engine process at once; `tokenizer` None loads the model's own while the engine
+        process starts up (the two overlap)."""
+        self.config = config
+        self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
+        self.streams: dict[str, RequestStream] = {}
+        self.engine_to_user: dict[str, str] = {}
+        self.unscheduled: set[str] = set()  # engine ids sent but not yet run: the waiting queue as we know it
+        self.stats: Optional[EngineStats] = None
+        self.ready: Optional[EngineReady] = None
+        self.dead: Optional[str] = None
+        self._shutting_down = False
+        self._closed = False
+        self._output_task: Optional[asyncio.Task] = None
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._encoder = msgspec.msgpack.Encoder()
+
+        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
+        in_addr, out_addr = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
+        self._ctx = zmq.asyncio.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.bind(in_addr)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(target=run_engine_core, name="tokenmill-engine",
+                               args=(config, in_addr, out_addr, os.getpid(), log_level))
+        with _engine_env():
+            self.proc.start()
+        logger.info("engine core process started (pid %d)", self.proc.pid)
+        try:
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+            if self.tokenizer is None:
+                raise ValueError("the server needs a tokenizer (detokenization happens in the API process)")
+        except BaseException:
+            self.shutdown_sync(timeout=2)
+            raise
+        self.eos_token_id = eos_token_id(config, self.tokenizer)
+        self.processor = OutputProcessor(self.tokenizer)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self, timeout: float = 600.0) -> None:
+        """Wait for the engine to load its model, then start the output loop."""
+        loop = asyncio.get_running_loop()
+        died = loop.create_future()
+        loop.add_reader(self.proc.sentinel, lambda: died.done() or died.set_result(None))
+        recv = asyncio.ensure_future(self._out.recv())
+        done, _ = await asyncio.wait([recv, died], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if recv in done:
+            msg = self._decoder.decode(recv.result())
+            if msg.ready is None:
+                loop.remove_reader(self.proc.sentinel)
+                raise RuntimeError(f"engine core failed to start: {msg.fatal}")
+            self.ready = msg.ready
+        else:
+            recv.cancel()
+            loop.remove_reader(self.proc.sentinel)
+            if died.done():
+                self.proc.join(1)
+                raise RuntimeError(f"engine core process exited during startup (exit code {self.proc.exitcode}); "
+                                   "see the log above")
+            raise RuntimeError(f"engine core did not become ready within {timeout:.0f}s")
+        loop.remove_reader(self.proc.sentinel)
+        loop.add_reader(self.proc.sentinel, self._on_engine_exit)
+        self._fit = SimpleNamespace(max_model_len=self.ready.max_model_len, block_size=self.ready.block_size,
+                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks))
+        self._output_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
+        logger.info("engine ready: %d KV blocks of %d tokens", self.ready.num_blocks, self.ready.block_size)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        loop = asyncio.get_running_loop()
+        try:
+            loop.remove_reader(self.proc.sentinel)
+        except (ValueError, OSError):
+            pass
+        if self.proc.is_alive():
+            try:
+                await asyncio.wait_for(self._in.send_multipart([SHUTDOWN]), 1.0)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
+            await loop.run_in_executor(None, self.proc.join, timeout)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._close()
+
+    def shutdown_sync(self, timeout: float = 10.0) -> None:
+        """For use without an event loop (startup failures, atexit); a no-op after shutdown()."""
+        if self._closed:
+            return
+        self._shutting_down = True
+        if self.proc.is_alive():
+            try:
+                sock = zmq.Context.instance().socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(f"ipc://{self._ipc_dir}/input")
+                sock.send_multipart([SHUTDOWN])
+                sock.close()
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout)
+        self._close()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.is_alive():
+            logger.warning("engine core did not exit; killing it")
+            self.proc.kill()
+            self.proc.join(5)
+        self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _on_engine_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.proc.sentinel)
+        if self._shutting_down:
+            return
+        # Give the output loop a moment to read the engine's own last words (a fatal error message).
+        loop.call_later(0.2, self._mark_dead_exited)
+
+    def _mark_dead_exited(self) -> None:
+        if self.dead is None and not self._shutting_down:
+            self.proc.join(0.5)
+            self._mark_dead(f"the engine process exited unexpectedly (exit code {self.proc.exitcode})")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        logger.error("engine is dead: %s; failing %d open request(s). Restart the server.",
+                     reason, len(self.streams))
+        self._fail_all(EngineDeadError(f"{reason}; restart the server"))
+        if self._output_task is not None and self._output_task is not asyncio.current_task():
+            self._output_task.cancel()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for s in list(self.streams.values()):
+            s.queue.put_nowait(exc)
+        self.streams.clear()
+        self.engine_to_user.clear()
+        self.unscheduled.clear()
+
+    # -- requests ------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.unscheduled)
+
+    def check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"{self.dead}; restart the server")
+        if self._shutting_down:
+            raise EngineDeadError("the server is shutting down")
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The checks EngineCore.add_request makes, run here too so that a bad request is refused before
+        anything streams. (The engine still checks, and reports a rejection if it disagrees.)"""
+        vocab = self.ready.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary of {vocab}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocabulary of {vocab}")
+        Scheduler.check_fits(self._fit, len(prompt_ids), params)
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                    queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None) -> RequestStream:
+        """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned stream's
+        queue, which several requests may share. Raises ValueError for an invalid request."""
+        self.check_alive()
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
+                       cache_salt, time.time())
+        ids = [r.request_id for r in reqs]
+        stream = RequestStream(request_id, queue if queue is not None else asyncio.Queue(), ids, len(prompt_ids))
+        self.processor.add_request(RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True),
+                                   ids)
+        self.streams[request_id] = stream
+        for eid in ids:
+            self.engine_to_user[eid] = request_id
+        self.unscheduled.update(ids)
+        self._in.send_multipart([ADD, self._encoder.encode(reqs)])
+        return stream
+
+    async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Yields merged deltas until the request finishes; aborts it if the consumer stops early."""
+        stream = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt)
+        try:
+            while True:
+                for out in await next_outputs(stream.queue):
+                    yield out
+                    if out.finished:
+                        return
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (client gone); its KV blocks return to the pool at the engine's next step."""
+        stream = self.streams.pop(request_id, None)
+        if stream is None or stream.finished:
+            return
+        stream.finished = True
+        ids = self.processor.abort(request_id)
+        for eid in stream.engine_ids:
+            self.engine_to_user.pop(eid, None)
+            self.unscheduled.discard(eid)
+        if self.stat_logger is not None:
+            self.stat_logger.on_finished(["abort"], time.monotonic() - stream.arrival, stream.num_prompt_tokens,
+                                         stream.num_generation_tokens)
+        if ids and self.dead is None and not self._shutting_down:
+            self._in.send_multipart([ABORT, self._encoder.encode(ids)])
+
+    # -- output loop ---------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                msg = self._decoder.decode(await self._out.recv())
+                if msg.fatal is not None:
+                    self._mark_dead(f"the engine failed: {msg.fatal}")
+                    return
+                self._handle(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+            logger.exception("output loop failed")
+            self._mark_dead(f"the API process's output loop failed: {type(e).__name__}: {e}")
+
+    def _handle(self, msg: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        sl = self.stat_logger
+        for eid, reason in msg.rejected:
+            rid = self.engine_to_user.get(eid)
+            stream = self.streams.get(rid) if rid is not None else None
+            if stream is not None:
+                self.abort(rid)
+                stream.queue.put_nowait(RequestRejectedError(reason))
+        for eid, t in msg.scheduled:
+            self.unscheduled.discard(eid)
+            rid = self.engine_to_user.get(eid)
+            if sl is not None and rid is not None:
+                sl.on_scheduled(max(t - self.streams[rid].arrival_wall, 0.0))
+        outputs, to_abort = self.processor.process(msg.outputs)
+        if to_abort:  # stop strings matched: the engine must free those requests
+            self._in.send_multipart([ABORT, self._encoder.encode(to_abort)])
+        for ro in outputs:
+            stream = self.streams.get(ro.request_id)
+            if stream is None:
+                continue
+            n_new = sum(len(c.token_ids) for c in ro.outputs)
+            if n_new:
+                if stream.first_token is None:
+                    stream.first_token = now
+                    if sl is not None:
+                        sl.on_first_token(now - stream.arrival)
+                elif sl is not None:
+                    sl.on_inter_token(now - stream.last_token)
+                stream.last_token = now
+                stream.num_generation_tokens += n_new
+                if sl is not None:
+                    sl.on_generation_tokens(n_new)
+            if ro.finished:
+                stream.finished = True
+                del self.streams[ro.request_id]
+                for eid in stream.engine_ids:
+                    self.engine_to_user.pop(eid, None)
+                    self.unscheduled.discard(eid)
+                if sl is not None:
+                    sl.on_finished(stream.finish_reasons + [c.finish_reason for c in ro.outputs if c.finish_reason],
+                                   now - stream.arrival, stream.num_prompt_tokens, stream.num_generation_tokens)
+            elif sl is not None:
+                stream.finish_reasons += [c.finish_reason for c in ro.outputs if c.finish_reason]
+            stream.queue.put_nowait(ro)
+        if msg.stats is not None:
+            self.stats = msg.stats
+            if sl is not None:
+                sl.on_engine_stats(msg.stats)
+
+
+async def next_outputs(queue: asyncio.Queue) -> list[RequestOutput]:
+    """Wait for the next output, then take everything else already queued, merging consecutive deltas of
+    each request: a slow consumer gets fewer, larger deltas instead of falling behind. Raises what
+    the engine side put on the queue (EngineDeadError, RequestRejectedError)."""
+    item: Union[RequestOutput, Exception] = await queue.get()
+    items = [item]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    merged: dict[str, RequestOutput] = {}
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+        prev = merged.get(item.request_id)
+        if prev is None:
+            merged[item.request_id] = item
+        else:
+            merge_outputs(prev, item)
+    return list(merged.values())
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Fold delta b into delta a (same request)."""
+    by_index = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = c
+            continue
+        prev.text += c.text
+        prev.token_ids = prev.token_ids + c.token_ids
+        if c.logprobs is not None:
+            prev.logprobs = (prev.logprobs or []) + c.logprobs
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    a.outputs = sorted(by_index.values(), key=lambda c: c.index)
+    a.finished = b.finished
+    a.num_cached_tokens = b.num_cached_tokens
+    if a.prompt_logprobs is None:
+        a.prompt_logprobs = b.prompt_logprobs
+    return a

@@ -1,0 +1,165 @@
+"""The engine core in its own process: a loop around EngineCore.step() fed over ZMQ.
+
+Input (API -> engine, PUSH/PULL): multipart frames [kind, msgpack payload]; kinds ADD (list of
+EngineCoreRequest), ABORT (list of engine request ids), SHUTDOWN.
+Output (engine -> API, PUSH/PULL): one msgpack-encoded `EngineCoreOutputs` per step, carrying the step's
+outputs, the engine stats after it, which requests were scheduled for the first time, and rejections.
+
+When nothing is running the loop blocks on its input socket (no spinning: the API process needs the
+cores), waking once a second only to notice a dead parent.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Optional
+
+import msgspec
+
+from tokenmill.engine.core import EngineStats
+from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest
+
+logger = logging.getLogger("tokenmill")
+
+ADD, ABORT, SHUTDOWN = b"A", b"X", b"S"
+_IDLE_POLL_MS = 1000
+
+
+class EngineReady(msgspec.Struct, array_like=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    pid: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: Optional[EngineStats] = None
+    timestamp: float = 0.0
+    scheduled: list[tuple[str, float]] = []   # (engine request id, wall time it was first scheduled)
+    rejected: list[tuple[str, str]] = []      # (engine request id, why add_request refused it)
+    ready: Optional[EngineReady] = None       # first message only
+    fatal: Optional[str] = None               # the engine is about to exit
+
+
+def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    # The API process owns shutdown (SIGTERM drain, Ctrl-C): the engine keeps serving until told to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s",
+                        datefmt="%H:%M:%S")
+    import zmq
+
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        from tokenmill.engine.core import EngineCore
+
+        engine = EngineCore(config)
+        out.send(encoder.encode(EngineCoreOutputs(ready=EngineReady(
+            engine.scheduler.kv.num_blocks, config.cache.block_size, config.model.max_model_len,
+            engine.vocab_size, os.getpid()))))
+        _EngineLoop(engine, inp, out, encoder, parent_pid).run()
+    except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
+        logger.error("engine core failed:\n%s", traceback.format_exc())
+        try:
+            out.send(encoder.encode(EngineCoreOutputs(fatal=f"{type(e).__name__}: {e}")))
+        except zmq.ZMQError:
+            pass
+        code = 1
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+    sys.exit(code)
+
+
+class _EngineLoop:
+    def __init__(self, engine, inp, out, encoder, parent_pid: int) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.engine = engine
+        self.inp, self.out, self.encoder = inp, out, encoder
+        self.parent_pid = parent_pid
+        self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
+        self.ids_decoder = msgspec.msgpack.Decoder(list[str])
+        self.seen: set[str] = set()       # requests already reported as scheduled
+        self.rejected: list[tuple[str, str]] = []
+        self.stopping = False
+        self.stats_sent: Optional[EngineStats] = None
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            if os.getppid() != self.parent_pid:
+                logger.warning("API process is gone; engine exiting")
+                return
+            if not engine.has_unfinished_requests():
+                stats = engine.stats()
+                if stats != self.stats_sent or self.rejected:  # tell the API we are idle now
+                    self._send([], stats, [])
+                if not self.inp.poll(_IDLE_POLL_MS):
+                    continue
+            self._drain_input()
+            if self.stopping:
+                return
+            if engine.has_unfinished_requests():
+                t = time.time()
+                outputs = engine.step()
+                self._send(outputs, engine.stats(), self._newly_scheduled(outputs, t))
+            elif self.rejected:
+                self._send([], engine.stats(), [])
+
+    def _drain_input(self) -> None:
+        zmq = self.zmq
+        while True:
+            try:
+                frames = self.inp.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = frames[0]
+            if kind == ADD:
+                for req in self.add_decoder.decode(frames[1]):
+                    try:
+                        self.engine.add_request(req)
+                    except ValueError as e:
+                        self.rejected.append((req.request_id, str(e)))
+            elif kind == ABORT:
+                ids = self.ids_decoder.decode(frames[1])
+                self.engine.abort_requests(ids)
+            elif kind == SHUTDOWN:
+                self.stopping = True
+                return
+
+    def _newly_scheduled(self, outputs: list[EngineCoreOutput], step_start: float) -> list[tuple[str, float]]:
+        """Requests that ran for the first time in this step (queue-time metric). A request either is
+        still running after the step or reported an output in it."""
+        new = []
+        for r in self.engine.scheduler.running:
+            if r.request_id not in self.seen:
+                self.seen.add(r.request_id)
+                new.append((r.request_id, step_start))
+        for o in outputs:
+            if o.finish_reason is not None:
+                if o.request_id not in self.seen and o.new_token_ids:
+                    new.append((o.request_id, step_start))
+                self.seen.discard(o.request_id)
+        return new
+
+    def _send(self, outputs, stats: EngineStats, scheduled) -> None:
+        rejected, self.rejected = self.rejected, []
+        self.out.send(self.encoder.encode(EngineCoreOutputs(outputs, stats, time.time(), scheduled, rejected)))
+        self.stats_sent = stats

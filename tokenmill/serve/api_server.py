@@ -1,0 +1,302 @@
+"""`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+The API process does HTTP, chat templates, tokenization and detokenization; the engine core runs in its
+own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize, /health, /version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
+finish for up to --shutdown-timeout seconds (then aborts them), stops the engine and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+import tokenmill
+from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger("tokenmill")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 + Retry-After while this many requests wait for the engine (default: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template (a file path or the template itself) overriding the tokenizer's")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own logging ('info' logs every request)")
+    g.add_argument("--engine-start-timeout", type=float, default=900.0,
+                   help="seconds to wait for the engine process to load the model")
+    g.add_argument("--install-default-model", action="store_true",
+                   help="pip-install the built-in default model if it is missing")
+
+
+@dataclass
+class ServerState:
+    args: argparse.Namespace
+    config: Any
+    engine: Any                     # AsyncLLM
+    tokenizer: Any
+    metrics: Any                    # ServerMetrics
+    model_name: str
+    chat_template: Optional[str] = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+# -- middleware and error handlers -----------------------------------------------------------------
+class APIKeyMiddleware:
+    """Plain ASGI (no per-request task like BaseHTTPMiddleware, so streaming stays cheap)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(auth, self.expected):
+                err = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                               code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        e = next(e for e in errors if e.get("type") == "json_invalid")
+        return bad_request(f"The request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # Union members add their type name to the location; keep the field path.
+        loc = [x for x in loc if not x.startswith(("list[", "str", "int", "dict[", "function-"))]
+        where = ".".join(loc)
+        param = param or where or None
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return bad_request("; ".join(parts) or "invalid request", param)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.engine.start(timeout=state.args.engine_start_timeout)
+        logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
+        try:
+            yield
+        finally:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None)
+    app.state.tokenmill = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        engine = state.engine
+        if engine.dead is not None:
+            return APIError(503, f"The engine is not available: {engine.dead}", code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        from tokenmill.serve.serving import json_response
+
+        return json_response({"version": tokenmill.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        from tokenmill.serve.serving import json_response
+
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                "root": state.config.model.model or state.config.model.model_dir, "parent": None,
+                "max_model_len": state.config.model.max_model_len, "permission": []}
+        return json_response({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        from tokenmill.serve.completions import create_completion
+
+        return await create_completion(state, req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        from tokenmill.serve.chat import create_chat_completion
+
+        return await create_chat_completion(state, req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> Response:
+        from tokenmill.serve.chat import render_chat
+        from tokenmill.serve.serving import json_response
+
+        state.check_model(req.model)
+        tok = state.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.prompt is not None:
+            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+        else:
+            ids = render_chat(tok, req.messages, chat_template=req.chat_template or state.chat_template,
+                              add_generation_prompt=req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message,
+                              template_kwargs=req.chat_template_kwargs).token_ids
+        body = {"count": len(ids), "max_model_len": state.config.model.max_model_len, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+        return json_response(body)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> Response:
+        from tokenmill.serve.serving import json_response
+
+        state.check_model(req.model)
+        vocab = state.config.model.hf_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens")
+        return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+
+    if state.args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
+    return app
+
+
+# -- process entry -------------------------------------------------------------------------------------
+class _Server:
+    """uvicorn.Server whose signal handling drains and then returns (uvicorn re-raises the signal after
+    a graceful shutdown, which would make the exit status -SIGTERM instead of 0)."""
+
+    @staticmethod
+    def make(config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for s, h in old.items():
+                        signal.signal(s, h)
+
+            def handle_exit(self, sig, frame) -> None:
+                if not self.should_exit:
+                    logger.info("received %s: draining in-flight requests (up to %.0fs)",
+                                signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+                super().handle_exit(sig, frame)
+
+        return Server(config)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(1)  # the API process must leave the cores to the engine
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.serve.metrics import ServerMetrics
+
+    config = EngineConfig.from_cli_args(args)
+    config.finalize(install_default=getattr(args, "install_default_model", False))
+    chat_template = _read_chat_template(args.chat_template)
+    sock = _bind(args.host, args.port)  # fail fast on a busy port, before loading the model
+    metrics = ServerMetrics(config.model.served_model_name)
+    try:
+        engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+    except BaseException:
+        sock.close()
+        raise
+    state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
+                        chat_template)
+    try:
+        uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
+        server = _Server.make(uv)
+        server.run(sockets=[sock])
+        if not server.started:
+            logger.error("server failed to start (see above)")
+            return 1
+        logger.info("server stopped")
+        return 0
+    finally:
+        engine.shutdown_sync()  # no-op after a clean lifespan shutdown
+        sock.close()

@@ -1,0 +1,163 @@
+"""/v1/chat/completions: chat template rendering, chat-shaped logprobs, responses and stream chunks."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.outputs import Logprob
+from tokenmill.serve.errors import bad_request
+from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
+                                     stream_response, until_disconnected)
+
+if TYPE_CHECKING:
+    from tokenmill.serve.api_server import ServerState
+
+logger = logging.getLogger("tokenmill")
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _content_text(m: ChatMessage, i: int) -> str:
+    c = m.content
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    texts = []
+    for j, part in enumerate(c):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}]: only text content parts are supported "
+                              f"(got type {part.get('type')!r})", f"messages[{i}].content")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: Optional[dict[str, Any]] = None) -> Prompt:
+    """Apply the chat template (request's, else the server's --chat-template, else the tokenizer's) and
+    tokenize the result without adding special tokens again."""
+    if not messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    conv = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", f"messages[{i}].role")
+        d = m.model_dump(exclude_none=True)
+        d["content"] = _content_text(m, i)
+        conv.append(d)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request("this model has no chat template, so it cannot serve chat completions; pass "
+                          "chat_template in the request, start the server with --chat-template, or use "
+                          "/v1/completions", "messages")
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
+                          "continue_final_message")
+    try:
+        text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - jinja errors are the request's (or template's) fault
+        raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
+    return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _lp_entry(token: str, lp: Logprob) -> dict:
+    return {"token": token, "logprob": max(lp.logprob, -9999.0), "bytes": list(token.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+    content = []
+    for tid, d in zip(token_ids, logprobs):
+        lp = d[tid]
+        entry = _lp_entry(lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid]), lp)
+        top = sorted(d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:top_n]
+        entry["top_logprobs"] = [_lp_entry(x.decoded_token if x.decoded_token is not None else tokenizer.decode([t]), x)
+                                 for t, x in top]
+        content.append(entry)
+    return {"content": content}
+
+
+async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    params = req.to_sampling_params()
+    prompt = render_chat(state.tokenizer, req.messages, chat_template=req.chat_template or state.chat_template,
+                         add_generation_prompt=req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message,
+                         template_kwargs=req.chat_template_kwargs)
+    rid = random_id("chatcmpl")
+    gen = Generation(state, rid, [prompt], params, req.cache_salt)
+    top_n = req.top_logprobs or 0
+    if req.stream:
+        return stream_response(_stream(state, req, gen, rid, top_n), gen)
+    try:
+        result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n))
+    finally:
+        gen.close()
+    return result if result is not None else Response(status_code=499)
+
+
+async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
+                   top_n: int) -> Response:
+    n = gen.params.n
+    texts, tokens = [""] * n, [[] for _ in range(n)]
+    lps: list[list] = [[] for _ in range(n)]
+    finish: list[Optional[str]] = [None] * n
+    stop: list[Any] = [None] * n
+    async for _, ro in gen:
+        for c in ro.outputs:
+            texts[c.index] += c.text
+            tokens[c.index] += c.token_ids
+            if c.logprobs:
+                lps[c.index] += c.logprobs
+            if c.finish_reason is not None:
+                finish[c.index], stop[c.index] = c.finish_reason, c.stop_reason
+    choices = []
+    for i in range(n):
+        logprobs = chat_logprobs(state.tokenizer, tokens[i], lps[i], top_n) if req.logprobs else None
+        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None,
+                                                "tool_calls": []},
+                        "logprobs": logprobs, "finish_reason": finish[i], "stop_reason": stop[i]})
+    return json_response({"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
+                          "choices": choices, "usage": gen.usage(), "system_fingerprint": None})
+
+
+async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
+                  top_n: int) -> AsyncIterator[bytes]:
+    created = now_s()
+    model = state.model_name
+    opts = req.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts.continuous_usage_stats
+
+    def chunk(choices: list[dict]) -> dict:
+        c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        if continuous:
+            c["usage"] = gen.usage()
+        return c
+
+    for i in range(gen.params.n):  # the role comes first, as in OpenAI's streams
+        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}]))
+    async for _, ro in gen:
+        for c in ro.outputs:
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                continue
+            choice = {"index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                      "logprobs": chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
+                      if req.logprobs else None,
+                      "finish_reason": c.finish_reason}
+            if c.finish_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            yield sse(chunk([choice]))
+    if include_usage:
+        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+                   "usage": gen.usage()})
+    yield SSE_DONE

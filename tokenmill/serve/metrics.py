@@ -1,0 +1,101 @@
+"""Prometheus metrics for /metrics, named `tokenmill:<metric>` in parallel with vLLM's `vllm:<metric>`.
+
+Request-level timings (TTFT, inter-token latency, end-to-end) are measured in the API process, where the
+user sees them; engine-side state (running/waiting, KV usage, prefix-cache counters, preemptions, queue
+time) arrives with every step's outputs, so scraping costs the engine nothing.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.engine.core import EngineStats
+
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0]
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """One registry per server (no process-global state); AsyncLLM calls the on_* hooks."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        lbl = ["model_name"]
+
+        def g(name, doc):
+            return Gauge(f"tokenmill:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def c(name, doc):
+            return Counter(f"tokenmill:{name}", doc, lbl, registry=r).labels(model_name)
+
+        def h(name, doc, buckets):
+            return Histogram(f"tokenmill:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = g("num_requests_running", "Requests in the running batch.")
+        self.waiting = g("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = g("kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.kv_free_blocks = g("kv_cache_free_blocks", "Free KV cache blocks (including cached, reusable ones).")
+        self.kv_total_blocks = g("kv_cache_total_blocks", "KV cache blocks in all.")
+        self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = c("num_preemptions", "Requests preempted because the KV cache was full.")
+        self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = c("generation_tokens", "Generated tokens.")
+        success = Counter("tokenmill:request_success", "Finished requests (samples) by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.ttft = h("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between successive output deltas.", _ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+        self.queue_time = h("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.req_prompt = h("request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
+        self.req_gen = h("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self._last: EngineStats | None = None
+
+    # -- hooks (called from AsyncLLM's output loop) -------------------------------------------
+    def on_scheduled(self, queue_time: float) -> None:
+        self.queue_time.observe(queue_time)
+
+    def on_first_token(self, ttft: float) -> None:
+        self.ttft.observe(ttft)
+
+    def on_inter_token(self, itl: float) -> None:
+        self.itl.observe(itl)
+
+    def on_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int) -> None:
+        for reason in reasons:
+            counter = self.success.get(reason)
+            if counter is not None:
+                counter.inc()
+        self.e2e.observe(e2e)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.req_prompt.observe(prompt_tokens)
+        self.req_gen.observe(generation_tokens)
+
+    def on_engine_stats(self, s: EngineStats) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.kv_free_blocks.set(s.num_free_blocks)
+        self.kv_total_blocks.set(s.num_blocks)
+        last = self._last
+        if last is not None:  # engine counters are cumulative; Prometheus counters take increments
+            self.prefix_queries.inc(max(s.prefix_cache_queries - last.prefix_cache_queries, 0))
+            self.prefix_hits.inc(max(s.prefix_cache_hits - last.prefix_cache_hits, 0))
+            self.preemptions.inc(max(s.num_preemptions - last.num_preemptions, 0))
+        else:
+            self.prefix_queries.inc(s.prefix_cache_queries)
+            self.prefix_hits.inc(s.prefix_cache_hits)
+            self.preemptions.inc(s.num_preemptions)
+        self._last = s
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

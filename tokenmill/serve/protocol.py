@@ -1,0 +1,214 @@
+"""OpenAI request models (pydantic) and the conversion to SamplingParams.
+
+Field names follow the OpenAI API, plus vLLM's extensions (top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, guided_*...), so existing clients work unchanged. Unknown fields are accepted
+and ignored, as vLLM does. Responses are plain dicts built in api_server.py / chat.py and encoded with
+msgspec (streaming sends one chunk per token per request: pydantic there costs ~10x more CPU).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.serve.errors import bad_request, param_of
+
+_SP_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+              "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop_token_ids",
+              "seed", "logit_bias")
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = "response"
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    response_format: Optional[ResponseFormat] = None
+    # vLLM extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    def _structured(self) -> Optional[StructuredOutputsParams]:
+        rf = self.response_format
+        chosen = []
+        if rf is not None and rf.type == "json_object":
+            chosen.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise bad_request("response_format of type json_schema needs json_schema.schema",
+                                  "response_format")
+            chosen.append(("response_format", StructuredOutputsParams(json=json.dumps(rf.json_schema.json_schema))))
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            chosen.append(("guided_json", StructuredOutputsParams(json=spec)))
+        if self.guided_regex is not None:
+            chosen.append(("guided_regex", StructuredOutputsParams(regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise bad_request("guided_choice must list at least one string", "guided_choice")
+            chosen.append(("guided_choice", StructuredOutputsParams(choice=self.guided_choice)))
+        if self.guided_grammar is not None:
+            chosen.append(("guided_grammar", StructuredOutputsParams(grammar=self.guided_grammar)))
+        if len(chosen) > 1:
+            raise bad_request(f"set only one of {', '.join(name for name, _ in chosen)}", chosen[1][0])
+        if not chosen:
+            return None
+        name, so = chosen[0]
+        from tokenmill.structured import validate
+
+        try:
+            validate(so)
+        except ValueError as e:
+            raise bad_request(str(e), name) from None
+        return so
+
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], **extra: Any) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        try:
+            logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+        if logit_bias and any(not -100.0 <= v <= 100.0 for v in logit_bias.values()):
+            raise bad_request("logit_bias values must be in [-100, 100]", "logit_bias")
+        kw = dict(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs, logit_bias=logit_bias,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self._structured())
+        kw.update(extra)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_request(str(e), param_of(str(e), _SP_FIELDS)) from None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    def to_sampling_params(self, echo_logprobs: bool) -> SamplingParams:
+        if self.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of is not supported (use n)", "best_of")
+        extra = {}
+        if echo_logprobs:  # echo with logprobs reports the prompt's logprobs too
+            extra["prompt_logprobs"] = self.logprobs
+        return self._sampling_params(self.max_tokens, self.logprobs, **extra)
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = None
+    tokens: list[int]

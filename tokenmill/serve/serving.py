@@ -1,0 +1,166 @@
+"""What both generation endpoints share: admitting prompts to the engine (overload check, validation),
+iterating their outputs, usage accounting, SSE framing, and aborting on disconnect."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Optional, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tokenmill.engine.async_llm import EngineDeadError, RequestRejectedError, next_outputs
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.serve.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from tokenmill.serve.api_server import ServerState
+
+logger = logging.getLogger("tokenmill")
+_json = msgspec.json.Encoder()
+T = TypeVar("T")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def json_response(body: dict, status: int = 200) -> Response:
+    return Response(_json.encode(body), status_code=status, media_type="application/json")
+
+
+def sse(body: dict) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, RequestRejectedError):
+        return bad_request(str(e))
+    if isinstance(e, EngineDeadError):
+        return APIError(500, f"The engine is not available: {e}", code="engine_dead")
+    return APIError(500, f"Internal error: {type(e).__name__}: {e}")
+
+
+@dataclass
+class Prompt:
+    text: Optional[str]
+    token_ids: list[int]
+
+
+class Generation:
+    """One HTTP request's prompts in the engine (one engine request per prompt per sample), sharing one
+    output queue. Iterate it for (prompt index, RequestOutput delta); close() aborts what is unfinished."""
+
+    def __init__(self, state: "ServerState", base_id: str, prompts: list[Prompt], params: SamplingParams,
+                 cache_salt: Optional[str] = None) -> None:
+        engine = state.engine
+        try:
+            engine.check_alive()
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+        limit = state.args.max_waiting_requests
+        if limit is not None and engine.num_waiting >= limit:
+            raise APIError(503, f"The server is overloaded: {engine.num_waiting} requests are waiting "
+                                f"(--max-waiting-requests {limit}); retry later.", code="overloaded",
+                           headers={"Retry-After": "1"})
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompts = prompts
+        self.params = params
+        self.ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        self.index = {rid: i for i, rid in enumerate(self.ids)}
+        self.open: set[str] = set()
+        self.cached_tokens = [0] * len(prompts)
+        self.num_generated = 0
+        try:
+            for rid, p in zip(self.ids, prompts):
+                engine.add_request(rid, p.text, p.token_ids, params, queue=self.queue, cache_salt=cache_salt)
+                self.open.add(rid)
+        except ValueError as e:
+            self.close()
+            msg = str(e)
+            raise bad_request(msg, "max_tokens" if "max_tokens" in msg else "prompt") from None
+        except EngineDeadError as e:
+            self.close()
+            raise engine_error(e) from None
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self.open:
+            try:
+                outs = await next_outputs(self.queue)
+            except (EngineDeadError, RequestRejectedError) as e:
+                self.close()
+                raise engine_error(e) from None
+            for ro in outs:
+                i = self.index[ro.request_id]
+                self.cached_tokens[i] = ro.num_cached_tokens
+                self.num_generated += sum(len(c.token_ids) for c in ro.outputs)
+                if ro.finished:
+                    self.open.discard(ro.request_id)
+                yield i, ro
+
+    def close(self) -> None:
+        for rid in list(self.open):
+            self.engine.abort(rid)
+        self.open.clear()
+
+    def usage(self) -> dict:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + self.num_generated,
+                "completion_tokens": self.num_generated,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
+    """Run a non-streaming handler, cancelling it (which aborts its engine requests) if the client goes
+    away first. Returns None in that case."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report
+        pass
+    return None
+
+
+def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:
+    """SSE response. The generator's finally (client gone, server shutting down) aborts what is open."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except APIError as e:  # headers are gone: report in-band, as OpenAI and vLLM do
+            yield sse(e.body())
+            yield SSE_DONE
+        finally:
+            gen.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
