@@ -39,11 +39,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step_cache: dict):
+        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. cos/sin are gathered once per step, not per layer."""
+        key = ("rope", id(self), q.dtype)
+        cs = step_cache.get(key)
+        if cs is None:
+            cs = step_cache[key] = (self.cos[positions].unsqueeze(1).to(q.dtype),
+                                    self.sin[positions].unsqueeze(1).to(q.dtype))
+        return _rotate(q, *cs), _rotate(k, *cs)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(meta.positions, q, k)
+        q, k = self.rotary(meta.positions, q, k, meta.cache)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(o.reshape(T, q_size))
 

@@ -108,6 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.engine.start(timeout=state.args.engine_start_timeout)
+        import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
         try:
             yield
@@ -271,6 +272,10 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     torch.set_num_threads(1)  # the API process must leave the cores to the engine
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already fixed by earlier torch work in this process
+        pass
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.errors import bad_request, param_of
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs: top-n lists beyond this only bloat responses
+
 _SP_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
               "frequency_penalty", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stop_token_ids",
               "seed", "logit_bias")
@@ -116,6 +118,10 @@ class SamplingRequest(OpenAIModel):
             raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
         if logit_bias and any(not -100.0 <= v <= 100.0 for v in logit_bias.values()):
             raise bad_request("logit_bias values must be in [-100, 100]", "logit_bias")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", extra.get("prompt_logprobs",
+                                                                                    self.prompt_logprobs))):
+            if value is not None and value > MAX_LOGPROBS:
+                raise bad_request(f"{name} must be at most {MAX_LOGPROBS}, got {value}", name)
         kw = dict(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
