@@ -119,7 +119,9 @@ class ModelConfig:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.served_model_name is None:
-            self.served_model_name = self.model or "default"
+            from tokenmill.models.default_model import DEFAULT_MODEL_NAME
+
+            self.served_model_name = self.model or DEFAULT_MODEL_NAME
         if self.tokenizer is None:
             self.tokenizer = self.model_dir
 
