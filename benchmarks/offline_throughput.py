@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -99,7 +100,9 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": workload[0][0]}], use_tqdm=False)  # warm-up
 
     tm = run_tokenmill(llm, workload)
+    print(f"tokenmill: {tm}", file=sys.stderr, flush=True)
     single = run_single_stream(llm)
+    print(f"single stream: {single}", file=sys.stderr, flush=True)
     wbytes = weight_bytes(llm.engine.executor.worker.model)
     single["weight_bytes_per_token"] = wbytes
     single["copy_roofline_frac"] = wbytes * single["decode_tok_s"] / bw
