@@ -292,6 +292,11 @@ def test_error_cases_then_success(server, http):
          "messages[0].role"),
         ("/v1/chat/completions", {**chat, "top_logprobs": 2}, 400, None),
         ("/v1/chat/completions", {**chat, "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
+        ("/v1/completions", {**base, "logprobs": 50}, 400, "logprobs"),
+        ("/v1/completions", {**base, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ]
     # A stream in flight the whole time is not disturbed by the bad requests around it.
     long = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 300, "temperature": 0, "ignore_eos": True}

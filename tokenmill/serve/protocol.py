@@ -198,6 +198,9 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.tools and self.tool_choice != "none":
+            raise bad_request("tool calling is not supported by this server; send tools only with "
+                              "tool_choice 'none'", "tools")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)
