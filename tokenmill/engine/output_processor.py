@@ -159,12 +159,16 @@ class RequestState:
             s.sent_text, s.sent_tokens = text_end, len(s.token_ids)
             s.sent_logprobs = len(s.logprobs) if s.logprobs is not None else 0
             s.final_sent = s.finish_reason is not None
-        if self.delta and not outs and not (self.prompt_logprobs and not self.sent_prompt_logprobs):
+        # Delta mode sends prompt logprobs once, when every prompt position has arrived (a long prompt's
+        # logprobs come one prefill chunk at a time).
+        plp_ready = (self.prompt_logprobs is not None and not self.sent_prompt_logprobs
+                     and len(self.prompt_logprobs) >= len(self.prompt_ids))
+        if self.delta and not outs and not plp_ready:
             return None
         plp = self.prompt_logprobs
         if self.delta:
-            plp = plp if (plp is not None and not self.sent_prompt_logprobs) else None
-            self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp is not None
+            plp = plp if plp_ready else None
+            self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp_ready
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished, plp,
                              self.num_cached_tokens)
 
