@@ -15,8 +15,8 @@ import time
 
 def first_token_seconds(env: dict) -> float:
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "generate", "--prompt", "The capital of France is",
-                          "--max-tokens", "8", "--log-level", "warning"],
+    p = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "warning", "generate",
+                          "--prompt", "The capital of France is", "--max-tokens", "8"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = p.stdout.read(1)
     t = time.perf_counter() - t0
