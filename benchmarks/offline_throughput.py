@@ -75,7 +75,7 @@ def run_transformers(model_dir, dtype, workload, batch_size=32):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: built-in default model)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has AVX512-BF16, else float32")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="64 requests")
     ap.add_argument("--hf-requests", type=int, default=64, help="size of the transformers subset")

@@ -7,7 +7,6 @@ prompt logprobs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
