@@ -13,6 +13,12 @@ from typing import Any, Optional
 
 import torch
 
+
+def cache_root() -> str:
+    """Where derived artifacts live (converted GGUF models, compiled kernels): $TOKENMILL_CACHE_DIR."""
+    return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+
+
 logger = logging.getLogger("tokenmill")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

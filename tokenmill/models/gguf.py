@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tokenmill.config import cache_root
+
 logger = logging.getLogger("tokenmill")
 
 _CONVERTER_VERSION = 1  # bump whenever the output changes, so stale cache entries are not reused
@@ -41,16 +43,12 @@ _LAYER_NAMES = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR") or Path.home() / ".cache" / "tokenmill")
-
-
 def gguf_to_hf_dir(gguf_path: str) -> str:
     """Return a HF model directory equivalent to `gguf_path`, converting it on first use."""
     path = os.path.abspath(gguf_path)
     st = os.stat(path)
     digest = hashlib.sha256(f"{_CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    final = cache_root() / "gguf" / f"{Path(path).stem}-{digest[:16]}"
+    final = Path(cache_root()) / "gguf" / f"{Path(path).stem}-{digest[:16]}"
     if final.is_dir():  # only complete conversions are ever renamed into place
         return str(final)
 

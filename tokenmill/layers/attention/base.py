@@ -45,4 +45,4 @@ def get_attention_backend(device: str) -> AttentionBackend:
     from tokenmill.layers.attention.cpu import TorchSDPABackend
 
     # SDPA over the paged cache serves both devices until a dedicated CUDA kernel lands.
-    return TorchSDPABackend()
+    return TorchSDPABackend(device)

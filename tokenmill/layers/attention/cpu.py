@@ -1,7 +1,10 @@
-"""Attention over the paged cache with torch SDPA (the CPU path; also correct on CUDA).
+"""Attention over the paged cache: the C kernel for decodes on CPU, torch SDPA for prefills (and everything
+on other devices).
 
-Decodes (query length 1) of all requests run as one batched SDPA over their gathered KV, with the query
-heads grouped by KV head so GQA needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
+Decodes (query length 1) of all requests run as one call of the paged C kernel (cpu_kernels.py), which reads
+each request's KV straight from its blocks. Without the kernel (no compiler, CUDA, other dtypes) they run as
+one batched SDPA over their gathered KV padded to the longest, with the query heads grouped by KV head so GQA
+needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
 starting at position 0 attends to its own fresh k/v (causal), a later chunk gathers its context from the
 cache with an offset causal mask. Inputs are always 4-D: torch's fused CPU kernel takes only 4-D tensors
 (3-D ones fall back to the unfused math path, ~10x slower).
@@ -13,20 +16,29 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
 class _StepPlan:
     """Index tensors and masks for one step, shared by all layers (built on first use per window/group)."""
 
-    def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int) -> None:
+    def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool) -> None:
         bs = meta.block_size
         dev = meta.slot_mapping.device
         dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1]
         self.num_dec = len(dec)
         self.dec_all = len(dec) == meta.num_reqs
         self.dec_tokens = torch.tensor([meta.query_start_loc[i] for i in dec], dtype=torch.long, device=dev)
-        if dec:
+        self.use_kernel = use_kernel
+        if dec and use_kernel:
+            i32 = torch.int32
+            lens = torch.tensor([meta.seq_lens[i] for i in dec], dtype=i32)
+            self.dec_block_table = meta.block_table[dec].to(i32)
+            self.dec_rows = torch.arange(len(dec), dtype=i32)
+            self.dec_kv_end = lens
+            self.dec_kv_start = (lens - window).clamp_(min=0) if window is not None else torch.zeros_like(lens)
+        elif dec:
             lens = torch.tensor([meta.seq_lens[i] for i in dec], device=dev)
             nb = -(-int(lens.max()) // bs)
             self.dec_blocks = meta.block_table[dec, :nb].reshape(-1)                      # [Bd*nb]
@@ -57,6 +69,11 @@ class _StepPlan:
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
+    def __init__(self, device: str = "cpu") -> None:
+        self.kernel = device == "cpu" and cpu_kernels.load() is not None
+        if self.kernel:
+            self.name = "cpu_paged"
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int]):
         T, Hq, D = q.shape
         Hkv = k.shape[1]
@@ -65,12 +82,20 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-        plan = meta.cache.get(("sdpa", window, G))
+        use_kernel = self.kernel and q.dtype in (torch.float32, torch.bfloat16)
+        plan = meta.cache.get(("sdpa", window, G, use_kernel))
         if plan is None:
-            plan = meta.cache[("sdpa", window, G)] = _StepPlan(meta, window, G)
+            plan = meta.cache[("sdpa", window, G, use_kernel)] = _StepPlan(meta, window, G, use_kernel)
         out = None if plan.dec_all else torch.empty_like(q)
 
-        if plan.num_dec:
+        if plan.num_dec and plan.use_kernel:
+            qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
+            od = cpu_kernels.paged_attention(qd, k_cache, v_cache, plan.dec_block_table, plan.dec_rows,
+                                             plan.dec_kv_start, plan.dec_kv_end, scale)
+            if plan.dec_all:
+                return od
+            out.index_copy_(0, plan.dec_tokens, od)
+        elif plan.num_dec:
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
             Bd = qd.shape[0]
             qd = qd.view(Bd, Hkv, G, D).transpose(0, 1)                                 # [Hkv,Bd,G,D]
