@@ -1,0 +1,74 @@
+"""Builds tokenmill's small C kernels for CPU and loads them through ctypes.
+
+Each library is compiled once per machine with the system C compiler (`-O3 -march=native -fopenmp`) into
+`$TOKENMILL_CACHE_DIR/kernels/`, keyed by its sources, the flags and the CPU's feature flags, so a warm start
+only loads the shared object (milliseconds). Libraries link libgomp by its soname, so inside a process that has
+imported torch they share torch's OpenMP runtime and thread pool instead of starting a second one that would
+spin against it. Without a compiler, or with TOKENMILL_CPU_KERNELS=0, `load_library` returns None (logged once)
+and callers use their pure-torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+from tokenmill.config import cache_root
+
+logger = logging.getLogger("tokenmill")
+
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_loaded: dict[str, Optional[ctypes.CDLL]] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(name: str, sources: list[str]) -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    h = hashlib.sha256(" ".join([cc] + _FLAGS).encode() + _cpu_flags().encode())
+    for src in sources:
+        with open(src, "rb") as f:
+            h.update(f.read())
+    out_dir = os.path.join(cache_root(), "kernels")
+    target = os.path.join(out_dir, f"{name}-{h.hexdigest()[:16]}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *sources, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.replace(tmp, target)  # atomic: concurrent builders never see a half-written library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(name: str, sources: list[str]) -> Optional[ctypes.CDLL]:
+    """The compiled library `name` built from `sources` (absolute paths), or None when it cannot be built."""
+    if name in _loaded:
+        return _loaded[name]
+    lib = None
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
+        try:
+            lib = ctypes.CDLL(_build(name, sources))
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: use the torch path
+            logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, e)
+    _loaded[name] = lib
+    return lib
