@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_size
+from tokenmill.layers import cpu_linear
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -129,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head.weight).float()
+        return cpu_linear.linear(hidden, self.lm_head.weight).float()
 
     # -- weights ----------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter prefix, shard index within a merged linear)
