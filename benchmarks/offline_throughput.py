@@ -1,132 +1,28 @@
 """Offline throughput: tokenmill vs transformers `generate` on the same random workload, in one run.
 
-Workload: N requests (256; --quick 64), random prompts of 64-512 tokens, 64-256 output tokens, ignore_eos.
-transformers runs static left-padded batches of 32 on a fixed 64-request subset (its rate counts only
-the tokens each request asked for). Also: single-stream decode tok/s and its fraction of the memory
-roofline (weight bytes per token x tok/s / copy bandwidth measured in this run).
+The measurement lives in tokenmill/bench/offline.py (also `tokenmill bench offline MODEL`); this script
+compares against transformers by default (--skip-transformers to leave it out).
 Prints a JSON result and one summary line.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-import time
 
-import torch
-
-from common import copy_bandwidth, load_average, random_workload, read_bandwidth, weight_bytes
-
-
-def run_tokenmill(llm, workload):
-    from tokenmill import SamplingParams
-
-    prompts = [{"prompt_token_ids": p} for p, _ in workload]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert n_out == sum(n for _, n in workload)
-    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-            "total_tok_s": (n_out + sum(len(p) for p, _ in workload)) / dt}
-
-
-def run_single_stream(llm, prompt_len=128, out_len=128):
-    """Decode rate of one request alone: time from its first to its last token."""
-    from tokenmill.engine.request import EngineCoreRequest
-    from tokenmill import SamplingParams
-
-    eng = llm.engine
-    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    eng.add_request(EngineCoreRequest("single", list(range(1000, 1000 + prompt_len)), sp, None))
-    t0 = time.perf_counter()
-    eng.step()  # prefill + first token
-    t1 = time.perf_counter()
-    n = 1
-    while eng.has_unfinished_requests():
-        n += sum(len(o.new_token_ids) for o in eng.step())
-    t2 = time.perf_counter()
-    return {"ttft_s": t1 - t0, "decode_tok_s": (n - 1) / (t2 - t1)}
-
-
-def run_transformers(model_dir, dtype, workload, batch_size=32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    useful, t = 0, time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(workload), batch_size):
-            batch = workload[i:i + batch_size]
-            width = max(len(p) for p, _ in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, (p, _) in enumerate(batch):
-                ids[row, width - len(p):] = torch.tensor(p)
-                mask[row, width - len(p):] = 1
-            max_new = max(n for _, n in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=0)
-            useful += sum(n for _, n in batch)
-    dt = time.perf_counter() - t
-    return {"seconds": dt, "useful_output_tokens": useful, "output_tok_s": useful / dt}
+from tokenmill.bench.offline import add_offline_args, run_offline, summary_line
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: built-in default model)")
-    ap.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has AVX512-BF16, else float32")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--quick", action="store_true", help="64 requests")
-    ap.add_argument("--hf-requests", type=int, default=64, help="size of the transformers subset")
-    ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    add_offline_args(ap, compare_transformers=True)
     args = ap.parse_args()
-    n = 64 if args.quick else args.num_requests
-
-    from tokenmill import LLM
-
-    bw = copy_bandwidth()
-    read_bw = read_bandwidth()
-    load_before = load_average()
-    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs)
-    if args.max_num_batched_tokens:
-        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(args.model, **kw)
-    vocab = llm.config.model.hf_config.vocab_size
-    workload = random_workload(n, vocab, seed=args.seed)
-    llm.generate([{"prompt_token_ids": workload[0][0]}], use_tqdm=False)  # warm-up
-
-    tm = run_tokenmill(llm, workload)
-    print(f"tokenmill: {tm}", file=sys.stderr, flush=True)
-    single = run_single_stream(llm)
-    print(f"single stream: {single}", file=sys.stderr, flush=True)
-    wbytes = weight_bytes(llm.engine.executor.worker.model)
-    single["weight_bytes_per_token"] = wbytes
-    single["copy_roofline_frac"] = wbytes * single["decode_tok_s"] / bw
-    single["read_roofline_frac"] = wbytes * single["decode_tok_s"] / read_bw
-    dtype = llm.config.model.torch_dtype
-    model_dir = llm.config.model.model_dir
-    del llm
-
-    result = {"model": args.model or "default (SmolLM2-135M-Instruct)", "dtype": str(dtype).removeprefix("torch."),
-              "num_requests": n, "tokenmill": tm, "single_stream": single,
-              "copy_bandwidth_gb_s": bw / 1e9, "read_bandwidth_gb_s": read_bw / 1e9,
-              "threads": torch.get_num_threads()}
-    if not args.skip_transformers:
-        hf = run_transformers(model_dir, dtype, workload[:args.hf_requests])
-        result["transformers"] = hf
-        result["ratio_vs_transformers"] = tm["output_tok_s"] / hf["output_tok_s"]
-    result["load_average"] = [load_before, load_average()]
+    result = run_offline(args.model, args)
     print(json.dumps(result, indent=2))
-    summary = (f"tokenmill {tm['output_tok_s']:.1f} out tok/s ({n} reqs, {result['dtype']})"
-               + (f" vs transformers {result['transformers']['output_tok_s']:.1f} -> {result['ratio_vs_transformers']:.2f}x"
-                  if "transformers" in result else "")
-               + f"; single stream {single['decode_tok_s']:.1f} tok/s = {single['copy_roofline_frac']:.0%} of copy roofline"
-               + f" ({bw / 1e9:.1f} GB/s); load {load_before:.1f}")
-    print(summary)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            json.dump(result, f, indent=2)
+    print(summary_line(result))
 
 
 if __name__ == "__main__":

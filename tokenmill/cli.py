@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate` (bench, plan, ... arrive with their issues)."""
+"""`tokenmill serve | generate | bench | plan` (router, quantize, ... arrive with their issues)."""
 from __future__ import annotations
 
 import argparse
@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     if add_serve_args is not None:
         add_serve_args(srv)
     srv.set_defaults(func=_serve)
+
+    from tokenmill.bench import add_bench_parser
+    from tokenmill.plan import add_plan_args
+
+    add_bench_parser(sub)
+    add_plan_args(sub.add_parser("plan", help="memory and roofline math for a model on given hardware"))
 
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)

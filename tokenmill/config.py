@@ -171,6 +171,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
+    log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
 
     def finalize(self, install_default: bool = False) -> "EngineConfig":
         if self.device == "auto":
@@ -190,9 +191,10 @@ class EngineConfig:
             names = {f.name for f in fields(klass) if f.init}
             built[name] = klass(**{k: kw.pop(k) for k in list(kw) if k in names})
         device = kw.pop("device", "auto")
+        log_step_stats = bool(kw.pop("log_step_stats", False))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
-        return cls(device=device, **built)
+        return cls(device=device, log_step_stats=log_step_stats, **built)
 
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
@@ -214,6 +216,9 @@ class EngineConfig:
         p.add_argument("--max-num-seqs", type=int, default=256)
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--log-step-stats", action="store_true",
+                       help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
+                            "figures (see `tokenmill plan`)")
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> "EngineConfig":
@@ -222,4 +227,5 @@ class EngineConfig:
             seed=a.seed, served_model_name=a.served_model_name, block_size=a.block_size,
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device)
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
+            log_step_stats=getattr(a, "log_step_stats", False))

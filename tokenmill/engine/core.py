@@ -38,6 +38,11 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks)
         self.vocab_size = config.model.hf_config.vocab_size
         self._pending: list[EngineCoreOutput] = []  # abort notices not yet returned by step()
+        self.step_stats = None
+        if config.log_step_stats:
+            from tokenmill.plan.roofline import StepStatsLogger
+
+            self.step_stats = StepStatsLogger(config)
         logger.info("engine ready in %.1fs", time.perf_counter() - t0)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -61,6 +66,7 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -69,6 +75,8 @@ class EngineCore:
             return outputs
         result = self.executor.execute_model(sched)
         outputs += self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        if self.step_stats is not None:
+            self.step_stats.log(sched, time.perf_counter() - t0)
         return outputs
 
     def stats(self) -> EngineStats:

@@ -1,0 +1,44 @@
+"""`tokenmill bench serve | sweep | offline`: measure a server from the client's side, sweep load points,
+or measure the engine's offline throughput."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def offline_main(args: argparse.Namespace) -> int:
+    from tokenmill.bench.offline import run_offline, summary_line
+
+    result = run_offline(args.model_flag or args.model, args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.save_result:
+        with open(args.save_result, "w") as f:
+            f.write(text + "\n")
+    print(summary_line(result))
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    """Adds `bench` with its subcommands to the CLI's subparsers."""
+    from tokenmill.bench.offline import add_offline_args
+    from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(p)
+    p.set_defaults(func=serve_main)
+    p = bsub.add_parser("sweep", help="run `bench serve` at several concurrencies / rates; Pareto plot",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(p, sweep=True)
+    p.set_defaults(func=sweep_main)
+    p = bsub.add_parser("offline", help="offline throughput of the engine on a random workload")
+    p.add_argument("model", nargs="?", default=None, help="HF dir or .gguf (default: built-in default model)")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    add_offline_args(p, compare_transformers=False)
+    p.set_defaults(func=offline_main)
+
+
+__all__ = ["add_bench_parser", "offline_main"]

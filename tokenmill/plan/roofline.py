@@ -1,0 +1,224 @@
+"""Roofline arithmetic: FLOPs and bytes of prefill and decode, which one limits, and the speeds it allows.
+
+A step's time is at least max(FLOPs / peak FLOP/s, bytes / bandwidth). Its arithmetic intensity
+(FLOPs per byte moved) against the hardware's ops:byte ratio says which term wins. Bytes are the weights
+the step touches (all of them for a dense model; the expected distinct experts for MoE) plus the KV cache
+it reads and writes. Activations and communication are left out, so these are bounds, not predictions.
+
+`StepStatsLogger` applies the same counts to the engine's real steps (`--log-step-stats`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from tokenmill.plan.hardware import Hardware
+from tokenmill.plan.memory import ModelShape, dtype_bytes, memory_plan, normalize_dtype
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+def step_cost(shape: ModelShape, tokens: int, attn_pairs: float, kv_tokens_read: float, weight_dtype: str,
+              kv_dtype: str, decode: bool = False) -> Cost:
+    """One forward step over `tokens` tokens whose attention spans `attn_pairs` (query, key) pairs and
+    reads `kv_tokens_read` cached tokens (each token's own K/V is written once)."""
+    flops = 2.0 * shape.matmul_params_active * tokens + shape.attention_flops_per_pair(decode) * attn_pairs
+    kvb = shape.kv_bytes_per_token(kv_dtype)
+    nbytes = shape.params_touched(tokens) * dtype_bytes(weight_dtype) + (kv_tokens_read + tokens) * kvb
+    return Cost(flops, nbytes)
+
+
+def prefill_cost(shape: ModelShape, batch: int, input_len: int, weight_dtype: str, kv_dtype: str) -> Cost:
+    pairs = batch * input_len * (input_len + 1) / 2  # causal
+    return step_cost(shape, batch * input_len, pairs, 0, weight_dtype, kv_dtype)
+
+
+def decode_cost(shape: ModelShape, batch: int, context_len: float, weight_dtype: str, kv_dtype: str) -> Cost:
+    return step_cost(shape, batch, batch * context_len, batch * context_len, weight_dtype, kv_dtype, decode=True)
+
+
+def roofline_time(cost: Cost, peak_flops: float, bandwidth: float) -> float:
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
+
+
+def compute_bound_batch(shape: ModelShape, context_len: float, ops_per_byte: float, weight_dtype: str,
+                        kv_dtype: str, limit: int = 1 << 24) -> Optional[int]:
+    """Smallest decode batch whose intensity reaches the ops:byte ratio; None if none up to `limit` does
+    (the KV reads grow with the batch as fast as the FLOPs, so long contexts may never get there).
+    Intensity rises monotonically with the batch (weight bytes are shared, KV bytes are not)."""
+    def ai(b: int) -> float:
+        return decode_cost(shape, b, context_len, weight_dtype, kv_dtype).arithmetic_intensity
+
+    if ai(limit) < ops_per_byte:
+        return None
+    lo, hi = 1, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ai(mid) >= ops_per_byte:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def default_compute_dtype(weight_dtype: str) -> str:
+    """Weight-only 4-bit formats run their matmuls in bf16; fp8/int8/fp4 weights use those units."""
+    w = normalize_dtype(weight_dtype)
+    return {"fp32": "fp32", "fp16": "fp16", "fp8": "fp8", "int8": "int8", "fp4": "fp4"}.get(w, "bf16")
+
+
+def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dtype: Optional[str] = None,
+              batch_size: int = 1, input_len: int = 2048, output_len: int = 256, tp: int = 1,
+              compute_dtype: Optional[str] = None, memory_utilization: float = 0.9) -> dict[str, Any]:
+    """The whole plan as a JSON-ready dict (see `tokenmill plan --help` for the meaning of each key)."""
+    if min(batch_size, input_len, tp) < 1 or output_len < 0:
+        raise ValueError("batch size, input length and TP size must be at least 1, output length at least 0")
+    weight_dtype = normalize_dtype(weight_dtype)
+    kv_dtype = normalize_dtype(kv_dtype) if kv_dtype and kv_dtype != "auto" else \
+        ("fp32" if weight_dtype == "fp32" else "bf16")
+    wanted = normalize_dtype(compute_dtype) if compute_dtype else default_compute_dtype(weight_dtype)
+    used, peak1 = hw.peak_flops(wanted)
+    notes = []
+    if used != wanted:
+        notes.append(f"{hw.name} has no {wanted} figure: matmuls counted at {used}")
+    peak, bw = peak1 * tp, hw.bandwidth * tp
+    ratio = peak1 / hw.bandwidth
+    context = input_len + output_len
+    mem = memory_plan(shape, weight_dtype, kv_dtype, context, hw.memory_bytes, tp, memory_utilization)
+
+    pre = prefill_cost(shape, batch_size, input_len, weight_dtype, kv_dtype)
+    pre1 = prefill_cost(shape, 1, input_len, weight_dtype, kv_dtype)
+    dec_ctx = input_len + output_len / 2  # mean context over the decode
+    dec = decode_cost(shape, batch_size, dec_ctx, weight_dtype, kv_dtype)
+    step = roofline_time(dec, peak, bw)
+    crossover = compute_bound_batch(shape, dec_ctx, ratio, weight_dtype, kv_dtype)
+
+    if mem.max_concurrent_seqs == 0:
+        notes.append(f"the weights ({mem.weight_bytes / 2**30:.1f} GiB) leave no room for even one sequence's KV "
+                     f"in {tp} x {hw.memory_bytes / 2**30:.0f} GiB; use more GPUs (--tp) or smaller dtypes")
+    elif batch_size > mem.max_concurrent_seqs:
+        notes.append(f"batch size {batch_size} exceeds the {mem.max_concurrent_seqs} sequences whose KV fits")
+    if crossover is not None and crossover > mem.max_concurrent_seqs:
+        notes.append(f"decode turns compute-bound only at batch {crossover}, beyond what memory holds")
+    if tp > 1:
+        notes.append("TP splits FLOPs and bytes evenly; communication time is not counted")
+
+    def bound(c: Cost) -> str:
+        return "compute" if c.arithmetic_intensity >= ratio else "memory"
+
+    return {
+        "model": shape.name, "hardware": hw.name, "hardware_measured": hw.measured, "tp": tp,
+        "weight_dtype": weight_dtype, "kv_dtype": kv_dtype, "compute_dtype": used,
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "context_len": context,
+        "params_total": shape.params_total, "params_active": shape.params_active, "is_moe": shape.is_moe,
+        "weight_bytes": mem.weight_bytes, "kv_bytes_per_token": mem.kv_bytes_per_token,
+        "kv_bytes_per_seq": mem.kv_bytes_per_seq, "memory_bytes": mem.memory_bytes,
+        "memory_utilization": memory_utilization, "max_concurrent_seqs": mem.max_concurrent_seqs,
+        "min_gpus": mem.min_gpus,
+        "peak_flops": peak1, "bandwidth": hw.bandwidth, "ops_per_byte": ratio,
+        "prefill": {"tokens": batch_size * input_len, "flops": pre.flops, "bytes": pre.bytes,
+                    "arithmetic_intensity": pre.arithmetic_intensity, "bound": bound(pre),
+                    "ttft_s": roofline_time(pre, peak, bw), "ttft_s_batch1": roofline_time(pre1, peak, bw)},
+        "decode": {"context_len": dec_ctx, "flops": dec.flops, "bytes": dec.bytes,
+                   "arithmetic_intensity": dec.arithmetic_intensity, "bound": bound(dec),
+                   "step_time_s": step, "tokens_per_s_per_user": 1.0 / step, "tokens_per_s_total": batch_size / step,
+                   "compute_bound_batch_size": crossover},
+        "notes": notes,
+    }
+
+
+def _si(x: float, unit: str) -> str:
+    for div, p in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {p}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.2f} MiB" if x >= 2**20 else f"{x / 1024:.1f} KiB"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    pre, dec = p["prefill"], p["decode"]
+    active = f" ({_si(p['params_active'], '')} active)" if p["is_moe"] else ""
+    hw = p["hardware"] + (" (measured now)" if p["hardware_measured"] else "")
+    cross = dec["compute_bound_batch_size"]
+    lines = [
+        f"{p['model']} on {p['tp']} x {hw}: weights {p['weight_dtype']}, KV {p['kv_dtype']}, "
+        f"matmuls {p['compute_dtype']}",
+        f"  parameters        {_si(p['params_total'], '')}{active}",
+        f"  weights           {_gib(p['weight_bytes'])}",
+        f"  KV cache          {_gib(p['kv_bytes_per_token'])} per token, {_gib(p['kv_bytes_per_seq'])} per sequence "
+        f"of {p['context_len']} tokens",
+        f"  memory            {_gib(p['memory_bytes'])} total; at {p['memory_utilization']:.0%} fits "
+        f"{p['max_concurrent_seqs']} concurrent sequences",
+        f"  min GPUs          {p['min_gpus']} (memory >= 1.5 x weights)",
+        f"  hardware          {_si(p['peak_flops'], 'FLOP/s')} {p['compute_dtype']}, {_si(p['bandwidth'], 'B/s')}: "
+        f"ops:byte {p['ops_per_byte']:.3g}",
+        f"  prefill           {pre['tokens']} tokens (batch {p['batch_size']} x {p['input_len']}): intensity "
+        f"{pre['arithmetic_intensity']:.0f} -> {pre['bound']}-bound; TTFT >= {pre['ttft_s'] * 1e3:.1f} ms"
+        + (f" (batch 1: {pre['ttft_s_batch1'] * 1e3:.1f} ms)" if p["batch_size"] > 1 else ""),
+        f"  decode            batch {p['batch_size']} at context {dec['context_len']:.0f}: intensity "
+        f"{dec['arithmetic_intensity']:.1f} -> {dec['bound']}-bound; step >= {dec['step_time_s'] * 1e3:.2f} ms",
+        f"                    <= {dec['tokens_per_s_per_user']:.1f} tok/s per user, "
+        f"<= {dec['tokens_per_s_total']:.1f} tok/s total",
+        "  compute-bound at  " + (f"decode batch {cross}" if cross is not None else
+                                  "never (KV reads grow as fast as the FLOPs at this context)"),
+    ]
+    lines += [f"  note: {n}" for n in p["notes"]]
+    return "\n".join(lines)
+
+
+class StepStatsLogger:
+    """One log line per engine step: tokens, batch size, step time, and MFU/MBU against the device's
+    figures (measured on the spot for the CPU, from the catalog for a known GPU)."""
+
+    def __init__(self, config: Any) -> None:
+        from tokenmill.plan.hardware import for_device
+
+        self.shape = ModelShape.from_hf_config(config.model.hf_config)
+        self.dtype = normalize_dtype(str(config.model.torch_dtype))
+        t = time.perf_counter()
+        self.hw = for_device(config.device, self.dtype)
+        self.peak = self.hw.peak_flops(self.dtype)[1] if self.hw else None
+        self.num_steps = 0
+        if self.hw:
+            how = f"measured in {time.perf_counter() - t:.1f}s" if self.hw.measured else "datasheet"
+            logger.info("step stats against %s (%s): %.1f GFLOP/s %s, %.1f GB/s", self.hw.name, how,
+                        self.peak / 1e9, self.dtype, self.hw.bandwidth / 1e9)
+        else:
+            logger.info("step stats: unknown device, MFU/MBU not reported")
+
+    def step_cost(self, sched: Any) -> Cost:
+        pairs = kv_read = 0
+        for r in sched.scheduled:
+            n, s = len(r.token_ids), r.start_pos
+            pairs += n * s + n * (n + 1) // 2
+            kv_read += s
+        return step_cost(self.shape, sched.num_batched_tokens, pairs, kv_read, self.dtype, self.dtype)
+
+    def log(self, sched: Any, seconds: float) -> dict[str, float]:
+        self.num_steps += 1
+        tokens, batch = sched.num_batched_tokens, len(sched.scheduled)
+        stats = {"step": self.num_steps, "tokens": tokens, "batch": batch, "seconds": seconds}
+        extra = ""
+        if self.hw and seconds > 0:
+            c = self.step_cost(sched)
+            stats["mfu"] = c.flops / seconds / self.peak
+            stats["mbu"] = c.bytes / seconds / self.hw.bandwidth
+            extra = f", MFU {stats['mfu']:.1%}, MBU {stats['mbu']:.1%}"
+        logger.info("step %d: %d tokens, batch %d, %.1f ms, %.0f tok/s%s", self.num_steps, tokens, batch,
+                    seconds * 1e3, tokens / seconds if seconds > 0 else 0.0, extra)
+        return stats
