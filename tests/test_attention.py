@@ -1,14 +1,17 @@
 """The attention backend over the paged cache against a dense reference: the C kernel path and the pure-torch
 path, GQA/MQA, sliding windows, mixed decode + prefill steps, scattered block tables, fp32 and bf16."""
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers.attention import cpu_kernels, triton_paged
 from tokenmill.layers.attention.base import AttentionMetadata
-from tokenmill.layers.attention.cpu import TorchSDPABackend
+from tokenmill.layers.attention.cpu import PagedAttentionBackend
 
 
 def _reference(q, k_all, v_all, positions, ctx_starts, window, scale):
@@ -26,7 +29,7 @@ def _reference(q, k_all, v_all, positions, ctx_starts, window, scale):
     return torch.stack(out)
 
 
-def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32, seed=0):
+def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32, seed=0, device="cpu"):
     """One step: request i has ctx_lens[i] tokens already cached and computes query_lens[i] new ones."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.RandomState(seed)
@@ -58,22 +61,23 @@ def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32,
             per_tok_k.append(full_k[i])
             per_tok_v.append(full_v[i])
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).tolist()
-    meta = AttentionMetadata(positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
-                             block_table=torch.from_numpy(block_table), query_start_loc=qsl,
+    dev = torch.device(device)
+    meta = AttentionMetadata(positions=torch.tensor(positions, device=dev),
+                             slot_mapping=torch.tensor(slots, device=dev),
+                             block_table=torch.from_numpy(block_table).to(dev), query_start_loc=qsl,
                              seq_lens=seq_lens, block_size=bs)
     q = torch.stack(q_list)
     scale = D ** -0.5
-    out = backend.forward(q, torch.stack(k_new), torch.stack(v_new), kv, meta, scale, window)
+    out = backend.forward(q.to(dev), torch.stack(k_new).to(dev), torch.stack(v_new).to(dev), kv.to(dev), meta,
+                          scale, window)
     ref = _reference(q, per_tok_k, per_tok_v, positions, None, window, scale)
-    return out, ref
+    return out.cpu(), ref
 
 
 def _backends():
-    torch_path = TorchSDPABackend("cpu")
-    torch_path.kernel = False
-    out = [pytest.param(torch_path, id="torch")]
+    out = [pytest.param(PagedAttentionBackend("cpu", use_kernel=False), id="torch")]
     if shutil.which("cc") or shutil.which("gcc"):
-        out.append(pytest.param(TorchSDPABackend("cpu"), id="kernel"))
+        out.append(pytest.param(PagedAttentionBackend("cpu"), id="kernel"))
     return out
 
 
@@ -93,17 +97,52 @@ def test_kernel_is_used_on_cpu_when_a_compiler_exists():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
     assert cpu_kernels.load() is not None
-    assert TorchSDPABackend("cpu").name == "cpu_paged"
+    assert PagedAttentionBackend("cpu").name == "cpu_paged"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_all_decode_step_kernel_equals_torch_path(dtype):
     if not cpu_kernels.supports(dtype):
         pytest.skip("no C compiler")
-    torch_path = TorchSDPABackend("cpu")
-    torch_path.kernel = False
+    torch_path = PagedAttentionBackend("cpu", use_kernel=False)
     lens = [1, 17, 64, 33, 100]
-    a, _ = _run_step(TorchSDPABackend("cpu"), dtype, 9, 3, None, [1] * 5, [n - 1 for n in lens], bs=16, D=64)
+    a, _ = _run_step(PagedAttentionBackend("cpu"), dtype, 9, 3, None, [1] * 5, [n - 1 for n in lens], bs=16, D=64)
     b, _ = _run_step(torch_path, dtype, 9, 3, None, [1] * 5, [n - 1 for n in lens], bs=16, D=64)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def _triton_check():
+    """Run under TRITON_INTERPRET=1: the Triton kernel, driving the backend's decode path on CPU tensors."""
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]:
+        for Hq, Hkv, window in [(4, 4, None), (8, 2, None), (6, 1, None), (9, 3, 5)]:
+            backend = PagedAttentionBackend("cpu", use_kernel=False)
+            backend.kernel, backend.kernel_dtypes = triton_paged.paged_attention, (dtype,)
+            out, ref = _run_step(backend, dtype, Hq, Hkv, window, [1, 1, 7, 1, 5, 1], [0, 13, 0, 30, 9, 2],
+                                 D=24)  # D not a power of two: the kernel pads and masks it
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_triton_kernel_under_interpreter():
+    if not triton_paged.available():
+        pytest.skip("triton not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = "import test_attention as t; t._triton_check()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("Hq,Hkv,window", [(8, 2, None), (6, 1, None), (9, 3, 5)])
+def test_cuda_backend_matches_cpu_backend(dtype, tol, Hq, Hkv, window):
+    cuda = PagedAttentionBackend("cuda")
+    assert cuda.name == ("triton_paged" if triton_paged.available() else "torch_sdpa")
+    args = (dtype, Hq, Hkv, window, [1, 1, 7, 1, 5, 1, 1], [0, 13, 0, 30, 9, 2, 200])
+    out_gpu, ref = _run_step(cuda, *args, bs=16, D=64, device="cuda")
+    cpu_dtype = torch.float32 if dtype == torch.float16 else dtype
+    out_cpu, _ = _run_step(PagedAttentionBackend("cpu"), cpu_dtype, *args[1:], bs=16, D=64)
+    torch.testing.assert_close(out_gpu.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out_gpu.float(), out_cpu.float(), atol=tol, rtol=tol)

@@ -42,7 +42,7 @@ class AttentionBackend:
 
 
 def get_attention_backend(device: str) -> AttentionBackend:
-    from tokenmill.layers.attention.cpu import TorchSDPABackend
+    from tokenmill.layers.attention.cpu import PagedAttentionBackend
 
     # SDPA over the paged cache serves both devices until a dedicated CUDA kernel lands.
-    return TorchSDPABackend(device)
+    return PagedAttentionBackend(device)

@@ -1,10 +1,10 @@
-"""Attention over the paged cache: the C kernel for decodes on CPU, torch SDPA for prefills (and everything
-on other devices).
+"""Attention over the paged cache: a paged decode kernel (C on CPU, Triton on CUDA) plus torch SDPA for
+prefills. One backend class serves both devices; only the decode kernel differs.
 
-Decodes (query length 1) of all requests run as one call of the paged C kernel (cpu_kernels.py), which reads
-each request's KV straight from its blocks. Without the kernel (no compiler, CUDA, other dtypes) they run as
-one batched SDPA over their gathered KV padded to the longest, with the query heads grouped by KV head so GQA
-needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
+Decodes (query length 1) of all requests run as one call of the paged kernel (cpu_kernels.py /
+triton_paged.py), which reads each request's KV straight from its blocks. Without a kernel (no compiler, no
+triton, other dtypes) they run as one batched SDPA over their gathered KV padded to the longest, with the
+query heads grouped by KV head so GQA needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
 starting at position 0 attends to its own fresh k/v (causal), a later chunk gathers its context from the
 cache with an offset causal mask. Inputs are always 4-D: torch's fused CPU kernel takes only 4-D tensors
 (3-D ones fall back to the unfused math path, ~10x slower).
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers.attention import cpu_kernels, triton_paged
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -33,9 +33,9 @@ class _StepPlan:
         self.use_kernel = use_kernel
         if dec and use_kernel:
             i32 = torch.int32
-            lens = torch.tensor([meta.seq_lens[i] for i in dec], dtype=i32)
+            lens = torch.tensor([meta.seq_lens[i] for i in dec], dtype=i32, device=dev)
             self.dec_block_table = meta.block_table[dec].to(i32)
-            self.dec_rows = torch.arange(len(dec), dtype=i32)
+            self.dec_rows = torch.arange(len(dec), dtype=i32, device=dev)
             self.dec_kv_end = lens
             self.dec_kv_start = (lens - window).clamp_(min=0) if window is not None else torch.zeros_like(lens)
         elif dec:
@@ -66,13 +66,18 @@ class _StepPlan:
             self.prefills.append((q0, q0 + n, blocks, mask.repeat(group, 1)))
 
 
-class TorchSDPABackend(AttentionBackend):
+class PagedAttentionBackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def __init__(self, device: str = "cpu") -> None:
-        self.kernel = device == "cpu" and cpu_kernels.load() is not None
-        if self.kernel:
-            self.name = "cpu_paged"
+    def __init__(self, device: str = "cpu", use_kernel: bool = True) -> None:
+        # the decode kernel and the dtypes it takes; none -> gathered SDPA
+        self.kernel, self.kernel_dtypes = None, ()
+        if use_kernel and device == "cpu" and cpu_kernels.load() is not None:
+            self.kernel, self.name = cpu_kernels.paged_attention, "cpu_paged"
+            self.kernel_dtypes = (torch.float32, torch.bfloat16)
+        elif use_kernel and device == "cuda" and triton_paged.available():
+            self.kernel, self.name = triton_paged.paged_attention, "triton_paged"
+            self.kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int]):
         T, Hq, D = q.shape
@@ -82,7 +87,7 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-        use_kernel = self.kernel and q.dtype in (torch.float32, torch.bfloat16)
+        use_kernel = q.dtype in self.kernel_dtypes
         plan = meta.cache.get(("sdpa", window, G, use_kernel))
         if plan is None:
             plan = meta.cache[("sdpa", window, G, use_kernel)] = _StepPlan(meta, window, G, use_kernel)
@@ -90,8 +95,8 @@ class TorchSDPABackend(AttentionBackend):
 
         if plan.num_dec and plan.use_kernel:
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
-            od = cpu_kernels.paged_attention(qd, k_cache, v_cache, plan.dec_block_table, plan.dec_rows,
-                                             plan.dec_kv_start, plan.dec_kv_end, scale)
+            od = self.kernel(qd, k_cache, v_cache, plan.dec_block_table, plan.dec_rows, plan.dec_kv_start,
+                             plan.dec_kv_end, scale)
             if plan.dec_all:
                 return od
             out.index_copy_(0, plan.dec_tokens, od)
