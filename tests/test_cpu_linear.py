@@ -29,3 +29,14 @@ def test_leading_dims_and_large_batches_fall_back_correctly():
         torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
         big = torch.randn(64, 16)
         torch.testing.assert_close(cpu_linear.linear(big, w), F.linear(big, w))
+
+
+@pytest.mark.parametrize("M", [9, 64, 600])
+def test_packed_onednn_path_matches_f_linear(M):
+    g = torch.Generator().manual_seed(M)
+    x, w, b = torch.randn(M, 48, generator=g), torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+    packed = cpu_linear.pack(w)
+    if packed is None:
+        pytest.skip("oneDNN weight packing unavailable in this torch build")
+    with torch.inference_mode():
+        torch.testing.assert_close(cpu_linear.linear(x, w, b, packed), F.linear(x, w, b), atol=1e-4, rtol=1e-4)

@@ -119,6 +119,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
+        self.lm_head_packed = None
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -130,7 +131,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(hidden, self.lm_head.weight).float()
+        return cpu_linear.linear(hidden, self.lm_head.weight, None, self.lm_head_packed).float()
+
+    def process_weights_after_loading(self) -> None:
+        self.lm_head_packed = cpu_linear.pack(self.lm_head.weight)
 
     # -- weights ----------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter prefix, shard index within a merged linear)

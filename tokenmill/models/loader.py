@@ -55,6 +55,12 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}")
     model.eval()
+    for module in model.modules():  # repack/quantize weights now that they are final
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(module)
+    if hasattr(model, "process_weights_after_loading"):
+        model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s (%s, %.1f MB of weights) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
                 nbytes / 1e6, time.perf_counter() - t0)
