@@ -61,7 +61,8 @@ def run_single_stream(llm, prompt_len: int = 128, out_len: int = 128) -> dict[st
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    eng.add_request(EngineCoreRequest("single", list(range(1000, 1000 + prompt_len)), sp, None))
+    vocab = llm.config.model.hf_config.vocab_size
+    eng.add_request(EngineCoreRequest("single", [(1000 + i) % vocab for i in range(prompt_len)], sp, None))
     t0 = time.perf_counter()
     eng.step()  # prefill + first token
     t1 = time.perf_counter()

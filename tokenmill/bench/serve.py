@@ -1,7 +1,7 @@
 """Load generator for any OpenAI-compatible server: `tokenmill bench serve` and `tokenmill bench sweep`.
 
 Every request streams (SSE) and is timed from the client's side with a monotonic clock:
-- TTFT: send -> first chunk carrying content; ITL: gaps between successive chunks carrying content;
+- TTFT: send -> first chunk carrying tokens; ITL: gaps between successive chunks carrying tokens;
 - E2E: send -> end of stream; TPOT: (E2E - TTFT) / (output tokens - 1).
 Token counts come from the response's `usage` (requested with stream_options.include_usage), not from
 chunk counts: one chunk may carry several tokens.
@@ -104,15 +104,24 @@ def _payload(cfg: ServeConfig, req: BenchRequest) -> dict[str, Any]:
     return body
 
 
-def _content(chunk: dict, chat: bool) -> str:
-    text = ""
+def _carries_tokens(chunk: dict, chat: bool) -> bool:
+    """Whether a stream chunk delivers generated tokens: it has text, or an empty text field that is
+    neither chat's opening role announcement nor a closing finish-only chunk (servers send those empty
+    texts for tokens whose bytes do not yet decode to a whole character)."""
     for choice in chunk.get("choices") or []:
         if chat:
             delta = choice.get("delta") or {}
-            text += (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            if delta.get("content") or delta.get("reasoning_content"):
+                return True
+            if ("content" in delta or "reasoning_content" in delta) and "role" not in delta \
+                    and choice.get("finish_reason") is None:
+                return True
         else:
-            text += choice.get("text") or ""
-    return text
+            if choice.get("text"):
+                return True
+            if choice.get("text") is not None and choice.get("finish_reason") is None:
+                return True
+    return False
 
 
 def _error_message(body: bytes) -> str:
@@ -165,7 +174,7 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
                         break
                     if chunk.get("usage"):
                         usage = chunk["usage"]
-                    if _content(chunk, chat):
+                    if _carries_tokens(chunk, chat):
                         content_chunks += 1
                         if last is None:
                             rec["ttft"] = now - start

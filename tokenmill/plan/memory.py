@@ -49,7 +49,6 @@ class ModelShape:
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
     num_dense_layers: int = 0
-    router_bias: bool = False       # DeepSeek-V3's e_score_correction_bias
     # Multi-head latent attention (DeepSeek): the cache holds one compressed vector per token and layer.
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -97,7 +96,7 @@ class ModelShape:
         return 3 * self.hidden_size * width
 
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts + (self.num_experts if self.router_bias else 0)
+        return self.hidden_size * self.num_experts
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -177,24 +176,24 @@ class ModelShape:
             vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=mtype in ("qwen3", "qwen3_moe"), qkv_bias=mtype in ("qwen2", "qwen2_moe") or
             bool(cfg.get("attention_bias", False)))
-        if mtype == "mixtral" or cfg.get("num_local_experts"):
-            kw.update(num_experts=cfg["num_local_experts"], experts_per_token=cfg.get("num_experts_per_tok", 2),
-                      moe_intermediate_size=cfg["intermediate_size"], intermediate_size=0)
-        elif cfg.get("n_routed_experts"):  # DeepSeek V2/V3
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 renamed Qwen's
+        if cfg.get("n_routed_experts"):  # DeepSeek V2/V3
             freq = cfg.get("moe_layer_freq", 1) or 1
             first = cfg.get("first_k_dense_replace", 0)
             moe_layers = sum(1 for i in range(layers) if i >= first and i % freq == 0)
             kw.update(num_experts=cfg["n_routed_experts"], experts_per_token=cfg["num_experts_per_tok"],
                       moe_intermediate_size=cfg["moe_intermediate_size"],
-                      num_shared_experts=cfg.get("n_shared_experts") or 0, num_dense_layers=layers - moe_layers,
-                      router_bias=cfg.get("topk_method") == "noaux_tc" or mtype == "deepseek_v3")
-        elif cfg.get("num_experts") and cfg.get("moe_intermediate_size"):  # Qwen2/Qwen3 MoE
+                      num_shared_experts=cfg.get("n_shared_experts") or 0, num_dense_layers=layers - moe_layers)
+        elif experts and cfg.get("moe_intermediate_size"):  # Qwen2/Qwen3 MoE
             step = cfg.get("decoder_sparse_step", 1) or 1
             dense_only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
-            kw.update(num_experts=cfg["num_experts"], experts_per_token=cfg["num_experts_per_tok"],
+            kw.update(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
                       moe_intermediate_size=cfg["moe_intermediate_size"], num_dense_layers=layers - moe_layers,
                       shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
+        elif experts:  # Mixtral: every layer's MLP is `experts` copies of intermediate_size
+            kw.update(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2),
+                      moe_intermediate_size=cfg["intermediate_size"], intermediate_size=0)
         if cfg.get("kv_lora_rank"):
             kw.update(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                       qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],

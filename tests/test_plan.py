@@ -1,0 +1,208 @@
+"""`tokenmill plan`: parameter, memory and roofline arithmetic against hand-worked examples; the CLI;
+`--log-step-stats` in the engine."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+
+import pytest
+
+from tokenmill.cli import main
+from tokenmill.plan import get_hardware, load_model_shape, make_plan
+from tokenmill.plan.hardware import Hardware, measure_local_cpu
+from tokenmill.plan.memory import ModelShape, memory_plan
+from tokenmill.plan.roofline import compute_bound_batch, decode_cost, prefill_cost
+
+GiB = 2**30
+H100 = get_hardware("h100")
+
+
+def test_llama_8b_parameters_by_hand():
+    s = load_model_shape("Llama-3.1-8B")
+    attn = 4096 * 4096 * 2 + 2 * 4096 * 1024        # q, o + k, v (8 KV heads x 128)
+    mlp = 3 * 4096 * 14336
+    per_layer = attn + mlp + 2 * 4096               # + two RMSNorms
+    embed = 128256 * 4096                           # untied: embedding and LM head
+    assert s.params_total == 32 * per_layer + 2 * embed + 4096 == s.params_active
+    assert s.params_total == pytest.approx(8.03e9, rel=0.002)
+
+
+def test_kv_bytes_per_token():
+    assert load_model_shape("Llama-3.1-8B").kv_bytes_per_token("bf16") == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert load_model_shape("Llama-3.1-8B").kv_bytes_per_token("fp8") == 64 * 1024
+    # MLA: one latent (512) + the rope key (64) per layer, not per head
+    assert load_model_shape("DeepSeek-V3").kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("Llama-3.1-70B", 70.6e9, 70.6e9), ("Llama-3.1-405B", 405.9e9, 405.9e9), ("Qwen3-0.6B", 0.596e9, 0.596e9),
+    ("Qwen3-8B", 8.19e9, 8.19e9), ("Qwen3-32B", 32.8e9, 32.8e9), ("Qwen3-235B-A22B", 235.1e9, 22.2e9),
+    ("Mixtral-8x7B", 46.7e9, 12.9e9), ("DeepSeek-V3", 671e9, 37.5e9), ("SmolLM2-135M", 134.5e6, 134.5e6)])
+def test_presets_match_model_cards(name, total, active):
+    s = load_model_shape(name)
+    assert s.params_total == pytest.approx(total, rel=0.005)
+    assert s.params_active == pytest.approx(active, rel=0.01)
+
+
+def test_preset_lookup_is_forgiving():
+    assert load_model_shape("meta-llama/llama-3.1-8b-instruct").name == "Llama-3.1-8B"
+    assert load_model_shape(None).name == "SmolLM2-135M"
+    with pytest.raises(ValueError, match="neither a local directory"):
+        load_model_shape("no-such-model")
+
+
+def test_local_config_json_alone(tmp_path, tiny):
+    import shutil
+
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(f"{tiny('qwen3')}/config.json", d / "config.json")
+    s = load_model_shape(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    assert (s.hidden_size, s.num_layers, s.num_kv_heads, s.head_dim) == (64, 2, 2, 32) and s.qk_norm
+    # exact against the real module's parameter count
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    assert s.params_total == sum(p.numel() for p in model.parameters())
+
+
+def test_param_count_matches_transformers_for_moe_and_mla():
+    """Shapes shrunk from the presets, counted against the real modules (meta device: no memory)."""
+    import torch
+    import transformers
+
+    cases = [
+        dict(model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=300, num_local_experts=4, num_experts_per_tok=2),
+        dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+             tie_word_embeddings=False),
+        dict(model_type="deepseek_v3", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=300, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
+             tie_word_embeddings=False),
+    ]
+    for cfg in cases:
+        try:
+            hf_cfg = transformers.AutoConfig.for_model(**cfg)
+        except (ValueError, KeyError):
+            pytest.skip(f"transformers lacks {cfg['model_type']}")
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        s = ModelShape.from_hf_config(hf_cfg.to_dict())
+        assert s.params_total == sum(p.numel() for p in model.parameters()), cfg["model_type"]
+
+
+def test_h100_ratio_and_verdicts():
+    assert H100.ops_per_byte("bf16") == pytest.approx(295, rel=0.01)
+    p = make_plan(load_model_shape("Llama-3.1-8B"), H100, "bf16", "bf16", batch_size=1, input_len=2048,
+                  output_len=256)
+    assert p["decode"]["bound"] == "memory" and p["prefill"]["bound"] == "compute"
+    assert p["prefill"]["arithmetic_intensity"] > 295 > p["decode"]["arithmetic_intensity"]
+    # batch-1 decode ~ one pass over the weights (+ the KV): <= 3.35e12 / 16.06e9 ~ 209 tok/s
+    wb = p["weight_bytes"]
+    assert wb == 2 * p["params_total"]
+    ctx = 2048 + 128
+    expect = 3.35e12 / (wb + (ctx + 1) * 131072)
+    assert p["decode"]["tokens_per_s_per_user"] == pytest.approx(expect, rel=1e-6)
+    assert p["decode"]["tokens_per_s_total"] == p["decode"]["tokens_per_s_per_user"]
+    # prefill of 2048 tokens: compute-bound, so TTFT >= FLOPs / peak
+    flops = 2 * (p["params_total"] - 128256 * 4096) * 2048 + 32 * 2 * 32 * 256 * 2048 * 2049 / 2
+    assert p["prefill"]["flops"] == pytest.approx(flops)
+    assert p["prefill"]["ttft_s"] == pytest.approx(flops / 989.4e12)
+
+
+def test_decode_crossover_batch():
+    s = load_model_shape("Llama-3.1-8B")
+    # short context: intensity ~ B * 2P / (W + B * C * kvb) reaches 295 at a few hundred sequences
+    b = compute_bound_batch(s, 128, 295, "bf16", "bf16")
+    assert b is not None and 300 < b < 700
+    assert decode_cost(s, b, 128, "bf16", "bf16").arithmetic_intensity >= 295
+    assert decode_cost(s, b - 1, 128, "bf16", "bf16").arithmetic_intensity < 295
+    # long context: each sequence's KV reads grow as fast as its FLOPs (~4 FLOP/byte with GQA x4): never
+    assert compute_bound_batch(s, 8192, 295, "bf16", "bf16") is None
+    p = make_plan(s, H100, input_len=8192, output_len=0)
+    assert p["decode"]["compute_bound_batch_size"] is None
+
+
+def test_memory_fit_and_min_gpus():
+    s = load_model_shape("Llama-3.1-8B")
+    m = memory_plan(s, "bf16", "bf16", 4096, 80 * GiB, 1, 0.9)
+    assert m.kv_bytes_per_seq == 4096 * 128 * 1024 == 512 * 2**20
+    assert m.max_concurrent_seqs == int((0.9 * 80 * GiB - m.weight_bytes) // (512 * 2**20))
+    assert m.min_gpus == 1
+    # 70B bf16: 141 GB of weights; 1.5x that needs 3 x 80 GiB
+    assert memory_plan(load_model_shape("Llama-3.1-70B"), "bf16", "bf16", 4096, 80 * GiB).min_gpus == 3
+    assert memory_plan(load_model_shape("Llama-3.1-405B"), "fp8", "fp8", 4096, 80 * GiB).min_gpus == 8
+    too_big = make_plan(load_model_shape("Llama-3.1-70B"), H100)
+    assert too_big["max_concurrent_seqs"] == 0 and any("no room" in n for n in too_big["notes"])
+    assert make_plan(load_model_shape("Llama-3.1-70B"), H100, tp=4)["max_concurrent_seqs"] > 0
+
+
+def test_moe_decode_touches_only_routed_experts():
+    s = load_model_shape("Mixtral-8x7B")
+    one = decode_cost(s, 1, 1024, "bf16", "bf16")
+    many = decode_cost(s, 256, 1024, "bf16", "bf16")
+    assert one.bytes < 0.35 * s.params_total * 2          # ~2 of 8 experts per layer
+    assert many.bytes > s.params_total * 2                # all experts (+ KV)
+    assert prefill_cost(s, 1, 2048, "bf16", "bf16").bytes > s.params_total * 2 * 0.99
+
+
+def test_fp8_on_a100_falls_back_to_bf16():
+    p = make_plan(load_model_shape("Llama-3.1-8B"), get_hardware("a100"), weight_dtype="fp8")
+    assert p["compute_dtype"] == "bf16" and p["weight_bytes"] == p["params_total"]
+    assert any("no fp8" in n for n in p["notes"])
+
+
+def test_local_cpu_is_measured():
+    hw = measure_local_cpu(("fp32",), bandwidth_bytes=32 * 2**20, matmul_n=256, reps=2)
+    assert hw.measured and hw.bandwidth > 1e8 and hw.flops["fp32"] > 1e8 and hw.memory_bytes > 2**30
+
+
+def test_cli_json_keys(capsys):
+    assert main(["plan", "Llama-3.1-8B", "--hardware", "h100", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    for key in ("params_total", "params_active", "weight_bytes", "kv_bytes_per_token", "max_concurrent_seqs",
+                "min_gpus"):
+        assert isinstance(p[key], int), key
+    assert set(p["prefill"]) >= {"arithmetic_intensity", "bound"}
+    assert set(p["decode"]) >= {"arithmetic_intensity", "bound", "tokens_per_s_per_user", "tokens_per_s_total"}
+    assert p["prefill"]["bound"] == "compute" and p["decode"]["bound"] == "memory"
+    assert p["kv_bytes_per_token"] == 131072
+
+
+def test_cli_text_and_errors(capsys):
+    assert main(["plan", "DeepSeek-V3", "--hardware", "H200", "--tp", "8", "--weight-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "671" in out and "active" in out and "compute-bound" in out
+    assert main(["plan", "Llama-3.1-8B", "--hardware", "tpu-v9"]) == 2
+    assert "unknown hardware" in capsys.readouterr().err
+    assert main(["plan", "--list"]) == 0
+    assert "MI300X" in capsys.readouterr().out
+
+
+def test_hardware_catalog_sanity():
+    for name in ("h100", "h200", "b200", "a100", "l40s", "mi300x"):
+        hw = get_hardware(name)
+        assert isinstance(hw, Hardware) and hw.flops["bf16"] > 1e14 and hw.bandwidth > 5e11
+        assert hw.flops["fp32"] < hw.flops["bf16"] and math.isfinite(hw.ops_per_byte("bf16"))
+
+
+def test_log_step_stats(tiny, caplog):
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny("llama"), dtype="float32", log_step_stats=True, kv_cache_memory_bytes="16MiB")
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        llm.generate(["Hello, world!", "The quick brown fox"], SamplingParams(max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    lines = [r.getMessage() for r in caplog.records if re.match(r"step \d+: ", r.getMessage())]
+    assert len(lines) == 3  # one prefill step (+ first token), two decode steps
+    assert "batch 2" in lines[-1] and "2 tokens" in lines[-1] and "MFU" in lines[-1] and "MBU" in lines[-1]
+    llm.engine.shutdown()
