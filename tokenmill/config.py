@@ -139,8 +139,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
 
     def validate(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -149,6 +152,14 @@ class CacheConfig:
             raise ValueError("num_gpu_blocks_override must be at least 1")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return {"auto": model_dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+            "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}[kv_cache_dtype]
 
 
 @dataclass
@@ -213,6 +224,10 @@ class EngineConfig:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--num-gpu-blocks-override", type=int, default=None)
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                       help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
+                            "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
+                            "calibrated on the first prefill for int8) and dequantize inside attention")
         p.add_argument("--max-num-seqs", type=int, default=256)
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -227,5 +242,6 @@ class EngineConfig:
             seed=a.seed, served_model_name=a.served_model_name, block_size=a.block_size,
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
+            kv_cache_dtype=a.kv_cache_dtype,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False))

@@ -34,7 +34,8 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks)
         bs = config.cache.block_size
         gib = num_blocks * self.executor.bytes_per_block() / 2**30
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks, bs, num_blocks * bs, gib)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, bs, num_blocks * bs, gib,
+                    config.cache.kv_cache_dtype)
         self.scheduler = Scheduler(config, num_blocks)
         self.vocab_size = config.model.hf_config.vocab_size
         self._pending: list[EngineCoreOutput] = []  # abort notices not yet returned by step()

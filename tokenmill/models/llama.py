@@ -55,6 +55,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.rotary = rotary
         self.backend = backend
+        self.kv_quant = None             # a KVCacheQuant when the cache is fp8/int8 (set by the worker)
+        self.checkpoint_kv_scales = {}   # k_scale/v_scale tensors a checkpoint carries: {0: k, 1: v}
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -67,7 +69,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k, meta.cache)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window, self.kv_quant)
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -152,6 +154,10 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding is the head
             parts = name.split(".")
+            if parts[-1] in ("k_scale", "v_scale") and parts[-2] == "self_attn":  # KV-cache scales
+                attn = self.get_submodule(".".join(parts[:-1]))
+                attn.checkpoint_kv_scales[0 if parts[-1] == "k_scale" else 1] = tensor
+                continue
             shard = None
             if len(parts) >= 2 and parts[-2] in self._MERGED:
                 merged, shard = self._MERGED[parts[-2]]

@@ -5,7 +5,8 @@ import logging
 
 import torch
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, kv_cache_torch_dtype
+from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.models.loader import load_model
 from tokenmill.structured import StructuredOutputManager
@@ -29,6 +30,13 @@ class Worker:
                                   mc.hf_config.vocab_size, mc.seed)
         if mc.tokenizer is not None:
             self.runner.structured = StructuredOutputManager(mc.tokenizer, mc.hf_config.vocab_size)
+        self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
+        if self.kv_dtype.itemsize == 1:  # fp8/int8 cache: each attention layer quantizes on write
+            for module in self.model.modules():
+                if hasattr(module, "kv_quant"):
+                    module.kv_quant = KVCacheQuant(self.kv_dtype, module.num_kv_heads).to(self.device)
+                    for which, value in module.checkpoint_kv_scales.items():
+                        module.kv_quant.load_scale(which, value)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         attn = self.model.layers[0].self_attn
@@ -36,7 +44,7 @@ class Worker:
 
     def bytes_per_block(self) -> int:
         shape = self.kv_shape(1)
-        per_layer = torch.Size(shape).numel() * torch.tensor([], dtype=self.config.model.torch_dtype).element_size()
+        per_layer = torch.Size(shape).numel() * self.kv_dtype.itemsize
         return per_layer * len(self.model.layers)
 
     def determine_num_blocks(self) -> int:
@@ -59,11 +67,11 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         shape = self.kv_shape(num_blocks)
-        dtype = self.config.model.torch_dtype
+        dtype = self.kv_dtype
         # Never-written slots are read (masked) by attention, so they must hold finite values. On CPU a large
         # torch.empty is a fresh anonymous mmap, which the kernel hands out zeroed page by page as it is first
         # touched; torch.zeros would instead touch all 4 GiB up front (seconds of start-up).
-        nbytes = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
 

@@ -36,8 +36,9 @@ class AttentionBackend:
     name = "base"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: Optional[int]) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+                meta: AttentionMetadata, scale: float, window: Optional[int], kv_quant=None) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. kv_quant (a kv_quant.KVCacheQuant) when the cache
+        holds fp8/int8."""
         raise NotImplementedError
 
 

@@ -66,6 +66,19 @@ class _StepPlan:
             self.prefills.append((q0, q0 + n, blocks, mask.repeat(group, 1)))
 
 
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_quant=None) -> None:
+    """Store the step's k/v [T, Hkv, D] into their slots (quantized when the cache is 8-bit)."""
+    Hkv, D = k.shape[1], k.shape[2]
+    if kv_quant is not None:
+        kv_quant.observe(k, v)
+        k, v = kv_quant.quantize(k, 0), kv_quant.quantize(v, 1)
+        if k.dtype.itemsize == 1 and k.dtype != torch.int8:  # fp8: copy the bytes (not every op takes fp8)
+            k, v, kv_cache = k.view(torch.uint8), v.view(torch.uint8), kv_cache.view(torch.uint8)
+    kv_cache[0].view(Hkv, -1, D).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    kv_cache[1].view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
 class PagedAttentionBackend(AttentionBackend):
     name = "torch_sdpa"
 
@@ -79,13 +92,17 @@ class PagedAttentionBackend(AttentionBackend):
             self.kernel, self.name = triton_paged.paged_attention, "triton_paged"
             self.kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int]):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int],
+                kv_quant=None):
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
         k_cache, v_cache = kv_cache[0], kv_cache[1]                                      # [Hkv, N, bs, D]
-        k_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        v_cache.view(Hkv, -1, D).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        write_kv(kv_cache, k, v, meta.slot_mapping, kv_quant)
+        if kv_quant is None:
+            load = lambda x, which: x  # noqa: E731
+        else:
+            load = lambda x, which: kv_quant.dequantize(x, which, q.dtype)  # noqa: E731
 
         use_kernel = q.dtype in self.kernel_dtypes
         plan = meta.cache.get(("sdpa", window, G, use_kernel))
@@ -96,7 +113,7 @@ class PagedAttentionBackend(AttentionBackend):
         if plan.num_dec and plan.use_kernel:
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
             od = self.kernel(qd, k_cache, v_cache, plan.dec_block_table, plan.dec_rows, plan.dec_kv_start,
-                             plan.dec_kv_end, scale)
+                             plan.dec_kv_end, scale, kv_quant)
             if plan.dec_all:
                 return od
             out.index_copy_(0, plan.dec_tokens, od)
@@ -104,8 +121,8 @@ class PagedAttentionBackend(AttentionBackend):
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
             Bd = qd.shape[0]
             qd = qd.view(Bd, Hkv, G, D).transpose(0, 1)                                 # [Hkv,Bd,G,D]
-            kd = k_cache.index_select(1, plan.dec_blocks).view(Hkv, Bd, -1, D)          # [Hkv,Bd,L,D]
-            vd = v_cache.index_select(1, plan.dec_blocks).view(Hkv, Bd, -1, D)
+            kd = load(k_cache.index_select(1, plan.dec_blocks), 0).view(Hkv, Bd, -1, D)  # [Hkv,Bd,L,D]
+            vd = load(v_cache.index_select(1, plan.dec_blocks), 1).view(Hkv, Bd, -1, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
             od = od.transpose(0, 1).reshape(Bd, Hq, D)
             if plan.dec_all:
@@ -124,8 +141,8 @@ class PagedAttentionBackend(AttentionBackend):
                 kp, vp = k[q0:q1].transpose(0, 1), v[q0:q1].transpose(0, 1)              # [Hkv,s,D]
             else:
                 s = mask.shape[1]
-                kp = k_cache.index_select(1, blocks).view(Hkv, -1, D)[:, :s]
-                vp = v_cache.index_select(1, blocks).view(Hkv, -1, D)[:, :s]
+                kp = load(k_cache.index_select(1, blocks), 0).view(Hkv, -1, D)[:, :s]
+                vp = load(v_cache.index_select(1, blocks), 1).view(Hkv, -1, D)[:, :s]
             # Query heads grouped under their KV head: [1, Hkv, G*n, D] against [1, Hkv, s, D].
             qg = q[q0:q1].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * n, D)
             op = F.scaled_dot_product_attention(qg, kp[None], vp[None], attn_mask=mask, scale=scale)

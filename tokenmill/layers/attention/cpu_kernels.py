@@ -17,34 +17,46 @@ def load() -> Optional[ctypes.CDLL]:
     lib = load_library("paged_attention", [_SOURCE])
     if lib is not None and not getattr(lib, "_typed", False):
         i64, i32p, vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p
-        for fn in (lib.paged_attention_f32, lib.paged_attention_bf16):
+        for name in set(_FUNCS.values()):
+            fn = getattr(lib, name)
             fn.argtypes = [vp, vp, vp, vp, i32p, i64, i32p, i32p, i32p, i64, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ctypes.c_int]
+                           ctypes.c_float, ctypes.c_int, vp, vp, vp]
             fn.restype = None
         lib._typed = True
     return lib
 
 
-_FUNCS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# (query dtype, cache holds bytes) -> kernel
+_FUNCS = {(torch.float32, False): "paged_attention_f32", (torch.bfloat16, False): "paged_attention_bf16",
+          (torch.float32, True): "paged_attention_f32_kv8", (torch.bfloat16, True): "paged_attention_bf16_kv8"}
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(dtype: torch.dtype) -> bool:
-    return dtype in _FUNCS and load() is not None
+    return dtype in DTYPES and load() is not None
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D]; int32 block_table [B, nb]; int32 per-token
-    request row and key range [kv_start, kv_end). Returns [Tq, Hq, D]."""
+                    req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float,
+                    kv_quant=None) -> torch.Tensor:
+    """q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D] (q's dtype, or 8-bit with `kv_quant`, a
+    KVCacheQuant); int32 block_table [B, nb]; int32 per-token request row and key range [kv_start, kv_end).
+    Returns [Tq, Hq, D]."""
     lib = load()
+    quant = kv_quant is not None
     q = q.contiguous()
     out = torch.empty_like(q)
     Tq, Hq, D = q.shape
     Hkv, _, bs, _ = k_cache.shape
     assert k_cache.is_contiguous() or k_cache.stride(1) == bs * D  # blocks of one head are dense
     as_i32 = lambda t: ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_int32))  # noqa: E731
-    getattr(lib, _FUNCS[q.dtype])(
+    if quant:
+        scales = kv_quant.scale.contiguous()
+        extra = (kv_quant.lut().data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
+    else:
+        extra = (None, None, None)
+    getattr(lib, _FUNCS[(q.dtype, quant)])(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), as_i32(block_table),
         block_table.stride(0), as_i32(req_of), as_i32(kv_start), as_i32(kv_end), Tq, Hq, Hkv, D,
-        k_cache.stride(0), bs, scale, torch.get_num_threads())
+        k_cache.stride(0), bs, scale, torch.get_num_threads(), *extra)
     return out

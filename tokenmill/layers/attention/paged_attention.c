@@ -8,6 +8,9 @@
  * Layouts: q/out [Tq, Hq, D] contiguous; k/v cache [Hkv, num_blocks * block_size, D] (head_stride elements
  * apart); block_table int32 [B, bt_stride]; per query token: its request row, and the key range
  * [kv_start, kv_end) it attends (causal end; kv_start > 0 under a sliding window).
+ * Quantized caches (fp8/int8 bytes) decode each byte through a 256-entry fp32 table `lut` and carry one scale
+ * per KV head for K and for V (kv_quant.py); a head's scale is constant over the context, so it is folded
+ * into the query (K) and the output (V) instead of multiplying every element.
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,22 +32,25 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                                       \
-void NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t *block_table,               \
+#define DEFINE_PAGED_ATTENTION(NAME, T, KT, LOAD, STORE, LOADKV)                                           \
+void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_table,             \
           int64_t bt_stride, const int32_t *req_of, const int32_t *kv_start, const int32_t *kv_end,         \
           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                    \
-          int64_t head_stride, int64_t block_size, float scale, int num_threads) {                          \
+          int64_t head_stride, int64_t block_size, float scale, int num_threads, const float *lut,          \
+          const float *k_scale, const float *v_scale) {                                                     \
+    (void)lut;                                                                                              \
     const int64_t G = num_heads / num_kv_heads, D = head_dim;                                               \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                   \
     for (int64_t t = 0; t < num_tokens; t++) {                                                              \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                        \
             const int64_t s0 = kv_start[t], s1 = kv_end[t], L = s1 - s0;                                    \
             const int32_t *bt = block_table + (int64_t)req_of[t] * bt_stride;                               \
-            const T *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;                       \
+            const KT *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;                      \
+            const float qscale = scale * (k_scale ? k_scale[h] : 1.0f), oscale = v_scale ? v_scale[h] : 1.0f;  \
             float *qf = malloc(sizeof(float) * (size_t)(G * D * 2 + G * (L > 0 ? L : 1)));                  \
             float *acc = qf + G * D, *sc = acc + G * D;                                                     \
             for (int64_t i = 0; i < G * D; i++) {                                                           \
-                qf[i] = LOAD(q[(t * num_heads + h * G) * D + i]) * scale;                                   \
+                qf[i] = LOAD(q[(t * num_heads + h * G) * D + i]) * qscale;                                  \
                 acc[i] = 0.0f;                                                                              \
             }                                                                                               \
             /* pass 1: scores, block by block */                                                            \
@@ -52,14 +58,14 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t 
                 const int64_t off = p % block_size;                                                         \
                 int64_t n = block_size - off;                                                               \
                 if (n > s1 - p) n = s1 - p;                                                                 \
-                const T *kb = kh + ((int64_t)bt[p / block_size] * block_size + off) * D;                    \
+                const KT *kb = kh + ((int64_t)bt[p / block_size] * block_size + off) * D;                   \
                 for (int64_t g = 0; g < G; g++) {                                                           \
                     const float *qg = qf + g * D;                                                           \
                     for (int64_t j = 0; j < n; j++) {                                                       \
-                        const T *kj = kb + j * D;                                                           \
+                        const KT *kj = kb + j * D;                                                          \
                         float s = 0.0f;                                                                     \
                         _Pragma("omp simd reduction(+:s)")                                                  \
-                        for (int64_t d = 0; d < D; d++) s += qg[d] * LOAD(kj[d]);                           \
+                        for (int64_t d = 0; d < D; d++) s += qg[d] * LOADKV(kj[d]);                         \
                         sc[g * L + (p - s0) + j] = s;                                                       \
                     }                                                                                       \
                 }                                                                                           \
@@ -71,21 +77,21 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t 
                 float *s = sc + g * L, mx = -INFINITY, sum = 0.0f;                                          \
                 for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;                                 \
                 for (int64_t i = 0; i < L; i++) { s[i] = expf(s[i] - mx); sum += s[i]; }                    \
-                inv[g] = sum > 0.0f ? 1.0f / sum : 0.0f;                                                    \
+                inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                  \
             }                                                                                               \
             /* pass 2: weighted sum of values */                                                            \
             for (int64_t p = s0; p < s1;) {                                                                 \
                 const int64_t off = p % block_size;                                                         \
                 int64_t n = block_size - off;                                                               \
                 if (n > s1 - p) n = s1 - p;                                                                 \
-                const T *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * D;                    \
+                const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * D;                   \
                 for (int64_t j = 0; j < n; j++) {                                                           \
-                    const T *vj = vb + j * D;                                                               \
+                    const KT *vj = vb + j * D;                                                              \
                     for (int64_t g = 0; g < G; g++) {                                                       \
                         const float w = sc[g * L + (p - s0) + j];                                           \
                         float *ag = acc + g * D;                                                            \
                         _Pragma("omp simd")                                                                 \
-                        for (int64_t d = 0; d < D; d++) ag[d] += w * LOAD(vj[d]);                           \
+                        for (int64_t d = 0; d < D; d++) ag[d] += w * LOADKV(vj[d]);                         \
                     }                                                                                       \
                 }                                                                                           \
                 p += n;                                                                                     \
@@ -99,5 +105,8 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int32_t 
 }
 
 #define IDENT(x) (x)
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, IDENT, IDENT)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#define BYTE_LUT(x) (lut[(x)])
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, float, IDENT, IDENT, IDENT)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_kv8, float, uint8_t, IDENT, IDENT, BYTE_LUT)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_kv8, uint16_t, uint8_t, bf16_to_f32, f32_to_bf16, BYTE_LUT)

@@ -25,9 +25,10 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, O, BT, REQ, KS, KE, bt_stride, q_stride_t, q_stride_h, kv_stride_h,
-                                scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                                BS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _paged_attention_kernel(Q, K, V, O, BT, REQ, KS, KE, K_SCALE, V_SCALE, bt_stride, q_stride_t, q_stride_h,
+                                kv_stride_h, scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                QUANT: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, GP)
@@ -35,6 +36,8 @@ if triton is not None:
         gd_mask = (g < G)[:, None] & (d < D)[None, :]
         q_off = t * q_stride_t + (h * G + g)[:, None] * q_stride_h + d[None, :]
         q = tl.load(Q + q_off, mask=gd_mask, other=0.0).to(tl.float32) * scale
+        if QUANT:  # 8-bit cache: per-head scales folded into q (K) and the output (V)
+            q = q * tl.load(K_SCALE + h)
         req = tl.load(REQ + t).to(tl.int64)
         s0 = tl.load(KS + t)
         s1 = tl.load(KE + t)
@@ -60,20 +63,26 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
         out = acc / l_i[:, None]
+        if QUANT:
+            out = out * tl.load(V_SCALE + h)
         tl.store(O + q_off, out.to(O.dtype.element_ty), mask=gd_mask)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                    req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as cpu_kernels.paged_attention: q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D];
-    int32 block_table [B, nb], per-token request row and key range [kv_start, kv_end). Returns [Tq, Hq, D]."""
+                    req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float,
+                    kv_quant=None) -> torch.Tensor:
+    """Same contract as cpu_kernels.paged_attention: q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D]
+    (q's dtype, or fp8/int8 with `kv_quant`); int32 block_table [B, nb], per-token request row and key range
+    [kv_start, kv_end). Returns [Tq, Hq, D]."""
     q = q.contiguous()
     out = torch.empty_like(q)
     Tq, Hq, D = q.shape
     Hkv, _, bs, _ = k_cache.shape
     G = Hq // Hkv
+    scales = kv_quant.scale.contiguous() if kv_quant is not None else q.new_ones(2, Hkv, dtype=torch.float32)
     _paged_attention_kernel[(Tq, Hkv)](
-        q, k_cache, v_cache, out, block_table, req_of, kv_start, kv_end, block_table.stride(0), q.stride(0),
-        q.stride(1), k_cache.stride(0), scale, G=G, GP=triton.next_power_of_2(G), D=D,
-        DP=triton.next_power_of_2(D), BS=bs, BLOCK_N=32)
+        q, k_cache, v_cache, out, block_table, req_of, kv_start, kv_end, scales[0], scales[1],
+        block_table.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), scale, G=G,
+        GP=triton.next_power_of_2(G), D=D, DP=triton.next_power_of_2(D), BS=bs, BLOCK_N=32,
+        QUANT=kv_quant is not None)
     return out
