@@ -5,6 +5,7 @@ All validation and the error messages users see for bad settings live here.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -176,11 +177,116 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
 
 
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+
+
+@dataclass
+class SpeculativeConfig:
+    """--speculative-config '{json}' (vLLM's keys). `adaptive` (ours) lets the engine lower k or pause
+    speculation when the measured acceptance and step cost say it does not pay."""
+    method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
+    model: Optional[str] = None                 # draft model / EAGLE head directory
+    prompt_lookup_min: Optional[int] = None     # ngram
+    prompt_lookup_max: Optional[int] = None
+    disable_by_batch_size: Optional[int] = None  # no speculation in steps with at least this many requests
+    adaptive: bool = False
+    quantization: Optional[str] = None          # draft_model: quantize the draft's weights on load
+    eagle_aux_hidden_state_layer_ids: Optional[list[int]] = None  # eagle3: target layers whose input is fused
+    # Resolved in finalize():
+    draft_model_dir: str = ""
+    draft_hf_config: Any = None
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a JSON object such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls) if f.name not in ("draft_model_dir", "draft_hf_config")}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+    @property
+    def k(self) -> int:
+        return self.num_speculative_tokens or 0
+
+    @property
+    def needs_kv(self) -> bool:
+        """The drafter keeps its own paged KV (same block ids as the target)."""
+        return self.method != "ngram"
+
+    def finalize(self, model: ModelConfig) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model else None
+        if self.method == "[ngram]":
+            self.method = "ngram"
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPEC_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        if k > 16:
+            raise ValueError(f"speculative_config num_speculative_tokens={k} is too large (at most 16)")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config disable_by_batch_size must be at least 1")
+        if self.method == "ngram":
+            if self.model:
+                raise ValueError("speculative_config method 'ngram' takes no model")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo = lo if lo is not None else min(hi, 2) if hi is not None else 2
+            hi = hi if hi is not None else max(lo, 5)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                                 f"got {lo} and {hi}")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+            return
+        if not self.model:
+            raise ValueError(f"speculative_config method {self.method!r} needs \"model\": a local directory")
+        from transformers import AutoConfig
+
+        self.draft_model_dir = resolve_model_path(self.model)
+        try:
+            self.draft_hf_config = AutoConfig.from_pretrained(self.draft_model_dir)
+        except Exception as e:  # noqa: BLE001
+            if self.method == "draft_model":
+                raise ValueError(f"cannot read the draft model's config in {self.draft_model_dir}: {e}") from None
+            from transformers import LlamaConfig  # EAGLE heads often carry a custom architecture name
+
+            with open(os.path.join(self.draft_model_dir, "config.json")) as f:
+                self.draft_hf_config = LlamaConfig(**json.load(f))
+        d, t = self.draft_hf_config, model.hf_config
+        if self.method == "draft_model":
+            if d.vocab_size != t.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({d.vocab_size}) differs from the target's "
+                                 f"({t.vocab_size}); a draft model must share the tokenizer")
+            if (getattr(d, "max_position_embeddings", None) or 2048) < model.max_model_len:
+                raise ValueError(f"the draft model's max_position_embeddings ({d.max_position_embeddings}) is "
+                                 f"below max_model_len={model.max_model_len}; lower --max-model-len")
+        else:
+            if d.hidden_size != t.hidden_size:
+                raise ValueError(f"the EAGLE head's hidden_size ({d.hidden_size}) differs from the target's "
+                                 f"({t.hidden_size}); the head was trained for another model")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config quantization applies to method 'draft_model' only")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: Optional[SpeculativeConfig] = None
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
 
@@ -192,6 +298,8 @@ class EngineConfig:
         self.cache.validate()
         self.model.finalize(self.device, install_default)
         self.scheduler.validate(self.model.max_model_len)
+        if self.speculative is not None:
+            self.speculative.finalize(self.model)
         return self
 
     @classmethod
@@ -203,6 +311,7 @@ class EngineConfig:
             built[name] = klass(**{k: kw.pop(k) for k in list(kw) if k in names})
         device = kw.pop("device", "auto")
         log_step_stats = bool(kw.pop("log_step_stats", False))
+        built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
         return cls(device=device, log_step_stats=log_step_stats, **built)
@@ -231,6 +340,9 @@ class EngineConfig:
         p.add_argument("--max-num-seqs", type=int, default=256)
         p.add_argument("--max-num-batched-tokens", type=int, default=None)
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                            '(methods: ngram, draft_model, eagle, eagle3)')
         p.add_argument("--log-step-stats", action="store_true",
                        help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
                             "figures (see `tokenmill plan`)")
@@ -244,4 +356,5 @@ class EngineConfig:
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
-            log_step_stats=getattr(a, "log_step_stats", False))
+            log_step_stats=getattr(a, "log_step_stats", False),
+            speculative_config=getattr(a, "speculative_config", None))

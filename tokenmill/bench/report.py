@@ -146,6 +146,9 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     if "goodput" in s:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slo"].items())
         lines.append(f"{'goodput':<24}{s['goodput']:.2f} req/s ({s['slo_attainment']:.0%} of requests meet {slo})")
+    if "client_cpu_s" in s:
+        lines.append(f"{'client CPU':<24}{s['client_cpu_s']:.2f} s ({s['client_cpu_s'] / s['duration_s']:.0%} of a core"
+                     " while measuring)" if s["duration_s"] > 0 else f"{'client CPU':<24}{s['client_cpu_s']:.2f} s")
     if s.get("usage_missing"):
         lines.append(f"{'note':<24}{s['usage_missing']} responses had no usage: their tokens were counted "
                      "from stream chunks")
@@ -291,8 +294,8 @@ def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "") -> 
     ax.set_ylabel("total output tok/s")
     ax.set_title(title or "throughput vs interactivity", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
+    ax.set_xlim(0, max(xs, default=1) * 1.12)
+    ax.set_ylim(0, max(ys, default=1) * 1.12)  # room for the labels
     fig.tight_layout()
     path = os.path.join(out_dir, "pareto.png")
     fig.savefig(path, dpi=110)

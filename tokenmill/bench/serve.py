@@ -237,6 +237,7 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
     import httpx
     from tqdm import tqdm
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     # trust_env=False: measure the server, not a proxy from the environment
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=30.0), limits=limits,
@@ -326,8 +327,11 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
     warm_source = request_source(cfg, tokenizer, seed + 104729)
     warmup = [next(warm_source) for _ in range(cfg.warmup)]
     n = None if cfg.duration is not None else cfg.num_prompts
+    cpu = time.process_time()
     records, duration = asyncio.run(_run(cfg, source, n, warmup, title or "bench"))
     summary = summarize(records, duration, cfg.slo)
+    # a busy client delays its own timestamps: its CPU share says whether the numbers can be trusted
+    summary["client_cpu_s"] = time.process_time() - cpu
     conf = dataclasses.asdict(cfg)
     conf["slo"] = {k: v * 1e3 for k, v in cfg.slo.items()}
     conf["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate

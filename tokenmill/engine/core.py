@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request
@@ -23,6 +23,12 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    # Speculative decoding (cumulative; zero without it)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_k: int = 0                 # drafts per request in the last step (the controller's choice)
 
 
 class EngineCore:
@@ -74,16 +80,23 @@ class EngineCore:
             if sched.finished_req_ids:  # let the worker drop state of finished requests
                 self.executor.execute_model(sched)
             return outputs
+        t_exec = time.perf_counter()
         result = self.executor.execute_model(sched)
-        outputs += self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs)
+        outputs += self.scheduler.update(sched, result, time.perf_counter() - t_exec)
         if self.step_stats is not None:
             self.step_stats.log(sched, time.perf_counter() - t0)
         return outputs
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
-        return EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
-                           s.num_preemptions, kv.pool.num_free, kv.num_blocks)
+        stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
+                            s.num_preemptions, kv.pool.num_free, kv.num_blocks)
+        if s.spec is not None:
+            c = s.spec.counters
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens
+            stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = c.num_accepted_tokens, list(c.accepted_per_pos)
+            stats.spec_k = s.spec.last_k
+        return stats
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -112,14 +112,17 @@ class KVCacheManager:
             self.num_hits += num_hit_tokens
 
     # -- allocation -----------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int, cached: Optional[list[Block]] = None) -> bool:
-        """Make room for req's next num_new_tokens (after num_computed_tokens and any cached blocks).
+    def allocate_slots(self, req: Request, num_new_tokens: int, cached: Optional[list[Block]] = None,
+                       num_lookahead_tokens: int = 0) -> bool:
+        """Make room for req's next num_new_tokens (after num_computed_tokens and any cached blocks), plus
+        num_lookahead_tokens slots a drafter may write ahead. New tokens past req.num_tokens are speculative
+        (draft tokens): their slots are allocated but their blocks are not registered in the prefix cache.
         Returns False, changing nothing, if the pool cannot supply the blocks."""
         cached = cached or []
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(cached) * self.block_size
         total = num_computed + num_new_tokens
-        need = -(-total // self.block_size) - len(blocks) - len(cached)
+        need = -(-(total + num_lookahead_tokens) // self.block_size) - len(blocks) - len(cached)
         reusable_free = sum(1 for b in cached if b.ref_cnt == 0)  # touching them takes them off the free queue
         if need > self.pool.num_free - reusable_free:
             if not blocks:
@@ -131,6 +134,7 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate() for _ in range(max(need, 0)))
         # Register blocks that will be full after this step: their tokens are all known now, and a request
         # scheduled later in the same step may share them (KV is written before attention reads it).
+        total = min(total, req.num_tokens)
         self._update_hashes(req, total)
         for i in range(total // self.block_size):
             if blocks[i].block_hash is None:

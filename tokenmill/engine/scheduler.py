@@ -5,6 +5,12 @@ unfinished prefill chunks, oldest first), then waiting requests in arrival order
 is just "tokens it has minus tokens with KV", so prefill chunks and decodes are the same thing to it.
 When blocks run out the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed (prefix cache permitting, cheaply).
+
+Speculative decoding: a decoding request with pending drafts runs them after its last token (k + 1 query
+tokens, under the same budget); their slots are allocated like any other (plus lookahead slots a
+KV-keeping drafter writes ahead), but only verified tokens ever enter the prefix cache. After the step the
+accepted tokens are appended one by one (a stop token or max_tokens ends the request there) and the
+rejected drafts' slots are rolled back by lowering num_computed_tokens: their KV is simply overwritten later.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec_decode.controller import SpecController
 
 logger = logging.getLogger("tokenmill")
 
@@ -35,6 +42,12 @@ class ScheduledRequest:
     eos_token_id: Optional[int] = None
     prompt_token_ids: Optional[list[int]] = None  # for repetition penalty / prompt logprobs
     prompt_logprobs_from: int = 0  # prompt positions before this were already reported (preemption)
+    # Speculative decoding
+    num_spec: int = 0              # the last num_spec of token_ids are draft tokens to verify
+    num_propose: int = 0           # drafts the drafter may propose for the next step
+    next_token: Optional[int] = None  # a mid-prompt chunk's following prompt token (drafters shift by one)
+    new: bool = False              # first step since (re)admission: drafters forget per-request state
+    history: Optional[list[int]] = None  # with `new`, for history drafters: all tokens before start_pos
 
 
 @dataclass
@@ -43,6 +56,9 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)  # worker may drop per-request state
     num_batched_tokens: int = 0
     num_preempted: int = 0
+    spec_k: int = 0                # drafts per request this step (0: speculation off)
+    num_decodes: int = 0           # requests decoding (one known token to run) this step
+    num_draft_tokens: int = 0
 
     @property
     def empty(self) -> bool:
@@ -61,6 +77,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        spec = config.speculative
+        self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive, spec.needs_kv) if spec else None
+        self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
+        self.spec_history = bool(spec and spec.method == "ngram")
+        self.drafts: dict[str, list[int]] = {}                # request id -> drafts for its next step
 
     # -- admission --------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, sp: SamplingParams) -> None:
@@ -101,6 +122,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
+        self.drafts.pop(req.request_id, None)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         return EngineCoreOutput(req.request_id, [], finish_reason=int(req.finish_reason),
@@ -114,33 +136,43 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
+        k = self.spec.choose_k(len(self.running)) if self.spec is not None else 0
+        out.spec_k = k
+        chosen: list[tuple[Request, int, list[int], bool]] = []  # (request, known tokens to run, drafts, new)
         preempted = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            drafts = self._drafts_to_verify(req, n, budget, k)
+            lookahead = self._lookahead(req, req.num_computed_tokens + n, k)
+            ok = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=lookahead)
+            if not ok and (drafts or lookahead):  # speculation is optional: drop it before preempting anyone
+                drafts, lookahead = [], 0
+                ok = self.kv.allocate_slots(req, n)
+            while not ok:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 out.num_preempted += 1
                 if victim is req:
                     break
-            else:
-                chosen.append((req, n))
-                budget -= n
-                i += 1
-                continue
-            break
+                ok = self.kv.allocate_slots(req, n)
+            if not ok:
+                break
+            chosen.append((req, n, drafts, False))
+            budget -= n + len(drafts)
+            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
-                break
+            lookahead = self._lookahead(req, num_hit + n, k)
+            if not self.kv.allocate_slots(req, n, hits, num_lookahead_tokens=lookahead):
+                if not lookahead or not self.kv.allocate_slots(req, n, hits):
+                    break
             self.waiting.popleft()
             self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
@@ -148,35 +180,69 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chosen.append((req, n))
+            chosen.append((req, n, [], True))
             budget -= n
 
-        for req, n in chosen:
+        for req, n, drafts, new in chosen:
             start = req.num_computed_tokens
             sp = req.sampling_params
             needs_history = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+            sample = start + n == req.num_tokens
             out.scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + n],
+                token_ids=req.all_token_ids[start:start + n] + drafts,
                 start_pos=start,
                 block_ids=self.kv.block_ids(req.request_id),
-                sample=start + n == req.num_tokens,
+                sample=sample,
                 sampling_params=sp,
                 num_prompt_tokens=req.num_prompt_tokens,
                 output_token_ids=req.output_token_ids if needs_history else [],
                 eos_token_id=req.eos_token_id,
                 prompt_token_ids=req.prompt_token_ids if (needs_history or sp.prompt_logprobs is not None) else None,
                 prompt_logprobs_from=req.num_prompt_logprobs_done,
+                num_spec=len(drafts),
+                num_propose=k if (sample and self._may_speculate(req) and req.max_tokens - req.num_output_tokens > 2)
+                else 0,
+                next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
+                new=new,
+                history=req.all_token_ids[:start] if (new and self.spec_history) else None,
             ))
             if sp.prompt_logprobs is not None:
                 req.num_prompt_logprobs_done = max(req.num_prompt_logprobs_done,
                                                    min(start + n, req.num_prompt_tokens - 1))
-            req.num_computed_tokens += n
-            out.num_batched_tokens += n
+            req.num_computed_tokens += n + len(drafts)
+            self.drafts.pop(req.request_id, None)
+            out.num_batched_tokens += n + len(drafts)
+            out.num_draft_tokens += len(drafts)
+            out.num_decodes += n == 1 and sample
         return out
+
+    # -- speculation ------------------------------------------------------------------------
+    def _may_speculate(self, req: Request) -> bool:
+        """Drafts are verified per position with one sampling state per request: penalties (which change
+        with every accepted token) and grammars (whose state does) are not supported, so those requests
+        decode normally, side by side with speculating ones."""
+        sp = req.sampling_params
+        return (self.spec is not None and sp.structured_outputs is None and sp.repetition_penalty == 1.0
+                and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0)
+
+    def _drafts_to_verify(self, req: Request, n: int, budget: int, k: int) -> list[int]:
+        drafts = self.drafts.get(req.request_id)
+        if not k or not drafts or req.num_tokens - req.num_computed_tokens != 1 or n != 1:
+            return []
+        # Never emit past max_tokens or the context (k drafts emit up to k + 1 tokens).
+        room = min(k, budget - n, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens)
+        return drafts[:max(room, 0)]
+
+    def _lookahead(self, req: Request, end: int, k: int) -> int:
+        """Slots a KV-keeping drafter may write past this step's tokens (ending at `end`) when it samples."""
+        if not (k and self.spec_lookahead and end == req.num_tokens):
+            return 0
+        return max(0, min(k, self.max_model_len - req.num_tokens))
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self.drafts.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -185,28 +251,44 @@ class Scheduler:
         logger.debug("preempted %s (KV cache full)", req.request_id)
 
     # -- after the forward pass ---------------------------------------------------------------
-    def update(self, sched: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict, prompt_logprobs: dict) -> list[EngineCoreOutput]:
+    def update(self, sched: SchedulerOutput, result, step_seconds: float = 0.0) -> list[EngineCoreOutput]:
+        """Fold a ModelRunnerOutput into the requests: append new tokens (up to a stop), roll back rejected
+        drafts, keep the next drafts."""
         outs: list[EngineCoreOutput] = []
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
                 continue
-            plp = prompt_logprobs.get(s.request_id)
-            token = sampled.get(s.request_id)
-            if token is None:
+            plp = result.prompt_logprobs.get(s.request_id)
+            tokens = result.sampled.get(s.request_id)
+            if tokens is None:
                 if plp:  # a prefill chunk that does not sample still reports its prompt logprobs
                     outs.append(EngineCoreOutput(req.request_id, [], new_prompt_logprobs=plp))
                 continue
-            req.append_token(token)
-            lp = logprobs.get(s.request_id)
-            done = req.check_stop()
-            out = EngineCoreOutput(req.request_id, [token], new_logprobs=[lp] if lp else None,
+            if s.num_spec:
+                accepted = len(tokens) - 1
+                req.num_computed_tokens -= s.num_spec - accepted  # the rejected drafts' KV is stale
+                self.spec.observe_round(s.num_spec, accepted)
+            lps = result.logprobs.get(s.request_id)
+            done = False
+            emitted = 0
+            for t in tokens:
+                req.append_token(t)
+                emitted += 1
+                done = req.check_stop()
+                if done:
+                    break
+            out = EngineCoreOutput(req.request_id, tokens[:emitted], new_logprobs=lps[:emitted] if lps else None,
                                    new_prompt_logprobs=plp, num_cached_tokens=max(req.num_cached_tokens, 0))
             if done:
                 fin = self._finish(req)
                 out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+            elif self.spec is not None and s.request_id in result.spec_token_ids:
+                self.drafts[s.request_id] = result.spec_token_ids[s.request_id]
             outs.append(out)
+        if self.spec is not None:
+            self.spec.observe_step(sched.num_batched_tokens, sched.num_decodes, sched.spec_k,
+                                   sched.num_draft_tokens, step_seconds, getattr(result, "draft_seconds", 0.0))
         return outs
 
     # -- stats ------------------------------------------------------------------------------

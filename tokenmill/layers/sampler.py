@@ -95,10 +95,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
-    """logits: [B, V] float32."""
-    raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs >= 0 else None
-
+def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Logit bias, min_tokens bans, penalties and the grammar bitmask: what greedy and random rows share."""
     if md.logit_bias or md.banned:
         logits = logits.clone()
         for row, ids, vals in md.logit_bias:
@@ -109,13 +107,35 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch
         logits = apply_penalties(logits, md)
     if md.token_bitmask is not None:
         logits = apply_token_bitmask(logits, md.token_bitmask)
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows sample from: softmax of temperature-scaled, top-k/top-p/min-p filtered
+    logits (after apply_logits_processors)."""
+    return apply_top_k_top_p_min_p(logits / md.temperature[:, None], md).softmax(-1)
+
+
+def logprobs_of(raw_logprobs: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int):
+    """(ids [B, 1+k], logprobs [B, 1+k], ranks [B]) of `tokens` under raw_logprobs, then the top-k."""
+    sampled_lp = raw_logprobs.gather(1, tokens[:, None])
+    ranks = (raw_logprobs > sampled_lp).sum(-1) + 1
+    if max_num_logprobs > 0:
+        top_lp, top_ids = raw_logprobs.topk(max_num_logprobs, dim=-1)
+        return torch.cat([tokens[:, None], top_ids], 1), torch.cat([sampled_lp, top_lp], 1), ranks
+    return tokens[:, None], sampled_lp, ranks
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch.Generator] = None) -> SamplerOutput:
+    """logits: [B, V] float32."""
+    raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs >= 0 else None
+    logits = apply_logits_processors(logits, md)
 
     greedy_tokens = logits.argmax(-1)
     if md.all_greedy:
         tokens = greedy_tokens
     else:
-        scaled = apply_top_k_top_p_min_p(logits / md.temperature[:, None], md)
-        probs = scaled.softmax(-1)
+        probs = sampling_probs(logits, md)
         q = torch.empty_like(probs)
         q.exponential_(generator=generator)
         for row, gen in md.generators.items():
@@ -125,12 +145,6 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch
 
     out = SamplerOutput(tokens)
     if raw_logprobs is not None:
-        sampled_lp = raw_logprobs.gather(1, tokens[:, None])
-        out.sampled_ranks = (raw_logprobs > sampled_lp).sum(-1) + 1
-        if md.max_num_logprobs > 0:
-            top_lp, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
-            out.logprobs = torch.cat([sampled_lp, top_lp], 1)
-            out.logprob_token_ids = torch.cat([tokens[:, None], top_ids], 1)
-        else:
-            out.logprobs, out.logprob_token_ids = sampled_lp, tokens[:, None]
+        out.logprob_token_ids, out.logprobs, out.sampled_ranks = logprobs_of(raw_logprobs, tokens,
+                                                                            md.max_num_logprobs)
     return out

@@ -1,83 +1,102 @@
-"""Turns a SchedulerOutput into flat batch tensors, runs the model, samples.
+"""Turns a SchedulerOutput into flat batch tensors, runs the model, samples (verifies drafts), drafts.
 
 Per step: input_ids[T], positions[T], slot_mapping[T], query_start_loc[B+1], seq_lens[B], block_table[B, nb]
 are packed with numpy (no per-token Python), logits are computed only for rows that sample or report
-prompt logprobs.
+prompt logprobs. A request with k draft tokens runs them as its last k query tokens; its last k + 1 rows
+get logits and go through the rejection sampler instead of the plain sampler.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
 from tokenmill.engine.request import PositionLogprobs
 from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tokenmill.layers.attention.base import AttentionMetadata
-from tokenmill.layers.sampler import SamplingMetadata, sample
+from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors, logprobs_of, sample)
+from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
+from tokenmill.spec_decode.rejection_sampler import rejection_sample
+from tokenmill.worker.flat_batch import block_table_array, flat_batch
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)          # new tokens (accepted drafts + 1)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one entry per new token
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # drafts for the next step
+    draft_seconds: float = 0.0                                            # time spent in the drafter
 
 
 class ModelRunner:
-    def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int) -> None:
+    def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
+                 drafter: Optional[Proposer] = None, max_model_len: int = 0) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.structured = None  # StructuredOutputManager, set by the worker
+        self.drafter = drafter
+        self._aux: list[torch.Tensor] = []
+        if drafter is not None:
+            for i in drafter.aux_layers:  # capture the residual stream entering these target layers
+                model.layers[i].register_forward_pre_hook(self._capture_aux)
+
+    def _capture_aux(self, module, args) -> None:
+        x, residual = args[0], args[1]
+        self._aux.append(x if residual is None else x + residual)
 
     # -- inputs -----------------------------------------------------------------------------
     def _build_attention(self, reqs: list[ScheduledRequest]):
         B = len(reqs)
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=B)
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
-        qsl = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(qlens, out=qsl[1:])
-        T = int(qsl[-1])
-        seq_lens = starts + qlens
-        nb = max(len(r.block_ids) for r in reqs)
-        block_table = np.zeros((B, nb), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            block_table[i, :len(r.block_ids)] = r.block_ids
-        req_of_tok = np.repeat(np.arange(B), qlens)
-        positions = starts[req_of_tok] + (np.arange(T) - qsl[req_of_tok])
-        slots = block_table[req_of_tok, positions // self.block_size] * self.block_size + positions % self.block_size
-        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=T)
-        to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        meta = AttentionMetadata(positions=to(positions), slot_mapping=to(slots), block_table=to(block_table),
-                                 query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
-                                 block_size=self.block_size)
-        return to(input_ids), meta, qsl
+        input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(qlens.sum()))
+        return flat_batch(input_ids, qlens, starts, block_table_array([r.block_ids for r in reqs]),
+                          self.block_size, self.device)
 
-    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+    def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
+        sp = r.sampling_params
+        if sp.seed is None or sp.greedy:
+            return None
+        gen = self.request_generators.get(r.request_id)
+        if gen is None:
+            gen = self.request_generators[r.request_id] = torch.Generator(self.device).manual_seed(sp.seed)
+        return gen
+
+    def _sampling_metadata(self, reqs: list[ScheduledRequest], rows: Optional[list[int]] = None) -> SamplingMetadata:
+        """One row per request, or rows[i] consecutive rows for request i (its verified positions; the
+        per-request generators are then left to the caller)."""
         sps = [r.sampling_params for r in reqs]
         dev = self.device
         greedy = [sp.greedy for sp in sps]
-        md = SamplingMetadata(
-            temperature=torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)], device=dev),
-            greedy=torch.tensor(greedy, device=dev), all_greedy=all(greedy))
+        rep = torch.tensor(rows, device=dev) if rows is not None else None
+
+        def per_row(values, dtype=None):
+            t = torch.tensor(values, device=dev, dtype=dtype)
+            return t if rep is None else t.repeat_interleave(rep)
+
+        md = SamplingMetadata(temperature=per_row([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]),
+                              greedy=per_row(greedy), all_greedy=all(greedy))
         if not md.all_greedy:
             if any(sp.top_k > 0 for sp in sps):
-                md.top_k = torch.tensor([sp.top_k for sp in sps], device=dev)
+                md.top_k = per_row([sp.top_k for sp in sps])
             if any(sp.top_p < 1.0 for sp in sps):
-                md.top_p = torch.tensor([sp.top_p for sp in sps], device=dev)
+                md.top_p = per_row([sp.top_p for sp in sps])
             if any(sp.min_p > 0.0 for sp in sps):
-                md.min_p = torch.tensor([sp.min_p for sp in sps], device=dev)
-            for row, (r, sp) in enumerate(zip(reqs, sps)):
-                if sp.seed is not None and not sp.greedy:
-                    gen = self.request_generators.get(r.request_id)
-                    if gen is None:
-                        gen = self.request_generators[r.request_id] = torch.Generator(dev).manual_seed(sp.seed)
-                    md.generators[row] = gen
+                md.min_p = per_row([sp.min_p for sp in sps])
+            if rows is None:
+                for row, r in enumerate(reqs):
+                    gen = self._generator(r)
+                    if gen is not None:
+                        md.generators[row] = gen
         rep = any(sp.repetition_penalty != 1.0 for sp in sps)
         pres = any(sp.presence_penalty != 0.0 for sp in sps)
         freq = any(sp.frequency_penalty != 0.0 for sp in sps)
@@ -90,17 +109,21 @@ class ModelRunner:
                 md.presence_penalty = torch.tensor([sp.presence_penalty for sp in sps], device=dev)
             if freq:
                 md.frequency_penalty = torch.tensor([sp.frequency_penalty for sp in sps], device=dev)
-        for row, (r, sp) in enumerate(zip(reqs, sps)):
-            n_out = r.start_pos + len(r.token_ids) - r.num_prompt_tokens
-            if n_out < sp.min_tokens:
-                ids = list(sp.stop_token_ids) + ([r.eos_token_id] if (r.eos_token_id is not None and not sp.ignore_eos) else [])
-                if ids:
-                    md.banned.append((row, ids))
-            if sp.logit_bias:
-                ids = [int(t) for t in sp.logit_bias]
-                md.logit_bias.append((row, ids, [float(v) for v in sp.logit_bias.values()]))
+        row = 0
+        for i, (r, sp) in enumerate(zip(reqs, sps)):
+            count = 1 if rows is None else rows[i]
+            for j in range(count):  # row j samples output token number n_out
+                n_out = r.start_pos + len(r.token_ids) - count + 1 + j - r.num_prompt_tokens
+                if n_out < sp.min_tokens:
+                    ids = list(sp.stop_token_ids) + ([r.eos_token_id] if (r.eos_token_id is not None and not sp.ignore_eos) else [])
+                    if ids:
+                        md.banned.append((row + j, ids))
+                if sp.logit_bias:
+                    ids = [int(t) for t in sp.logit_bias]
+                    md.logit_bias.append((row + j, ids, [float(v) for v in sp.logit_bias.values()]))
+            row += count
         md.max_num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
-        if self.structured is not None:
+        if self.structured is not None and rows is None:
             md.token_bitmask = self.structured.bitmask(reqs)
         return md
 
@@ -118,39 +141,93 @@ class ModelRunner:
             self.request_generators.pop(rid, None)
             if self.structured is not None:
                 self.structured.free(rid)
+        if self.drafter is not None and so.finished_req_ids:
+            self.drafter.free(so.finished_req_ids)
         out = ModelRunnerOutput()
         reqs = so.scheduled
         if not reqs:
             return out
         input_ids, meta, qsl = self._build_attention(reqs)
+        self._aux.clear()
         hidden = self.model(input_ids, meta, self.kv_caches)
 
-        sampling = [i for i, r in enumerate(reqs) if r.sample]
-        if sampling:
-            rows = [int(qsl[i + 1]) - 1 for i in sampling]
+        plain = [i for i, r in enumerate(reqs) if r.sample and not r.num_spec]
+        spec = [i for i, r in enumerate(reqs) if r.sample and r.num_spec]
+        rows = [int(qsl[i + 1]) - 1 for i in plain]
+        for i in spec:
+            rows.extend(range(int(qsl[i + 1]) - 1 - reqs[i].num_spec, int(qsl[i + 1])))
+        if rows:
             logits = self.model.compute_logits(hidden[rows])
-            sreqs = [reqs[i] for i in sampling]
-            md = self._sampling_metadata(sreqs)
-            result = sample(logits, md, self.generator)
-            tokens = result.token_ids.tolist()
-            if md.token_bitmask is not None:
-                self.structured.accept(sreqs, tokens)
-            for r, t in zip(sreqs, tokens):
-                out.sampled[r.request_id] = t
-            if result.logprobs is not None:
-                ids, lps, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
-                                   result.sampled_ranks.tolist())
-                for row, r in enumerate(sreqs):
-                    n = r.sampling_params.logprobs
-                    if n is not None:
-                        out.logprobs[r.request_id] = (ids[row][:n + 1], lps[row][:n + 1], ranks[row])
+            if plain:
+                self._sample([reqs[i] for i in plain], logits[:len(plain)], out)
+            if spec:
+                self._verify([reqs[i] for i in spec], logits[len(plain):], out)
 
         for i, r in enumerate(reqs):
             if r.sampling_params.prompt_logprobs is not None:
                 plp = self._prompt_logprobs(r, hidden, int(qsl[i]))
                 if plp:
                     out.prompt_logprobs[r.request_id] = plp
+        if self.drafter is not None:
+            t0 = time.perf_counter()
+            out.spec_token_ids = self._draft(reqs, qsl, hidden, out)
+            out.draft_seconds = time.perf_counter() - t0
+        self._aux.clear()
         return out
+
+    def _sample(self, sreqs: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        md = self._sampling_metadata(sreqs)
+        result = sample(logits, md, self.generator)
+        tokens = result.token_ids.tolist()
+        if md.token_bitmask is not None:
+            self.structured.accept(sreqs, tokens)
+        for r, t in zip(sreqs, tokens):
+            out.sampled[r.request_id] = [t]
+        if result.logprobs is not None:
+            ids, lps, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
+                               result.sampled_ranks.tolist())
+            for row, r in enumerate(sreqs):
+                n = r.sampling_params.logprobs
+                if n is not None:
+                    out.logprobs[r.request_id] = [(ids[row][:n + 1], lps[row][:n + 1], ranks[row])]
+
+    def _verify(self, sreqs: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Rejection-sample each request's k + 1 rows against its k drafts (proposed greedily: one-hot q)."""
+        counts = [r.num_spec + 1 for r in sreqs]
+        md = self._sampling_metadata(sreqs, counts)
+        raw = logits.log_softmax(-1) if md.max_num_logprobs >= 0 else None
+        drafts = torch.tensor([t for r in sreqs for t in r.token_ids[len(r.token_ids) - r.num_spec:]],
+                              dtype=torch.long, device=logits.device)
+        gens = {b: g for b, g in ((b, self._generator(r)) for b, r in enumerate(sreqs)) if g is not None}
+        greedy = torch.tensor([r.sampling_params.greedy for r in sreqs], device=logits.device)
+        res = rejection_sample(apply_logits_processors(logits, md), [r.num_spec for r in sreqs], drafts, md,
+                               greedy, None, self.generator, gens)
+        for r, toks in zip(sreqs, res.token_ids):
+            out.sampled[r.request_id] = toks
+        if raw is not None:
+            ids, lps, ranks = (x.tolist() for x in logprobs_of(raw, res.rows, md.max_num_logprobs))
+            row = 0
+            for r, toks, c in zip(sreqs, res.token_ids, counts):
+                n = r.sampling_params.logprobs
+                if n is not None:
+                    out.logprobs[r.request_id] = [(ids[row + j][:n + 1], lps[row + j][:n + 1], ranks[row + j])
+                                                  for j in range(len(toks))]
+                row += c
+
+    def _draft(self, reqs: list[ScheduledRequest], qsl: np.ndarray, hidden: torch.Tensor,
+               out: ModelRunnerOutput) -> dict[str, list[int]]:
+        dreqs = []
+        for i, r in enumerate(reqs):
+            toks = out.sampled.get(r.request_id)
+            accepted = len(toks) - 1 if (toks is not None and r.num_spec) else 0
+            n_valid = len(r.token_ids) - r.num_spec + accepted
+            dreqs.append(DraftRequest(
+                request_id=r.request_id, start_pos=r.start_pos, computed=r.token_ids[:n_valid], q0=int(qsl[i]),
+                next_token=toks[-1] if toks is not None else r.next_token, sampled=toks is not None,
+                block_ids=r.block_ids, num_propose=r.num_propose if toks is not None else 0,
+                num_spec=r.num_spec, num_accepted=accepted, new=r.new, history=r.history))
+        aux = torch.cat(self._aux, -1) if self._aux else None
+        return self.drafter.propose(DraftBatch(dreqs, hidden, aux, self.max_model_len))
 
     def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q0: int) -> list[PositionLogprobs]:
         """Position p's hidden state scores prompt token p+1."""

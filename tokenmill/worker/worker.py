@@ -26,8 +26,13 @@ class Worker:
         self.backend = get_attention_backend(self.device)
         self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
                                 max_positions=mc.max_model_len)
+        self.drafter = None
+        if config.speculative is not None:
+            from tokenmill.spec_decode import make_proposer
+
+            self.drafter = make_proposer(config, self.model, self.backend)
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
-                                  mc.hf_config.vocab_size, mc.seed)
+                                  mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len)
         if mc.tokenizer is not None:
             self.runner.structured = StructuredOutputManager(mc.tokenizer, mc.hf_config.vocab_size)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
@@ -45,7 +50,7 @@ class Worker:
     def bytes_per_block(self) -> int:
         shape = self.kv_shape(1)
         per_layer = torch.Size(shape).numel() * self.kv_dtype.itemsize
-        return per_layer * len(self.model.layers)
+        return per_layer * len(self.model.layers) + (self.drafter.bytes_per_block() if self.drafter else 0)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -74,6 +79,8 @@ class Worker:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
+        if self.drafter is not None:
+            self.drafter.initialize_cache(num_blocks)
 
     def execute_model(self, scheduler_output):
         return self.runner.execute(scheduler_output)
