@@ -190,6 +190,8 @@ class StepStatsLogger:
 
         self.shape = ModelShape.from_hf_config(config.model.hf_config)
         self.dtype = normalize_dtype(str(config.model.torch_dtype))
+        kv = getattr(config.cache, "kv_cache_dtype", "auto")
+        self.kv_dtype = self.dtype if kv in (None, "auto") else normalize_dtype(kv)
         t = time.perf_counter()
         self.hw = for_device(config.device, self.dtype)
         self.peak = self.hw.peak_flops(self.dtype)[1] if self.hw else None
@@ -207,7 +209,7 @@ class StepStatsLogger:
             n, s = len(r.token_ids), r.start_pos
             pairs += n * s + n * (n + 1) // 2
             kv_read += s
-        return step_cost(self.shape, sched.num_batched_tokens, pairs, kv_read, self.dtype, self.dtype)
+        return step_cost(self.shape, sched.num_batched_tokens, pairs, kv_read, self.dtype, self.kv_dtype)
 
     def log(self, sched: Any, seconds: float) -> dict[str, float]:
         self.num_steps += 1
