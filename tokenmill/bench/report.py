@@ -234,18 +234,25 @@ def plot_serve(result: dict[str, Any], out_dir: str) -> list[str]:
 
     recs = sorted(result["requests"], key=lambda r: r["start"])
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    segments: dict[str, tuple[list, list, list]] = {"waiting for first token": ([], [], []), "streaming": ([], [], []),
+                                                     "failed": ([], [], [])}
+
+    def add(kind: str, y: int, x0: float, x1: float) -> None:
+        for lst, v in zip(segments[kind], (y, x0, x1)):
+            lst.append(v)
+
     for i, r in enumerate(recs):
         end = r["start"] + r["e2e"]
         if not r["success"]:
-            top.hlines(i, r["start"], end, color="tab:red", lw=2)
+            add("failed", i, r["start"], end)
             continue
         first = r["start"] + (r["ttft"] if r["ttft"] is not None else r["e2e"])
-        top.hlines(i, r["start"], first, color="tab:orange", lw=2)
-        top.hlines(i, first, end, color="tab:blue", lw=2)
-    top.plot([], [], color="tab:orange", label="waiting for first token")
-    top.plot([], [], color="tab:blue", label="streaming")
-    if any(not r["success"] for r in recs):
-        top.plot([], [], color="tab:red", label="failed")
+        add("waiting for first token", i, r["start"], first)
+        add("streaming", i, first, end)
+    lw = max(0.5, min(2.0, 300 / max(len(recs), 1)))
+    for (kind, (ys, x0, x1)), color in zip(segments.items(), ("tab:orange", "tab:blue", "tab:red")):
+        if ys:  # one collection per kind: thousands of requests stay fast to draw
+            top.hlines(ys, x0, x1, color=color, lw=lw, label=kind)
     top.legend(loc="upper left", fontsize=8)
     top.set_ylabel("request (by send time)")
     top.set_title(title, fontsize=10)

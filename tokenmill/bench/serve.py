@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -324,6 +325,7 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
     cfg.validate()
     seed = cfg.seed if seed is None else seed
     source = request_source(cfg, tokenizer, seed)
+    source = itertools.chain([next(source)], source)  # bad dataset specs and files fail before any traffic
     warm_source = request_source(cfg, tokenizer, seed + 104729)
     warmup = [next(warm_source) for _ in range(cfg.warmup)]
     n = None if cfg.duration is not None else cfg.num_prompts
