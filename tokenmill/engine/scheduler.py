@@ -136,7 +136,11 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        k = self.spec.choose_k(len(self.running)) if self.spec is not None else 0
+        if self.spec is not None:  # the batch this step will (about) have
+            batch = len(self.running) + min(len(self.waiting), max(self.max_num_seqs - len(self.running), 0))
+            k = self.spec.choose_k(batch)
+        else:
+            k = 0
         out.spec_k = k
         chosen: list[tuple[Request, int, list[int], bool]] = []  # (request, known tokens to run, drafts, new)
         preempted = False

@@ -55,6 +55,17 @@ class ServerMetrics:
         self.queue_time = h("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
         self.req_prompt = h("request_prompt_tokens", "Prompt length per request.", _TOKEN_BUCKETS)
         self.req_gen = h("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        # Speculative decoding (vLLM's spec_decode_* names); zero without it.
+        self.spec_drafts = c("spec_decode_num_drafts", "Verification rounds (requests x steps with drafts).")
+        self.spec_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = c("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                 "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+                                 registry=r)
+        self.spec_acceptance = g("spec_decode_draft_acceptance_rate", "Accepted / drafted tokens (cumulative).")
+        self.spec_mean_len = g("spec_decode_mean_acceptance_length",
+                               "Tokens emitted per verification round: 1 + accepted / rounds (cumulative).")
+        self._model_name = model_name
         self._last: EngineStats | None = None
 
     # -- hooks (called from AsyncLLM's output loop) -------------------------------------------
@@ -95,7 +106,23 @@ class ServerMetrics:
             self.prefix_queries.inc(s.prefix_cache_queries)
             self.prefix_hits.inc(s.prefix_cache_hits)
             self.preemptions.inc(s.num_preemptions)
+        self._on_spec_stats(s, last)
         self._last = s
+
+    def _on_spec_stats(self, s: EngineStats, last: EngineStats | None) -> None:
+        if not s.spec_num_draft_tokens:
+            return
+        prev = (last.spec_num_drafts, last.spec_num_draft_tokens, last.spec_num_accepted_tokens,
+                last.spec_accepted_per_pos) if last is not None else (0, 0, 0, [])
+        self.spec_drafts.inc(max(s.spec_num_drafts - prev[0], 0))
+        self.spec_draft_tokens.inc(max(s.spec_num_draft_tokens - prev[1], 0))
+        self.spec_accepted.inc(max(s.spec_num_accepted_tokens - prev[2], 0))
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            before = prev[3][pos] if pos < len(prev[3]) else 0
+            self._spec_pos.labels(self._model_name, str(pos)).inc(max(n - before, 0))
+        self.spec_acceptance.set(s.spec_num_accepted_tokens / s.spec_num_draft_tokens)
+        if s.spec_num_drafts:
+            self.spec_mean_len.set(1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -61,7 +61,7 @@ def propose_ngram(histories: list[np.ndarray], k: list[int], min_n: int, max_n: 
         X[b, L - len(h):] = h
     found = np.full(B, -1, dtype=np.int64)      # end position e of the chosen match
     match = np.ones((B, L - 1), dtype=bool)      # candidate ends e in [0, L-2]: a continuation must exist
-    for n in range(1, max_n + 1):
+    for n in range(1, min(max_n, L - 1) + 1):  # an n-gram with a continuation needs n + 1 tokens
         # eq for the n-th last token, aligned so column e compares X[b, e - (n - 1)].
         tail = X[:, L - n][:, None]
         shifted = np.zeros((B, L - 1), dtype=bool)

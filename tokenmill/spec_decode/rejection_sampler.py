@@ -85,7 +85,7 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
     drafts_l = drafts.tolist()
     final_l = final.tolist()
     token_ids = [drafts_l[b][:num_acc_l[b]] + [final_l[b]] for b in range(B)]
-    row_tokens = torch.empty(logits.shape[0], dtype=torch.long, device=dev)
+    row_tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=dev)
     if K:
         row_tokens[rows[valid]] = drafts[valid]
     row_tokens[final_rows] = final
