@@ -357,7 +357,8 @@ def test_bench_offline_cli(tiny, monkeypatch, capsys):
 
     monkeypatch.setattr(hw, "copy_bandwidth", lambda: 1e10)  # skip the GiB-sized measurements
     monkeypatch.setattr(hw, "read_bandwidth", lambda: 1e10)
-    assert main(["bench", "offline", tiny("llama"), "--num-requests", "3", "--dtype", "float32"]) == 0
+    assert main(["bench", "offline", tiny("llama"), "--num-requests", "3", "--dtype", "float32", "--input-range",
+                 "8,32", "--output-range", "4,8", "--single-stream-len", "8"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].startswith("tokenmill ") and "out tok/s (3 reqs, float32)" in out[-1]
     result = json.loads("\n".join(out[:-1]))

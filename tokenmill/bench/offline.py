@@ -1,6 +1,7 @@
 """Offline throughput of the engine (`tokenmill bench offline`, `benchmarks/offline_throughput.py`).
 
-Workload: N requests (256; --quick 64), random prompts of 64-512 tokens, 64-256 output tokens, ignore_eos.
+Workload: N requests (256; --quick 64), random prompts of 64-512 tokens, 64-256 output tokens (by default),
+ignore_eos.
 Optionally transformers `generate` on the same workload in the same run: static left-padded batches of 32
 on a fixed 64-request subset (its rate counts only the tokens each request asked for). Also: single-stream
 decode tok/s and its fraction of the memory roofline (weight bytes per token x tok/s / bandwidth measured
@@ -96,6 +97,16 @@ def run_transformers(model_dir: str, dtype, workload, batch_size: int = 32) -> d
     return {"seconds": dt, "useful_output_tokens": useful, "output_tok_s": useful / dt}
 
 
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
 def add_offline_args(p: argparse.ArgumentParser, compare_transformers: bool) -> None:
     """Flags shared by `tokenmill bench offline` and the benchmarks script (which compares against
     transformers by default; the CLI does not)."""
@@ -104,6 +115,10 @@ def add_offline_args(p: argparse.ArgumentParser, compare_transformers: bool) -> 
     p.add_argument("--quick", action="store_true", help="64 requests")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--input-range", type=_range, default=(64, 512), metavar="MIN,MAX", help="prompt tokens")
+    p.add_argument("--output-range", type=_range, default=(64, 256), metavar="MIN,MAX", help="output tokens")
+    p.add_argument("--single-stream-len", type=int, default=128,
+                   help="prompt and output tokens of the single-stream decode measurement")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-transformers", action=argparse.BooleanOptionalAction, default=compare_transformers,
                    help="also run transformers generate on a subset of the same workload")
@@ -127,12 +142,12 @@ def run_offline(model: Optional[str], args: argparse.Namespace) -> dict[str, Any
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model, **kw)
     vocab = llm.config.model.hf_config.vocab_size
-    workload = random_workload(n, vocab, seed=args.seed)
+    workload = random_workload(n, vocab, args.input_range, args.output_range, seed=args.seed)
     llm.generate([{"prompt_token_ids": workload[0][0]}], use_tqdm=False)  # warm-up
 
     tm = run_tokenmill(llm, workload)
     logger.info("tokenmill: %s", tm)
-    single = run_single_stream(llm)
+    single = run_single_stream(llm, args.single_stream_len, args.single_stream_len)
     logger.info("single stream: %s", single)
     wbytes = weight_bytes(llm.engine.executor.worker.model)
     single["weight_bytes_per_token"] = wbytes
