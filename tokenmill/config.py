@@ -289,6 +289,7 @@ class EngineConfig:
     speculative: Optional[SpeculativeConfig] = None
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
+    batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
 
     def finalize(self, install_default: bool = False) -> "EngineConfig":
         if self.device == "auto":
@@ -298,6 +299,8 @@ class EngineConfig:
         self.cache.validate()
         self.model.finalize(self.device, install_default)
         self.scheduler.validate(self.model.max_model_len)
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
             self.speculative.finalize(self.model)
         return self
@@ -311,10 +314,11 @@ class EngineConfig:
             built[name] = klass(**{k: kw.pop(k) for k in list(kw) if k in names})
         device = kw.pop("device", "auto")
         log_step_stats = bool(kw.pop("log_step_stats", False))
+        batch_invariant = bool(kw.pop("batch_invariant", False))
         built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
-        return cls(device=device, log_step_stats=log_step_stats, **built)
+        return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant, **built)
 
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
@@ -343,6 +347,9 @@ class EngineConfig:
         p.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             '(methods: ngram, draft_model, eagle, eagle3)')
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="make each token's logits bit-identical whatever else shares its step (batch size, "
+                            "position, prefill chunking, prefix-cache hits); CPU")
         p.add_argument("--log-step-stats", action="store_true",
                        help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
                             "figures (see `tokenmill plan`)")
@@ -356,5 +363,5 @@ class EngineConfig:
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
-            log_step_stats=getattr(a, "log_step_stats", False),
+            log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             speculative_config=getattr(a, "speculative_config", None))

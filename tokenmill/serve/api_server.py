@@ -147,7 +147,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> Response:
         from tokenmill.serve.serving import json_response
 
-        return json_response({"version": tokenmill.__version__})
+        return json_response({"version": tokenmill.__version__,
+                              "batch_invariant": bool(state.config.batch_invariant)})
 
     @app.get("/metrics")
     async def metrics() -> Response:

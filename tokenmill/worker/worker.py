@@ -6,6 +6,8 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig, kv_cache_torch_dtype
+from tokenmill.layers import batch_invariant, cpu_linear
+from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.models.loader import load_model
@@ -23,6 +25,10 @@ class Worker:
         mc = config.model
         torch.manual_seed(mc.seed)
         self.device = config.device
+        batch_invariant.enable(config.batch_invariant)
+        if config.batch_invariant and not (cpu_linear.available() and cpu_kernels.load() is not None):
+            raise RuntimeError("--batch-invariant needs tokenmill's C kernels, which could not be built here "
+                               "(is a C compiler installed? see the warning above)")
         self.backend = get_attention_backend(self.device)
         self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
                                 max_positions=mc.max_model_len)

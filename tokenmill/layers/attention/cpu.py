@@ -13,32 +13,41 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers import batch_invariant
 from tokenmill.layers.attention import cpu_kernels, triton_paged
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
 class _StepPlan:
-    """Index tensors and masks for one step, shared by all layers (built on first use per window/group)."""
+    """Index tensors and masks for one step, shared by all layers (built on first use per window/group).
 
-    def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool) -> None:
+    With a kernel, decodes go to it (and, in batch-invariant mode, every token: each one attends its own key
+    range [kv_start, kv_end) in position order, however its prompt was chunked). The rest are prefills."""
+
+    def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool,
+                 all_tokens: bool = False) -> None:
         bs = meta.block_size
         dev = meta.slot_mapping.device
-        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1]
+        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1 or all_tokens]
         self.num_dec = len(dec)
         self.dec_all = len(dec) == meta.num_reqs
-        self.dec_tokens = torch.tensor([meta.query_start_loc[i] for i in dec], dtype=torch.long, device=dev)
         self.use_kernel = use_kernel
         if dec and use_kernel:
-            i32 = torch.int32
-            lens = torch.tensor([meta.seq_lens[i] for i in dec], dtype=i32, device=dev)
-            self.dec_block_table = meta.block_table[dec].to(i32)
-            self.dec_rows = torch.arange(len(dec), dtype=i32, device=dev)
-            self.dec_kv_end = lens
-            self.dec_kv_start = (lens - window).clamp_(min=0) if window is not None else torch.zeros_like(lens)
+            qsl, lens = meta.query_start_loc, meta.seq_lens
+            tokens = np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in dec])
+            rows = np.concatenate([np.full(qsl[i + 1] - qsl[i], j) for j, i in enumerate(dec)])
+            ends = np.concatenate([np.arange(lens[i] - (qsl[i + 1] - qsl[i]), lens[i]) + 1 for i in dec])
+            starts = np.maximum(ends - window, 0) if window is not None else np.zeros_like(ends)
+            to32 = lambda a: torch.from_numpy(a.astype(np.int32)).to(dev)  # noqa: E731
+            self.dec_tokens = torch.from_numpy(tokens).to(dev)
+            self.dec_block_table = meta.block_table[dec].to(torch.int32)
+            self.dec_rows, self.dec_kv_start, self.dec_kv_end = to32(rows), to32(starts), to32(ends)
         elif dec:
+            self.dec_tokens = torch.tensor([meta.query_start_loc[i] for i in dec], dtype=torch.long, device=dev)
             lens = torch.tensor([meta.seq_lens[i] for i in dec], device=dev)
             nb = -(-int(lens.max()) // bs)
             self.dec_blocks = meta.block_table[dec, :nb].reshape(-1)                      # [Bd*nb]
@@ -50,7 +59,7 @@ class _StepPlan:
         self.prefills = []  # (q0, q1, context blocks or None, mask [G*n, s] or None)
         for i in range(meta.num_reqs):
             n = meta.query_len(i)
-            if n == 1:
+            if n == 1 or all_tokens:
                 continue
             q0, seq_len = meta.query_start_loc[i], meta.seq_lens[i]
             start = seq_len - n
@@ -105,9 +114,10 @@ class PagedAttentionBackend(AttentionBackend):
             load = lambda x, which: kv_quant.dequantize(x, which, q.dtype)  # noqa: E731
 
         use_kernel = q.dtype in self.kernel_dtypes
-        plan = meta.cache.get(("sdpa", window, G, use_kernel))
+        key = ("sdpa", window, G, use_kernel)
+        plan = meta.cache.get(key)
         if plan is None:
-            plan = meta.cache[("sdpa", window, G, use_kernel)] = _StepPlan(meta, window, G, use_kernel)
+            plan = meta.cache[key] = _StepPlan(meta, window, G, use_kernel, use_kernel and batch_invariant.enabled())
         out = None if plan.dec_all else torch.empty_like(q)
 
         if plan.num_dec and plan.use_kernel:
