@@ -68,3 +68,44 @@ def test_outputs_do_not_depend_on_the_batch(tiny, dtype):
 def test_mode_is_refused_off_cpu(tiny):
     with pytest.raises(ValueError, match="batch-invariant"):
         LLM(tiny("llama"), dtype="float32", batch_invariant=True, device="cuda")
+
+
+def test_server_concurrent_streams_equal_sequential_bf16(request, tiny):
+    """The real server with --batch-invariant --dtype bfloat16: 32 concurrent streamed greedy requests give
+    exactly what each gives alone (text and logprobs)."""
+    import asyncio
+    import json
+
+    import httpx
+    from server_utils import shared_server
+
+    server = shared_server(request.config, tiny("llama"), "--batch-invariant", "--dtype", "bfloat16",
+                           "--max-num-batched-tokens", "48")
+    assert httpx.get(server.url + "/version").json()["batch_invariant"] is True
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    prompts = _prompts(400, seed=7)
+
+    async def one(client, p):
+        body = {"model": model, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "logprobs": 2, "stream": True}
+        text, lps = "", []
+        async with client.stream("POST", server.url + "/v1/completions", json=body, timeout=300) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text += choice["text"]
+                    if choice.get("logprobs"):
+                        lps += choice["logprobs"]["token_logprobs"]
+        return text, lps
+
+    async def run(concurrent):
+        async with httpx.AsyncClient() as client:
+            if concurrent:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+            return [await one(client, p) for p in prompts]
+
+    sequential = asyncio.run(run(False))
+    together = asyncio.run(run(True))
+    assert all(len(lps) == 8 for _, lps in sequential)
+    assert together == sequential
