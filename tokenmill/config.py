@@ -92,6 +92,38 @@ def resolve_model_path(model: Optional[str], install_default: bool = False) -> s
                      "(nothing is downloaded at run time)")
 
 
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4")   # --quantization on a float checkpoint
+CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors")            # quantization_config.quant_method we load
+
+
+def validate_quantization(requested: Optional[str], hf_config: Any, model_dir: str = "") -> Optional[str]:
+    """The quantization that applies to a model: the checkpoint's own (config.json quantization_config) or
+    an online method from --quantization. Raises on an unknown method or a contradiction."""
+    req = None if requested in (None, "", "none") else str(requested).lower().replace("_", "-")
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    where = f" in {model_dir}" if model_dir else ""
+    if qc:
+        kind = str(qc.get("quant_method", "")).replace("_", "-")
+        if kind not in CHECKPOINT_QUANTIZATION:
+            raise ValueError(f"the checkpoint{where} is quantized with {kind or 'an unnamed method'!r}, which "
+                             f"tokenmill cannot load (it loads {' and '.join(CHECKPOINT_QUANTIZATION)} checkpoints, "
+                             f"or float checkpoints with --quantization {'|'.join(QUANTIZATION_METHODS)})")
+        if req is not None and req != kind and not (req == "fp8" and kind == "compressed-tensors"):
+            raise ValueError(f"the checkpoint{where} is already quantized ({kind}); --quantization {req} cannot "
+                             "be applied on top of it: drop the flag to load it as it is")
+        return kind
+    if req is None:
+        return None
+    if req == "compressed-tensors":
+        raise ValueError(f"--quantization compressed-tensors needs a compressed-tensors checkpoint; the model{where} "
+                         f"is not quantized (quantize it on load with --quantization {'|'.join(QUANTIZATION_METHODS)})")
+    if req not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {requested!r}; choose one of {', '.join(QUANTIZATION_METHODS)}")
+    return req
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = None
@@ -101,6 +133,7 @@ class ModelConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     served_model_name: Optional[str] = None
+    quantization: Optional[str] = None  # online int8|w8a8|fp8|mxfp4|nvfp4; a quantized checkpoint's own method
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
@@ -115,6 +148,9 @@ class ModelConfig:
         except Exception as e:  # noqa: BLE001 - surface a one-line reason
             raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
         cfg = self.hf_config
+        self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
+        if self.quantization in QUANTIZATION_METHODS and not getattr(cfg, "quantization_config", None):
+            cfg.tokenmill_quantization = self.quantization  # read by models.loader.load_model
         cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
         self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device)
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -337,6 +373,11 @@ class EngineConfig:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--num-gpu-blocks-override", type=int, default=None)
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--quantization", default=None, metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
+                       help="quantize the linear weights (the LM head included) on load: int8 (weight-only, "
+                            "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
+                            "per-channel), mxfp4, nvfp4. FP8 checkpoints (fp8, compressed-tensors) load as they "
+                            "are without the flag")
         p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
                             "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
@@ -361,7 +402,7 @@ class EngineConfig:
             seed=a.seed, served_model_name=a.served_model_name, block_size=a.block_size,
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
-            kv_cache_dtype=a.kv_cache_dtype,
+            kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             speculative_config=getattr(a, "speculative_config", None))

@@ -37,6 +37,29 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"tensor of shape {tuple(loaded.shape)} does not fit a parameter of shape "
+                             f"{tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+
+def _custom_loader(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> bool:
+    """Quantized checkpoints' tensors (scales per shard, per block...) bring their own loader."""
+    loader = getattr(param, "shard_loader", None)
+    if loader is None:
+        return False
+    loader(layer, param, loaded, shard)
+    return True
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank (the LM head)."""
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if not _custom_loader(self, param, loaded, shard):
+            super().load_shard(param, loaded, shard)
+
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W's rows split across ranks. output_sizes lists merged logical outputs (full sizes)."""
@@ -51,6 +74,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, sum(self.shard_sizes), bias, dtype, quant_method)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if _custom_loader(self, param, loaded, shard):
+            return
         size = self.shard_sizes[shard]
         offset = sum(self.shard_sizes[:shard])
         part = loaded.narrow(0, tp_rank() * size, size)
@@ -66,6 +91,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // tp, out_features, bias, dtype, quant_method)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if _custom_loader(self, param, loaded, shard):
+            return
         if param is self.weight:
             loaded = loaded.narrow(1, tp_rank() * self.in_features, self.in_features)
         param.data.copy_(loaded)

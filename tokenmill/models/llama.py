@@ -11,10 +11,9 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_size
-from tokenmill.layers import cpu_linear
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -116,12 +115,11 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        # A linear layer like the others, so a quant_method can quantize it; tied, it starts out sharing the
+        # embedding's tensor (quantizing the head then leaves the embedding's float copy for the gather).
+        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if self.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-            self.lm_head.weight.requires_grad_(False)
-        self.lm_head_packed = None
+            self.lm_head.weight = self.embed_tokens.weight
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -133,10 +131,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(hidden, self.lm_head.weight, None, self.lm_head_packed).float()
-
-    def process_weights_after_loading(self) -> None:
-        self.lm_head_packed = cpu_linear.pack(self.lm_head.weight)
+        return self.lm_head(hidden).float()
 
     # -- weights ----------------------------------------------------------------------------
     # HF checkpoint name -> (our parameter prefix, shard index within a merged linear)

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import time
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -43,11 +44,22 @@ def iter_weights(files: list[str]):
             raise ValueError(f"corrupt weight file {path}: {str(e).splitlines()[0]}") from None
 
 
-def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int):
+def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
+               quantization: Optional[str] = None):
+    """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
+    checkpoint's own quantization_config is always honoured. Without the argument, the --quantization the
+    engine config recorded on the HF config (ModelConfig.finalize) applies."""
+    from tokenmill.layers.quantization import apply_quantization, get_quant_config
+
     t0 = time.perf_counter()
     cls = get_model_class(config)
     with torch.device(device):
         model = cls(config, dtype, backend, max_positions)
+    if quantization is None:
+        quantization = getattr(config, "tokenmill_quantization", None)
+    quant = get_quant_config(quantization, config)
+    if quant is not None:
+        nquant = apply_quantization(model, quant)
     loaded = model.load_weights(iter_weights(weight_files(model_dir)))
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
@@ -62,6 +74,8 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if quant is not None:
+        logger.info("quantization: %s on %d linear layers", quant.describe(), nquant)
     logger.info("loaded %s (%s, %.1f MB of weights) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
                 nbytes / 1e6, time.perf_counter() - t0)
     return model

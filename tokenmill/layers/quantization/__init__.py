@@ -1,0 +1,97 @@
+"""Weight quantization: a registry of formats and the step that installs them on a model's linear layers.
+
+Online (`--quantization`, applied on load to a float checkpoint): int8 (weight-only), w8a8, fp8, mxfp4,
+nvfp4. Pre-quantized checkpoints, recognised from config.json's `quantization_config`: `fp8` and
+`compressed-tensors`. Models never branch on any of this: every LinearBase (the LM head included) gets a
+quant_method from the config, and the method owns the weights and the matmul.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from torch import nn
+
+from tokenmill.layers.quantization.base import QuantizationConfig
+
+logger = logging.getLogger("tokenmill")
+
+ONLINE_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4")
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+
+
+def checkpoint_quant_config(hf_config) -> Optional[dict]:
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def get_quant_config(method: Optional[str], hf_config=None) -> Optional[QuantizationConfig]:
+    """The config for a checkpoint (its own quantization_config wins) or for an online --quantization method.
+    Validation of the combination and its messages live in tokenmill.config.validate_quantization."""
+    qc = checkpoint_quant_config(hf_config) if hf_config is not None else None
+    if qc is not None:
+        kind = qc.get("quant_method")
+        if kind == "fp8":
+            from tokenmill.layers.quantization.fp8 import Fp8Config
+
+            return Fp8Config.from_checkpoint(qc)
+        if kind == "compressed-tensors":
+            from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+            return CompressedTensorsConfig.from_checkpoint(qc)
+        raise ValueError(f"checkpoint quantization {kind!r} is not supported "
+                         f"(tokenmill loads {', '.join(CHECKPOINT_METHODS)})")
+    if method is None:
+        return None
+    if method in ("int8", "w8a8"):
+        from tokenmill.layers.quantization.int8 import Int8Config
+
+        return Int8Config(activations=method == "w8a8")
+    if method == "fp8":
+        from tokenmill.layers.quantization.fp8 import Fp8Config
+
+        return Fp8Config(online=True)
+    if method in ("mxfp4", "nvfp4"):
+        from tokenmill.layers.quantization.fp4 import Fp4Config
+
+        return Fp4Config(method)
+    raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(ONLINE_METHODS)}")
+
+
+def _hf_names(model: nn.Module, prefix: str) -> list[str]:
+    """Checkpoint module names a (possibly merged) layer of ours stands for."""
+    merged: dict[str, list[tuple[int, str]]] = {}
+    for logical, (target, shard) in getattr(model, "_MERGED", {}).items():
+        merged.setdefault(target, []).append((shard, logical))
+    head, _, last = prefix.rpartition(".")
+    names = [f"{head}.{n}" if head else n for _, n in sorted(merged[last])] if last in merged else [prefix]
+    return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
+
+
+def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
+    """Install config's quant methods on the model's linear layers (before its weights load). Returns how
+    many layers were quantized."""
+    from tokenmill.layers.linear import LinearBase
+
+    shared = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    count = 0
+    for prefix, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        method = config.get_linear_method(layer, prefix, _hf_names(model, prefix))
+        if method is None:
+            continue
+        tied = len(shared.get(id(layer.weight), [])) > 1
+        if not config.online and tied:
+            continue  # a tied head has no tensors of its own in the checkpoint: it stays the float embedding
+        layer.quant_method = method
+        if not config.online:
+            dtype = layer.weight.dtype
+            del layer.weight
+            method.create_weights(layer, layer.in_features, layer.out_features, dtype)
+        count += 1
+    return count

@@ -1,0 +1,86 @@
+"""What every quantization format provides: a config that picks a linear method per layer, and the methods.
+
+A QuantizationConfig is either *online* (quantize float weights on load: `--quantization int8|w8a8|fp8|
+mxfp4|nvfp4`) or describes a *pre-quantized checkpoint* (read from its `quantization_config`). The loader
+installs `config.get_linear_method(layer, name)` as each linear layer's quant_method before the weights load:
+
+- online methods keep the float weight the layer already created and replace it in
+  `process_weights_after_loading` (so a tied LM head is quantized while the embedding keeps its float copy);
+- checkpoint methods create the stored tensors (e.g. fp8 `weight` + `weight_scale`) with per-shard loaders,
+  then convert them to the kernel layout after loading.
+
+Either way `apply(layer, x, bias)` runs the layer's matmul from the packed tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quantization import kernels
+
+
+class QuantizationConfig:
+    name = "base"
+    online = True  # quantizes float weights on load (False: the checkpoint holds quantized tensors)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str, hf_names: list[str]):
+        """A fresh quant method for the linear layer `prefix` (checkpoint module names `hf_names`), or None
+        to leave it unquantized."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+def set_shard_loader(param: nn.Parameter, fn: Callable) -> nn.Parameter:
+    """Attach fn(layer, param, loaded, shard) as the way linear layers copy this parameter in (see
+    linear.LinearBase.load_shard)."""
+    param.shard_loader = fn
+    return param
+
+
+def per_shard_scalar_loader(layer, param, loaded: torch.Tensor, shard: int) -> None:
+    """One scalar per logical projection of a merged layer (per-tensor scales of q/k/v, gate/up)."""
+    param.data[shard] = loaded.reshape(-1)[0].to(param.dtype)
+
+
+def expand_per_shard(values: torch.Tensor, layer) -> torch.Tensor:
+    """[num_shards] -> [N]: each shard's value repeated over its output rows."""
+    sizes = getattr(layer, "shard_sizes", [layer.out_features])
+    return torch.repeat_interleave(values.float(), torch.tensor(sizes, device=values.device))
+
+
+class PackedLinearMethod:
+    """Runs a linear layer from packed weights through kernels.qlinear. Subclasses fill in:
+    layer.weight (int8/uint8 [N, K or K/2]), layer.weight_scale (group scales or None),
+    layer.weight_row_scale (float [N] or None), and self.fmt / self.group / self.global_scale."""
+
+    fmt: int = kernels.QFMT_INT8
+    group: int = 0
+    global_scale: float = 1.0
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return kernels.qlinear(self.fmt, x, layer.weight, layer.weight_scale, layer.weight_row_scale,
+                               layer.in_features, self.group, self.global_scale, bias)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 weight the packed tensors stand for (tests, the quality report)."""
+        return kernels.dequantize(self.fmt, layer.weight, layer.weight_scale, layer.weight_row_scale,
+                                  layer.in_features, self.group, self.global_scale)
+
+    @staticmethod
+    def _set(layer: nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
+             row_scale: Optional[torch.Tensor]) -> None:
+        def param(t):
+            return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
+
+        layer.weight = param(weight)
+        layer.weight_scale = param(scale)
+        layer.weight_row_scale = param(row_scale)
+        if hasattr(layer, "packed_weight"):
+            del layer.packed_weight

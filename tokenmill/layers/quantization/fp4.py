@@ -1,0 +1,133 @@
+"""FP4 (E2M1) linear weights with block scales, packed two values per byte (low nibble = even index).
+
+E2M1 holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (sign bit 3, exponent bits 2-1, mantissa bit 0).
+- `mxfp4` (OCP microscaling): blocks of 32 values along K share an E8M0 scale 2^e (one byte, e + 127).
+  We pick e = ceil(log2(amax / 6)), so the block's largest value lands in (3, 6] and nothing clips (the OCP
+  reference rule floor(log2(amax)) - 2 clips values above 6 * 2^e).
+- `nvfp4`: blocks of 16 share an FP8 E4M3 scale, times one float32 scale per tensor chosen so the largest
+  block scale is 448 (global = amax / (448 * 6)).
+Values round to nearest, ties to even, saturating at +-6.
+
+Compute: there is no FP4 arithmetic on CPUs; qlinear.c decodes nibbles with integer bit moves inside the
+matmul. On CUDA the weight is widened with torch ops before the matmul (correct, not fast; a fused Triton
+kernel would be the next step).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quantization import kernels
+from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_TIES_UP = (0.75, 1.75, 3.5)  # ties whose upper neighbour has the even mantissa
+MX_BLOCK, NV_BLOCK = 32, 16
+
+
+def e2m1_lut(device=None) -> torch.Tensor:
+    pos = torch.tensor(E2M1_VALUES, device=device)
+    return torch.cat([pos, -pos])
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """float (already divided by its scale) -> uint8 codes 0..15, round to nearest even, saturating."""
+    a = v.abs().float().clamp(max=6.0)
+    idx = torch.bucketize(a, torch.tensor(_MIDPOINTS, device=v.device))  # a == midpoint -> lower value
+    tie_up = torch.zeros_like(a, dtype=torch.bool)
+    for t in _TIES_UP:
+        tie_up |= a == t
+    idx = idx + tie_up.long()
+    return (idx | (v < 0).long() << 3).to(torch.uint8)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    return e2m1_lut(codes.device)[codes.long()]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] bytes, element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def _blocks(w: torch.Tensor, block: int) -> torch.Tensor:
+    N, K = w.shape
+    if K % block:
+        raise ValueError(f"input size {K} is not a multiple of the FP4 block size {block}")
+    return w.float().reshape(N, K // block, block)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (packed uint8 [N, K/2], E8M0 scales uint8 [N, K/32])."""
+    b = _blocks(w, MX_BLOCK)
+    amax = b.abs().amax(dim=-1)
+    m, e = torch.frexp(amax / 6.0)            # amax/6 = m * 2^e, m in [0.5, 1)
+    e = torch.where(m == 0.5, e - 1, e)       # exact powers of two: log2 is e - 1
+    e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp_(-127, 127)
+    codes = e2m1_encode(b / torch.ldexp(torch.ones_like(amax), e)[..., None])
+    return pack_nibbles(codes.reshape(w.shape)), (e + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    vals = e2m1_decode(unpack_nibbles(packed))
+    N, K = vals.shape
+    s = torch.ldexp(torch.ones(scales.shape, device=scales.device), scales.long() - 127)
+    return (vals.reshape(N, K // MX_BLOCK, MX_BLOCK) * s[..., None]).reshape(N, K)
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """[N, K] -> (packed uint8 [N, K/2], E4M3 scales as uint8 [N, K/16], float32 global scale)."""
+    b = _blocks(w, NV_BLOCK)
+    amax_t = float(b.abs().max()) if b.numel() else 0.0
+    global_scale = float(torch.tensor(amax_t / (448.0 * 6.0) if amax_t > 0 else 1.0, dtype=torch.float32))
+    block_scale = (b.abs().amax(dim=-1) / 6.0 / global_scale).clamp_(max=448.0).to(torch.float8_e4m3fn)
+    eff = block_scale.float() * global_scale
+    safe = torch.where(eff > 0, eff, torch.ones_like(eff))
+    codes = e2m1_encode(torch.where(eff[..., None] > 0, b / safe[..., None], torch.zeros_like(b)))
+    return pack_nibbles(codes.reshape(w.shape)), block_scale.view(torch.uint8), global_scale
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: float) -> torch.Tensor:
+    vals = e2m1_decode(unpack_nibbles(packed))
+    N, K = vals.shape
+    s = scales.view(torch.float8_e4m3fn).float() * torch.tensor(global_scale, dtype=torch.float32)
+    return (vals.reshape(N, K // NV_BLOCK, NV_BLOCK) * s[..., None]).reshape(N, K)
+
+
+class Fp4LinearMethod(PackedLinearMethod):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.fmt = kernels.QFMT_MXFP4 if kind == "mxfp4" else kernels.QFMT_NVFP4
+        self.group = MX_BLOCK if kind == "mxfp4" else NV_BLOCK
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.kind == "mxfp4":
+            packed, scales = quantize_mxfp4(layer.weight.data)
+        else:
+            packed, scales, self.global_scale = quantize_nvfp4(layer.weight.data)
+        self._set(layer, packed, scales, None)
+
+
+class Fp4Config(QuantizationConfig):
+    online = True
+
+    def __init__(self, kind: str) -> None:
+        if kind not in ("mxfp4", "nvfp4"):
+            raise ValueError(f"unknown FP4 format {kind!r}")
+        self.name = kind
+
+    def get_linear_method(self, layer, prefix, hf_names):
+        block = MX_BLOCK if self.name == "mxfp4" else NV_BLOCK
+        if layer.in_features % block:
+            raise ValueError(f"{self.name} needs input sizes that are multiples of {block}; "
+                             f"{prefix} has {layer.in_features}")
+        return Fp4LinearMethod(self.name)
+
+    def describe(self) -> str:
+        return ("mxfp4 (E2M1 weights, E8M0 scale per 32)" if self.name == "mxfp4"
+                else "nvfp4 (E2M1 weights, E4M3 scale per 16 x per-tensor scale)")

@@ -1,0 +1,59 @@
+"""INT8 linear weights: symmetric, one scale per output channel (row), values in [-127, 127].
+
+- `int8` (weight-only): activations stay in float; the CPU kernel streams int8 weights and widens them in
+  registers (decode reads a quarter of the fp32 bytes).
+- `w8a8`: activations are quantized per token on the fly (dynamic symmetric scales), the products are
+  accumulated in int32 (AVX2 `vpmaddwd` on CPU, cuBLAS int8 GEMM through torch._int_mm on CUDA).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quantization import kernels
+from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scale [N]) with w ~= q * scale[:, None]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+class Int8LinearMethod(PackedLinearMethod):
+    fmt = kernels.QFMT_INT8
+
+    def __init__(self, activations: bool) -> None:
+        self.activations = activations  # w8a8: quantize activations per token too
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_int8(layer.weight.data)
+        self._set(layer, q, None, scale)
+
+    def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self._set(layer, q.to(torch.int8), None, scale.float().reshape(-1))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.activations:
+            return kernels.w8a8_linear(x, layer.weight, layer.weight_row_scale, bias)
+        return super().apply(layer, x, bias)
+
+
+class Int8Config(QuantizationConfig):
+    online = True
+
+    def __init__(self, activations: bool = False) -> None:
+        self.activations = activations
+        self.name = "w8a8" if activations else "int8"
+
+    def get_linear_method(self, layer, prefix, hf_names):
+        return Int8LinearMethod(self.activations)

@@ -1,0 +1,140 @@
+"""CPU matmuls over quantized weights (qlinear.c through ctypes), with pure-torch fallbacks.
+
+Routing for float-activation formats (int8 weight-only, fp8, mxfp4, nvfp4) on CPU:
+- up to FUSED_MAX_ROWS rows of x (decode and small batches): the fused kernel streams the narrow weights and
+  widens them in registers; this is where quantization pays, since those steps are bound by weight bytes;
+- more rows (prefill chunks): the weights are widened to a float32 copy once per call and MKL runs the GEMM
+  (compute-bound there; the widening is a few percent of the GEMM).
+In batch-invariant mode every row count takes the fused kernel (its reduction order per output is fixed).
+Without the C library (no compiler, TOKENMILL_CPU_KERNELS=0) or off CPU, the weight is dequantized with torch
+ops and F.linear runs: correct everywhere, fast nowhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import batch_invariant
+from tokenmill.layers.cpu_build import load_library
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "qlinear.c")
+QFMT_INT8, QFMT_FP8, QFMT_MXFP4, QFMT_NVFP4 = 0, 1, 2, 3
+FUSED_MAX_ROWS = 64
+W8A8_MAX_ROWS = 1 << 30  # the int8 GEMM handles every row count
+
+
+def load():
+    lib = load_library("qlinear", [_SOURCE])
+    if lib is not None and not getattr(lib, "_typed", False):
+        vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.qlinear_f32.argtypes = [i32, vp, i64, vp, vp, vp, i64, i64, i64, f32, vp, vp, i32]
+        lib.qdequant_f32.argtypes = [i32, vp, vp, vp, i64, i64, i64, f32, vp, i32]
+        lib.w8a8_linear_f32.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, i32]
+        lib.quantize_rows_int8.argtypes = [vp, i64, i64, vp, vp, i32]
+        for fn in (lib.qlinear_f32, lib.qdequant_f32, lib.w8a8_linear_f32, lib.quantize_rows_int8):
+            fn.restype = None
+        lib._typed = True
+    return lib
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def dequantize(fmt: int, w: torch.Tensor, scales: Optional[torch.Tensor], row_scale: Optional[torch.Tensor],
+               K: int, group: int = 0, global_scale: float = 1.0) -> torch.Tensor:
+    """The float32 [N, K] weight a packed one stands for (C kernel; torch reference where unavailable)."""
+    lib = load() if w.device.type == "cpu" else None
+    if lib is None:
+        return _torch_dequantize(fmt, w, scales, row_scale, K, group, global_scale)
+    N = w.shape[0]
+    out = torch.empty(N, K, dtype=torch.float32)
+    lib.qdequant_f32(fmt, w.data_ptr(), _ptr(scales), _ptr(row_scale), N, K, group, global_scale, out.data_ptr(),
+                     torch.get_num_threads())
+    return out
+
+
+def _torch_dequantize(fmt, w, scales, row_scale, K, group, global_scale) -> torch.Tensor:
+    from tokenmill.layers.quantization import fp4
+
+    if fmt == QFMT_INT8:
+        out = w.float()
+    elif fmt == QFMT_FP8:
+        out = w.view(torch.float8_e4m3fn).float()
+        if scales is not None and group > 0:
+            out = out * scales.float().repeat_interleave(group, 1)[:, :K]
+    elif fmt == QFMT_MXFP4:
+        out = fp4.dequantize_mxfp4(w, scales)
+    else:
+        out = fp4.dequantize_nvfp4(w, scales, global_scale)
+    return out * row_scale.float()[:, None] if row_scale is not None else out
+
+
+def qlinear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.Tensor],
+            row_scale: Optional[torch.Tensor], K: int, group: int = 0, global_scale: float = 1.0,
+            bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., K] @ dequant(w)^T (+ bias), in x's dtype."""
+    lib = load() if x.device.type == "cpu" else None
+    rows = x.numel() // K
+    # batch-invariant mode: every row count through the kernel, whose per-row reduction order is fixed
+    if lib is None or (rows > FUSED_MAX_ROWS and not batch_invariant.enabled()):
+        wf = dequantize(fmt, w, scales, row_scale, K, group, global_scale).to(x.dtype)
+        return F.linear(x, wf, bias)
+    N = w.shape[0]
+    x2 = x.reshape(rows, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    b = bias.float().contiguous() if bias is not None and bias.dtype != torch.float32 else bias
+    y = torch.empty(rows, N, dtype=torch.float32)
+    lib.qlinear_f32(fmt, x2.data_ptr(), rows, w.data_ptr(), _ptr(scales), _ptr(row_scale), N, K, group,
+                    global_scale, _ptr(b), y.data_ptr(), torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], N).to(x.dtype)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric int8: (q [M, K] int8, scale [M] float32)."""
+    lib = load() if x.device.type == "cpu" else None
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+    if lib is None:
+        s = (x2.abs().amax(dim=1) / 127.0)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return torch.round(x2 / s[:, None]).clamp_(-127, 127).to(torch.int8), s
+    M, K = x2.shape
+    q = torch.empty(M, K, dtype=torch.int8)
+    s = torch.empty(M, dtype=torch.float32)
+    lib.quantize_rows_int8(x2.data_ptr(), M, K, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
+    return q, s
+
+
+def w8a8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int8 weights [N, K] (per-row scale) x int8 activations quantized per token, int32 accumulation."""
+    K = w.shape[1]
+    rows = x.numel() // K
+    lib = load() if x.device.type == "cpu" else None
+    if lib is None:
+        q, s = quantize_rows_int8(x)
+        if x.device.type == "cuda" and rows > 16:
+            acc = torch._int_mm(q, w.t()).float()  # cuBLAS int8 GEMM (needs M > 16)
+        else:
+            acc = q.float() @ w.float().t()  # exact while K * 127^2 < 2^24; close beyond
+        y = acc * s[:, None] * w_scale[None, :]
+        y = (y + bias.float()) if bias is not None else y
+        return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+    N = w.shape[0]
+    x2 = x.reshape(rows, K)
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.float().contiguous()
+    b = bias.float().contiguous() if bias is not None and bias.dtype != torch.float32 else bias
+    y = torch.empty(rows, N, dtype=torch.float32)
+    lib.w8a8_linear_f32(x2.data_ptr(), rows, w.data_ptr(), w_scale.data_ptr(), N, K, _ptr(b), y.data_ptr(),
+                        torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], N).to(x.dtype)

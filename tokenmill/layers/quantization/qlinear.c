@@ -1,0 +1,351 @@
+/* Quantized-weight matmuls for CPU: y[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias), x and y float32.
+ *
+ * Weight formats (one byte or half a byte per value, row-major [N, K] with K contiguous):
+ *   QFMT_INT8   int8 values, one float scale per output row (row_scale, applied to the dot product)
+ *   QFMT_FP8    E4M3 bytes; a float scale per output row, or per (row, group of `group` K values)
+ *   QFMT_MXFP4  E2M1 nibbles (two per byte, low nibble first), one E8M0 byte scale per 32 values
+ *   QFMT_NVFP4  E2M1 nibbles, one E4M3 byte scale per 16 values, times a per-tensor float `global_scale`
+ *
+ * There is no native low-precision arithmetic on AVX2 CPUs, so the kernel streams the narrow weights (the
+ * point: decode is bound by the bytes it reads) and widens them in registers. A thread owns 4 output rows at
+ * a time: it dequantizes them into an L1-resident float buffer once, then takes the dot products with every
+ * row of x (3 rows x 4 weight rows = 12 independent FMA chains). x is walked in tiles that stay in L2, so the
+ * same code serves decode (M = 1..8) and prefill chunks. FP8 and FP4 decode with integer bit moves, no
+ * lookup table: an E4M3 byte's exponent and mantissa placed at float bit 20 give the value times 2^-120
+ * (subnormals included, as float subnormals), and an E2M1 nibble's at bit 22 give the value times 2^-126.
+ *
+ * w8a8_linear_f32: int8 weights and int8 activations quantized per row of x (dynamic, symmetric), products
+ * accumulated exactly in int32 (AVX2 vpmaddwd on int16-widened values), then scaled by x_scale * w_scale.
+ *
+ * GCC vector extensions keep the float paths portable; the int16 dot uses AVX2 when present.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { QFMT_INT8 = 0, QFMT_FP8 = 1, QFMT_MXFP4 = 2, QFMT_NVFP4 = 3 };
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int8_t v8s8 __attribute__((vector_size(8)));
+
+#define NR 4          /* weight rows per block */
+#define L2_TILE_BYTES (192 * 1024)
+
+static inline v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+static inline float hsum8(v8f v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+#ifdef __AVX2__
+/* GCC scalarizes widening conversions of 8-byte vectors, so the x86 path spells them out. */
+static inline v8i widen_s8(const uint8_t *p) { return (v8i)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+static inline v8i widen_s8(const uint8_t *p) { v8s8 b; memcpy(&b, p, 8); return __builtin_convertvector(b, v8i); }
+#endif
+
+/* 8 int8 -> 8 floats */
+static inline v8f int8x8(const uint8_t *p) { return __builtin_convertvector(widen_s8(p), v8f); }
+
+/* 8 E4M3 bytes -> 8 floats. The byte sign-extended and shifted left by 20 puts the sign at bit 31 and
+ * exponent|mantissa at bits 26..20 (the mask drops the sign copies in between): the value times 2^-120. */
+static inline v8f fp8x8(const uint8_t *p) {
+    const v8i u = (widen_s8(p) << 20) & (int32_t)0x87f00000;
+    v8f f; memcpy(&f, &u, sizeof f);
+    return f * 0x1p120f;
+}
+
+static inline float fp8_to_float(uint8_t b) {
+    uint32_t u = ((uint32_t)(b & 0x7f) << 20) | ((uint32_t)(b & 0x80) << 24);
+    float f; memcpy(&f, &u, 4);
+    return f * 0x1p120f;
+}
+
+/* E2M1 code -> twice its value, as int8 (0, 1, 2, 3, 4, 6, 8, 12 and negatives): exact small integers, the
+ * factor 1/2 goes into the block scale. */
+static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* 8 bytes = 16 E2M1 nibbles (low nibble first) -> 16 floats (twice the values) */
+static inline void fp4x16(const uint8_t *p, float *out) {
+#ifdef __AVX2__
+    const __m128i lut = _mm_loadu_si128((const __m128i *)E2M1_X2);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    const __m128i v = _mm_unpacklo_epi8(lo, hi); /* elements 0..15 in order */
+    _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+#else
+    for (int i = 0; i < 8; i++) {
+        out[2 * i] = E2M1_X2[p[i] & 0xf];
+        out[2 * i + 1] = E2M1_X2[p[i] >> 4];
+    }
+#endif
+}
+
+/* E8M0 exponent byte -> 2^(e - 127), halved (see E2M1_X2) */
+static inline float e8m0_half(uint8_t e) {
+    if (e < 2) return ldexpf(1.0f, (int)e - 128); /* below the normal float range */
+    const uint32_t u = (uint32_t)(e - 1) << 23;
+    float f; memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Dequantize one weight row into out[K] (row scale excluded: the caller applies it to the dot product). */
+static void dequant_row(int fmt, const uint8_t *w, const void *scales, int64_t K, int64_t group,
+                        float global_scale, float *out) {
+    const int64_t K8 = K & ~(int64_t)7;
+    if (fmt == QFMT_INT8) {
+        for (int64_t k = 0; k < K8; k += 8) store8(out + k, int8x8(w + k));
+        for (int64_t k = K8; k < K; k++) out[k] = (float)(int8_t)w[k];
+    } else if (fmt == QFMT_FP8) {
+        const float *s = (const float *)scales;
+        if (s == NULL || group <= 0) {
+            for (int64_t k = 0; k < K8; k += 8) store8(out + k, fp8x8(w + k));
+            for (int64_t k = K8; k < K; k++) out[k] = fp8_to_float(w[k]);
+        } else {
+            for (int64_t k0 = 0, g = 0; k0 < K; k0 += group, g++) {
+                const int64_t k1 = k0 + group < K ? k0 + group : K;
+                const float sc = s[g];
+                int64_t k = k0;
+                for (; k + 8 <= k1; k += 8) store8(out + k, fp8x8(w + k) * sc);
+                for (; k < k1; k++) out[k] = fp8_to_float(w[k]) * sc;
+            }
+        }
+    } else { /* FP4: K is a multiple of the block size (checked by the caller) */
+        const uint8_t *s = (const uint8_t *)scales;
+        const int64_t bs = fmt == QFMT_MXFP4 ? 32 : 16;
+        const float gs = 0.5f * global_scale;
+        for (int64_t k0 = 0, g = 0; k0 < K; k0 += bs, g++) {
+            const float sc = fmt == QFMT_MXFP4 ? e8m0_half(s[g]) : fp8_to_float(s[g]) * gs;
+            for (int64_t k = k0; k < k0 + bs; k += 16) {
+                fp4x16(w + k / 2, out + k);
+                store8(out + k, load8(out + k) * sc);
+                store8(out + k + 8, load8(out + k + 8) * sc);
+            }
+        }
+    }
+}
+
+/* Weight-streaming dot products for few rows of x (decode): int8 or per-channel fp8 rows widened in
+ * registers and used straight away, no buffer. acc[m][r] for mr (1 or 2) rows of x, NR weight rows. */
+#define FUSED_KERNEL(NAME, WIDEN)                                                                          \
+    static inline void NAME(const uint8_t *const *w, int64_t K, const float *x, int64_t ldx, int mr,        \
+                            float acc[2][NR]) {                                                             \
+        v8f a0[NR] = {{0}}, a1[NR] = {{0}};                                                                 \
+        const int64_t K8 = K & ~(int64_t)7;                                                                 \
+        if (mr == 2) {                                                                                      \
+            for (int64_t k = 0; k < K8; k += 8) {                                                           \
+                const v8f x0 = load8(x + k), x1 = load8(x + ldx + k);                                      \
+                for (int r = 0; r < NR; r++) {                                                              \
+                    const v8f wv = WIDEN(w[r] + k);                                                         \
+                    a0[r] += wv * x0;                                                                       \
+                    a1[r] += wv * x1;                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+        } else {                                                                                            \
+            for (int64_t k = 0; k < K8; k += 8) {                                                           \
+                const v8f x0 = load8(x + k);                                                                \
+                for (int r = 0; r < NR; r++) a0[r] += WIDEN(w[r] + k) * x0;                                 \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < NR; r++) {                                                                      \
+            acc[0][r] = hsum8(a0[r]);                                                                       \
+            acc[1][r] = hsum8(a1[r]);                                                                       \
+        }                                                                                                   \
+    }
+FUSED_KERNEL(fused_int8, int8x8)
+FUSED_KERNEL(fused_fp8, fp8x8)
+
+static inline int64_t row_bytes(int fmt, int64_t K) { return fmt >= QFMT_MXFP4 ? K / 2 : K; }
+
+static inline const void *row_scales(int fmt, const void *scales, int64_t n, int64_t K, int64_t group) {
+    if (scales == NULL) return NULL;
+    if (fmt == QFMT_FP8) return group > 0 ? (const float *)scales + n * ((K + group - 1) / group) : NULL;
+    if (fmt == QFMT_MXFP4) return (const uint8_t *)scales + n * (K / 32);
+    if (fmt == QFMT_NVFP4) return (const uint8_t *)scales + n * (K / 16);
+    return NULL;
+}
+
+/* acc[m][r] = dot(x row m, buffer row r) for mr (1..3) rows of x against NR buffer rows. */
+#define DOT_KERNEL(MR)                                                                                    \
+    static inline void dot_##MR(const float *b, int64_t K, const float *x, int64_t ldx, float acc[3][NR]) {\
+        v8f a[MR][NR];                                                                                    \
+        for (int m = 0; m < MR; m++)                                                                      \
+            for (int r = 0; r < NR; r++) a[m][r] = (v8f){0};                                              \
+        const int64_t K8 = K & ~(int64_t)7;                                                               \
+        for (int64_t k = 0; k < K8; k += 8) {                                                             \
+            v8f xv[MR];                                                                                   \
+            for (int m = 0; m < MR; m++) xv[m] = load8(x + m * ldx + k);                                  \
+            for (int r = 0; r < NR; r++) {                                                                \
+                const v8f wv = load8(b + r * K + k);                                                      \
+                for (int m = 0; m < MR; m++) a[m][r] += wv * xv[m];                                       \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int m = 0; m < MR; m++)                                                                      \
+            for (int r = 0; r < NR; r++) {                                                                \
+                float s = hsum8(a[m][r]);                                                                 \
+                for (int64_t k = K8; k < K; k++) s += b[r * K + k] * x[m * ldx + k];                      \
+                acc[m][r] = s;                                                                            \
+            }                                                                                             \
+    }
+DOT_KERNEL(1)
+DOT_KERNEL(2)
+DOT_KERNEL(3)
+
+#define FUSED_MAX_M 4
+
+static void fused_block(int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t nr, const float *x, int64_t M,
+                        int64_t K, const float *rs, const float *bs, float *y, int64_t N) {
+    const uint8_t *rows[NR];
+    for (int r = 0; r < NR; r++) rows[r] = w + (n0 + (r < nr ? r : 0)) * rb;
+    for (int64_t m = 0; m < M; m += 2) {
+        const int mr = M - m >= 2 ? 2 : 1;
+        float acc[2][NR];
+        if (fmt == QFMT_INT8) fused_int8(rows, K, x + m * K, K, mr, acc);
+        else fused_fp8(rows, K, x + m * K, K, mr, acc);
+        for (int i = 0; i < mr; i++)
+            for (int64_t r = 0; r < nr; r++) y[(m + i) * N + n0 + r] = acc[i][r] * rs[r] + bs[r];
+    }
+}
+
+void qlinear_f32(int fmt, const float *x, int64_t M, const uint8_t *w, const void *scales, const float *row_scale,
+                 int64_t N, int64_t K, int64_t group, float global_scale, const float *bias, float *y,
+                 int num_threads) {
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const int64_t rb = row_bytes(fmt, K);
+    const int fused = M <= FUSED_MAX_M && K % 8 == 0 && (fmt == QFMT_INT8 || (fmt == QFMT_FP8 && group <= 0));
+    int64_t mt = L2_TILE_BYTES / (4 * K);
+    mt = mt < 3 ? 3 : mt - mt % 3;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = fused ? NULL : aligned_alloc(64, ((NR * K * sizeof(float)) + 63) & ~(size_t)63);
+        for (int64_t m0 = 0; m0 < M; m0 += mt) {
+            const int64_t m1 = m0 + mt < M ? m0 + mt : M;
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < nblocks; blk++) {
+                const int64_t n0 = blk * NR;
+                const int64_t nr = N - n0 < NR ? N - n0 : NR;
+                float rs[NR], bs[NR];
+                for (int64_t r = 0; r < NR; r++) {
+                    rs[r] = (r < nr && row_scale) ? row_scale[n0 + r] : 1.0f;
+                    bs[r] = (r < nr && bias) ? bias[n0 + r] : 0.0f;
+                }
+                if (fused) {
+                    fused_block(fmt, w, rb, n0, nr, x + m0 * K, m1 - m0, K, rs, bs, y + m0 * N, N);
+                    continue;
+                }
+                for (int64_t r = 0; r < NR; r++) {
+                    if (r < nr)
+                        dequant_row(fmt, w + (n0 + r) * rb, row_scales(fmt, scales, n0 + r, K, group), K, group,
+                                    global_scale, buf + r * K);
+                    else
+                        memset(buf + r * K, 0, K * sizeof(float));
+                }
+                for (int64_t m = m0; m < m1;) {
+                    float acc[3][NR];
+                    const int64_t left = m1 - m;
+                    const int mr = left >= 3 ? 3 : (int)left;
+                    if (mr == 3) dot_3(buf, K, x + m * K, K, acc);
+                    else if (mr == 2) dot_2(buf, K, x + m * K, K, acc);
+                    else dot_1(buf, K, x + m * K, K, acc);
+                    for (int i = 0; i < mr; i++)
+                        for (int64_t r = 0; r < nr; r++) y[(m + i) * N + n0 + r] = acc[i][r] * rs[r] + bs[r];
+                    m += mr;
+                }
+            }
+        }
+        free(buf);
+    }
+}
+
+/* Full dequantization to float32 [N, K] (row scales applied): the large-batch path and the tests. */
+void qdequant_f32(int fmt, const uint8_t *w, const void *scales, const float *row_scale, int64_t N, int64_t K,
+                  int64_t group, float global_scale, float *out, int num_threads) {
+    const int64_t rb = row_bytes(fmt, K);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t n = 0; n < N; n++) {
+        float *o = out + n * K;
+        dequant_row(fmt, w + n * rb, row_scales(fmt, scales, n, K, group), K, group, global_scale, o);
+        if (row_scale) {
+            const float s = row_scale[n];
+            for (int64_t k = 0; k < K; k++) o[k] *= s;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------- */
+/* W8A8: int8 x int8 -> int32.                                                                           */
+
+/* Round half to even, like torch.round. */
+static inline int32_t round_even(float v) { return (int32_t)nearbyintf(v); }
+
+/* Per-row symmetric int8 quantization of x [M, K] (as int16 for the dot) and its scales. */
+void quantize_rows_int8(const float *x, int64_t M, int64_t K, int8_t *q, float *scales, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(xm[k]));
+        const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const float inv = 1.0f / s;
+        for (int64_t k = 0; k < K; k++) {
+            int32_t v = round_even(xm[k] * inv);
+            q[m * K + k] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+        scales[m] = s;
+    }
+}
+
+static inline int32_t dot_i16(const int16_t *a, const int16_t *b, int64_t K) {
+    int64_t k = 0;
+    int32_t s = 0;
+#ifdef __AVX2__
+    __m256i acc = _mm256_setzero_si256();
+    for (; k + 16 <= K; k += 16)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a + k)),
+                                                      _mm256_loadu_si256((const __m256i *)(b + k))));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+    s = _mm_cvtsi128_si32(h);
+#endif
+    for (; k < K; k++) s += (int32_t)a[k] * (int32_t)b[k];
+    return s;
+}
+
+void w8a8_linear_f32(const float *x, int64_t M, const int8_t *w, const float *w_scale, int64_t N, int64_t K,
+                     const float *bias, float *y, int num_threads) {
+    int16_t *xq = aligned_alloc(64, ((M * K * sizeof(int16_t)) + 63) & ~(size_t)63);
+    float *xs = malloc(M * sizeof(float));
+    int8_t *q8 = malloc(M * K);
+    quantize_rows_int8(x, M, K, q8, xs, num_threads);
+    for (int64_t i = 0; i < M * K; i++) xq[i] = q8[i];
+    free(q8);
+    const int64_t nblocks = (N + NR - 1) / NR;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int16_t *buf = aligned_alloc(64, ((NR * K * sizeof(int16_t)) + 63) & ~(size_t)63);
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            const int64_t n0 = blk * NR;
+            const int64_t nr = N - n0 < NR ? N - n0 : NR;
+            for (int64_t r = 0; r < nr; r++)
+                for (int64_t k = 0; k < K; k++) buf[r * K + k] = w[(n0 + r) * K + k];
+            for (int64_t m = 0; m < M; m++) {
+                const int16_t *xm = xq + m * K;
+                for (int64_t r = 0; r < nr; r++) {
+                    const int32_t acc = dot_i16(xm, buf + r * K, K);
+                    y[m * N + n0 + r] = (float)acc * (xs[m] * w_scale[n0 + r]) + (bias ? bias[n0 + r] : 0.0f);
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xs);
+    free(xq);
+}
