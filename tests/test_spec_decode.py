@@ -377,15 +377,15 @@ def test_controller_batch_size_and_adaptive():
     fast = SpecController(4, adaptive=True)
     for i in range(40):
         fast.observe_round(4, 4)
-        fast.observe_step(num_tokens=5 + i % 7, num_decodes=1, k=4, num_draft_tokens=4, seconds=0.02,
+        fast.observe_step(num_tokens=1 + i % 5, num_decodes=1, k=4, num_draft_tokens=i % 5, seconds=0.02,
                           draft_seconds=0.002)
     assert fast.choose_k(1) == 4
     # Compute-bound steps (cost proportional to tokens) and poor acceptance: stop, but probe now and then.
     slow = SpecController(4, adaptive=True, keeps_kv=True)
     for i in range(40):
         slow.observe_round(4, 0)
-        n = 32 * (1 + i % 5)
-        slow.observe_step(num_tokens=n, num_decodes=32, k=4, num_draft_tokens=96, seconds=0.001 * n,
+        n = 32 * (i % 5)
+        slow.observe_step(num_tokens=32 + n, num_decodes=32, k=4, num_draft_tokens=n, seconds=0.001 * (32 + n),
                           draft_seconds=0.004)
     ks = [slow.choose_k(32) for _ in range(64)]
     assert ks.count(0) >= 58 and 0 < ks.count(4) <= 6

@@ -26,6 +26,7 @@ class SpecDecodeCounters:
     num_drafts: int = 0             # verification rounds: requests x steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_evaluated_tokens: int = 0   # draft positions whose accept test ran (accepted + first rejected)
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted_per_pos[j]: drafts at j accepted
     drafted_per_pos: list[int] = field(default_factory=list)
 
@@ -35,6 +36,7 @@ class SpecDecodeCounters:
         self.num_drafts += 1
         self.num_draft_tokens += num_spec
         self.num_accepted_tokens += num_accepted
+        self.num_evaluated_tokens += min(num_accepted + 1, num_spec)
         if len(self.drafted_per_pos) < num_spec:
             grow = num_spec - len(self.drafted_per_pos)
             self.drafted_per_pos += [0] * grow
@@ -47,6 +49,11 @@ class SpecDecodeCounters:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """P(draft accepted | all before it were): the `a` of the speedup formula."""
+        return self.num_accepted_tokens / self.num_evaluated_tokens if self.num_evaluated_tokens else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -142,14 +149,15 @@ class SpecController:
         """One request's verification: num_accepted of its num_spec drafts accepted."""
         self.counters.observe(num_spec, num_accepted)
         if num_spec > 0:
-            evaluated = min(num_accepted + 1, num_spec)  # positions whose accept test ran
             self.acc = DECAY * self.acc + num_accepted
-            self.evaluated = DECAY * self.evaluated + evaluated
+            self.evaluated = DECAY * self.evaluated + min(num_accepted + 1, num_spec)
 
     def observe_step(self, num_tokens: int, num_decodes: int, k: int, num_draft_tokens: int,
                      seconds: float, draft_seconds: float) -> None:
-        """A finished step: its scheduled tokens, decode requests, k, draft tokens verified, wall times."""
-        self.target.add(num_tokens, max(seconds - draft_seconds, 0.0))
+        """A finished step: its scheduled tokens, decode requests, k, draft tokens verified, wall times.
+        Steps with prefill chunks (another cost regime) do not enter the step-cost fit."""
+        if num_tokens == num_decodes + num_draft_tokens:
+            self.target.add(num_tokens, max(seconds - draft_seconds, 0.0))
         if k > 0 and num_decodes > 0:
             self.fill = DECAY * self.fill + num_draft_tokens / (num_decodes * k)
             self.fill_w = DECAY * self.fill_w + 1
