@@ -391,13 +391,16 @@ def test_controller_batch_size_and_adaptive():
     assert ks.count(0) >= 58 and 0 < ks.count(4) <= 6
 
 
-def test_adaptive_end_to_end_is_exact(heads, reference):
+def test_adaptive_quantized_self_draft_is_exact(heads, reference):
+    """An int8 copy of the target drafting for it, adaptive k, no speculation in steps of 6+ requests."""
     prompts, expected = reference
-    llm = LLM(heads["target"], speculative_config={"method": "draft_model", "model": heads["other"],
-                                                   "num_speculative_tokens": 3, "adaptive": True,
-                                                   "disable_by_batch_size": 6}, **HARD)
+    llm = LLM(heads["target"], speculative_config={"method": "draft_model", "model": heads["target"],
+                                                   "quantization": "int8", "num_speculative_tokens": 3,
+                                                   "adaptive": True, "disable_by_batch_size": 6}, **HARD)
     assert _generate(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)) == expected
     assert llm.engine.scheduler.kv.is_whole()
+    st = llm.engine.stats()
+    assert st.spec_num_accepted_tokens > 0.5 * st.spec_num_draft_tokens > 0
 
 
 def test_config_errors(heads):

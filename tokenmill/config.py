@@ -315,6 +315,8 @@ class SpeculativeConfig:
                                  f"({t.hidden_size}); the head was trained for another model")
         if self.quantization is not None and self.method != "draft_model":
             raise ValueError("speculative_config quantization applies to method 'draft_model' only")
+        if self.method == "draft_model":
+            self.quantization = validate_quantization(self.quantization, d, self.draft_model_dir)
 
 
 @dataclass

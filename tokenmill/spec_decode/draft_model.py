@@ -66,11 +66,9 @@ class DraftModelProposer(KVDrafter):
 
         spec, mc = config.speculative, config.model
         cfg = spec.draft_hf_config
-        if spec.quantization is not None:
-            raise ValueError(f"speculative_config quantization={spec.quantization!r}: quantized draft models "
-                             "need tokenmill's quantization support, which this build lacks")
+        # A quantized draft (e.g. an int8 copy of the target itself): same tokenizer, a fraction of the bytes.
         self.model = load_model(spec.draft_model_dir, cfg, mc.torch_dtype, config.device, backend,
-                                max_positions=mc.max_model_len)
+                                max_positions=mc.max_model_len, quantization=spec.quantization)
         attn = self.model.layers[0].self_attn
         super().__init__(config, len(self.model.layers), attn.num_kv_heads, attn.head_dim, mc.torch_dtype)
         self.written: dict[str, tuple[int, int]] = {}  # rid -> (P, w): draft wrote P .. P + w - 1 last round
