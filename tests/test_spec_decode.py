@@ -430,3 +430,7 @@ def test_metrics_render_spec_counters():
     assert 'tokenmill:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 5.0' in text
     assert 'tokenmill:spec_decode_draft_acceptance_rate{model_name="m"} 0.666' in text
     assert 'tokenmill:spec_decode_mean_acceptance_length{model_name="m"} 3.0' in text
+    from tokenmill.serve.metrics import spec_decode_counters
+
+    assert spec_decode_counters(text) == {"num_drafts": 5.0, "num_draft_tokens": 15.0, "num_accepted_tokens": 10.0,
+                                          "accepted_per_pos": [5.0, 3.0, 2.0]}

@@ -126,3 +126,27 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def spec_decode_counters(prometheus_text: str) -> dict:
+    """The speculative-decoding counters in a /metrics scrape (summed over models), for clients such as
+    `tokenmill bench` that report acceptance: diff two scrapes taken around a run. Empty when the server
+    does not speculate."""
+    names = {"tokenmill:spec_decode_num_drafts_total": "num_drafts",
+             "tokenmill:spec_decode_num_draft_tokens_total": "num_draft_tokens",
+             "tokenmill:spec_decode_num_accepted_tokens_total": "num_accepted_tokens"}
+    out: dict = {}
+    per_pos: dict[int, float] = {}
+    for line in prometheus_text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        name = key.split("{", 1)[0]
+        if name in names:
+            out[names[name]] = out.get(names[name], 0.0) + float(value)
+        elif name == "tokenmill:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(key.split('position="', 1)[1].split('"', 1)[0])
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+    if per_pos:
+        out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)]
+    return out

@@ -18,7 +18,7 @@ hits and preemption need nothing special.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -69,13 +69,6 @@ class Proposer:
 
     def free(self, request_ids: list[str]) -> None:
         pass
-
-
-@dataclass
-class SpecStepInfo:
-    """What the runner measured of speculation in one step (for the controller)."""
-    draft_seconds: float = 0.0
-    proposed: dict[str, int] = field(default_factory=dict)
 
 
 def make_proposer(config, target_model, backend) -> Proposer:
