@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | bench | plan` (router, quantize, ... arrive with their issues)."""
+"""`tokenmill serve | generate | bench | plan | quantize | eval` (router, ... arrive with their issues)."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_parser(sub)
     add_plan_args(sub.add_parser("plan", help="memory and roofline math for a model on given hardware"))
+
+    from tokenmill.eval import add_eval_parser
+    from tokenmill.models.export import add_quantize_parser
+
+    add_quantize_parser(sub)
+    add_eval_parser(sub)
 
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)

@@ -24,18 +24,16 @@ from tokenmill.layers.cpu_build import load_library
 _SOURCE = os.path.join(os.path.dirname(__file__), "qlinear.c")
 QFMT_INT8, QFMT_FP8, QFMT_MXFP4, QFMT_NVFP4 = 0, 1, 2, 3
 FUSED_MAX_ROWS = 64
-W8A8_MAX_ROWS = 1 << 30  # the int8 GEMM handles every row count
 
 
 def load():
     lib = load_library("qlinear", [_SOURCE])
     if lib is not None and not getattr(lib, "_typed", False):
         vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        lib.qlinear_f32.argtypes = [i32, vp, i64, vp, vp, vp, i64, i64, i64, f32, vp, vp, i32]
+        lib.qlinear_f32.argtypes = [i32, vp, i64, vp, vp, vp, i64, i64, i64, f32, vp, vp, i32, i32]
         lib.qdequant_f32.argtypes = [i32, vp, vp, vp, i64, i64, i64, f32, vp, i32]
-        lib.w8a8_linear_f32.argtypes = [vp, i64, vp, vp, i64, i64, vp, vp, i32]
-        lib.quantize_rows_int8.argtypes = [vp, i64, i64, vp, vp, i32]
-        for fn in (lib.qlinear_f32, lib.qdequant_f32, lib.w8a8_linear_f32, lib.quantize_rows_int8):
+        lib.int8_linear_iq.argtypes = [vp, i64, i32, vp, vp, i64, i64, vp, vp, i32]
+        for fn in (lib.qlinear_f32, lib.qdequant_f32, lib.int8_linear_iq):
             fn.restype = None
         lib._typed = True
     return lib
@@ -95,38 +93,36 @@ def qlinear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: Optional[torch.T
     b = bias.float().contiguous() if bias is not None and bias.dtype != torch.float32 else bias
     y = torch.empty(rows, N, dtype=torch.float32)
     lib.qlinear_f32(fmt, x2.data_ptr(), rows, w.data_ptr(), _ptr(scales), _ptr(row_scale), N, K, group,
-                    global_scale, _ptr(b), y.data_ptr(), torch.get_num_threads())
+                    global_scale, _ptr(b), y.data_ptr(), int(not batch_invariant.enabled()), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], N).to(x.dtype)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row symmetric int8: (q [M, K] int8, scale [M] float32)."""
-    lib = load() if x.device.type == "cpu" else None
-    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-    if lib is None:
-        s = (x2.abs().amax(dim=1) / 127.0)
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        return torch.round(x2 / s[:, None]).clamp_(-127, 127).to(torch.int8), s
-    M, K = x2.shape
-    q = torch.empty(M, K, dtype=torch.int8)
-    s = torch.empty(M, dtype=torch.float32)
-    lib.quantize_rows_int8(x2.data_ptr(), M, K, q.data_ptr(), s.data_ptr(), torch.get_num_threads())
-    return q, s
+ACT_QMAX_W8A8 = 127      # w8a8: activations on the int8 grid
+ACT_QMAX_A16 = 32767     # int8 weight-only: activations on a 16-bit grid for the integer multiply-add
 
 
-def w8a8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """int8 weights [N, K] (per-row scale) x int8 activations quantized per token, int32 accumulation."""
+def quantize_rows(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row symmetric quantization to [-qmax, qmax]: (values as float32 [M, K], scale [M])."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    s = x2.abs().amax(dim=1) / qmax
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.round(x2 * (1.0 / s)[:, None]).clamp_(-qmax, qmax), s  # times the reciprocal, like the kernel
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                act_qmax: int = ACT_QMAX_W8A8) -> torch.Tensor:
+    """int8 weights [N, K] (per-row scale) times activations quantized per row to [-act_qmax, act_qmax],
+    accumulated exactly in integers (CPU kernel), in x's dtype."""
     K = w.shape[1]
     rows = x.numel() // K
     lib = load() if x.device.type == "cpu" else None
     if lib is None:
-        q, s = quantize_rows_int8(x)
-        if x.device.type == "cuda" and rows > 16:
-            acc = torch._int_mm(q, w.t()).float()  # cuBLAS int8 GEMM (needs M > 16)
+        q, s = quantize_rows(x, act_qmax)
+        if x.device.type == "cuda" and act_qmax <= 127 and rows > 16:
+            acc = torch._int_mm(q.to(torch.int8), w.t()).float()  # cuBLAS int8 GEMM (needs M > 16)
         else:
-            acc = q.float() @ w.float().t()  # exact while K * 127^2 < 2^24; close beyond
-        y = acc * s[:, None] * w_scale[None, :]
+            acc = q @ w.float().t()
+        y = acc * s[:, None] * w_scale.float()[None, :]
         y = (y + bias.float()) if bias is not None else y
         return y.reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
     N = w.shape[0]
@@ -135,6 +131,6 @@ def w8a8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         x2 = x2.float().contiguous()
     b = bias.float().contiguous() if bias is not None and bias.dtype != torch.float32 else bias
     y = torch.empty(rows, N, dtype=torch.float32)
-    lib.w8a8_linear_f32(x2.data_ptr(), rows, w.data_ptr(), w_scale.data_ptr(), N, K, _ptr(b), y.data_ptr(),
-                        torch.get_num_threads())
+    lib.int8_linear_iq(x2.data_ptr(), rows, act_qmax, w.data_ptr(), w_scale.data_ptr(), N, K, _ptr(b),
+                       y.data_ptr(), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], N).to(x.dtype)

@@ -1,0 +1,165 @@
+"""`tokenmill eval quality`: what quantization costs in quality, measured against the unquantized model.
+
+The text file is tokenized once and cut into windows of `--window` tokens (teacher forcing: each window is one
+prefill). Every configuration runs in the engine's own worker (same loader, kernels and KV cache, so
+`--kv-cache-dtype` is measured too) and yields the next-token distribution at every position. Reported side by
+side: perplexity on the text; and against the unquantized reference, top-1 agreement (same argmax) and the mean
+KL divergence KL(reference || quantized) in nats per token. All compared models are loaded at once.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class QualityResult:
+    name: str
+    quantization: Optional[str]
+    kv_cache_dtype: str
+    tokens: int = 0
+    nll_sum: float = 0.0
+    agree: int = 0
+    kl_sum: float = 0.0
+    weight_bytes: int = 0
+    seconds: float = 0.0
+    _n_compared: int = field(default=0, repr=False)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / max(self.tokens, 1))
+
+    def as_dict(self, reference: Optional["QualityResult"] = None) -> dict:
+        d = {"name": self.name, "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype,
+             "tokens": self.tokens, "perplexity": round(self.perplexity, 4),
+             "weight_mb": round(self.weight_bytes / 1e6, 1), "seconds": round(self.seconds, 2)}
+        if reference is not None and self is not reference:
+            d["top1_agreement"] = round(self.agree / max(self._n_compared, 1), 4)
+            d["kl_divergence"] = round(self.kl_sum / max(self._n_compared, 1), 6)
+            d["perplexity_change"] = round(self.perplexity / reference.perplexity - 1.0, 4)
+        return d
+
+
+def _windows(ids: list[int], window: int) -> list[list[int]]:
+    return [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
+
+
+class _Scorer:
+    """Runs whole sequences through a worker's model as single prefills and returns log-probs [L, V]."""
+
+    def __init__(self, config) -> None:
+        from tokenmill.worker.worker import Worker
+
+        self.worker = Worker(config)
+        self.block_size = config.cache.block_size
+        self.max_len = config.model.max_model_len
+        self.worker.initialize_cache(-(-self.max_len // self.block_size))
+
+    @torch.inference_mode()
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        from tokenmill.worker.flat_batch import flat_batch
+
+        L = len(ids)
+        table = np.arange(-(-L // self.block_size), dtype=np.int64)[None, :]
+        input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), table,
+                                        self.block_size, self.worker.model.embed_tokens.weight.device)
+        model = self.worker.model
+        hidden = model(input_ids, meta, self.worker.runner.kv_caches)
+        return model.compute_logits(hidden).float().log_softmax(-1).cpu()
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.worker.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+
+def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,
+            device: str):
+    from tokenmill.config import EngineConfig
+
+    return EngineConfig.from_kwargs(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                                    dtype=dtype, max_model_len=window, device=device,
+                                    kv_cache_memory_bytes=64 * 2**20).finalize()
+
+
+def read_dataset(path: Optional[str]) -> str:
+    if path is None:  # a long English text that ships with Python
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics[k] for k in sorted(topics))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: Optional[str] = None,
+             kv_cache_dtype: str = "auto", dtype: str = "auto", max_tokens: int = 4096, window: int = 512,
+             device: str = "auto") -> list[QualityResult]:
+    """The reference (no quantization, model-dtype KV cache) and each quantization, window by window (all
+    models stay loaded: nothing of size vocab x tokens is kept)."""
+    from transformers import AutoTokenizer
+
+    ref_cfg = _config(model, None, "auto", dtype, window, device)
+    tok = AutoTokenizer.from_pretrained(ref_cfg.model.tokenizer)
+    ids = tok(read_dataset(dataset)).input_ids[:max_tokens]
+    if len(ids) < 2:
+        raise ValueError("the dataset holds fewer than 2 tokens")
+    windows = _windows(ids, window)
+    logger.info("quality: %d tokens in %d windows of up to %d", sum(len(w) for w in windows), len(windows), window)
+    configs = [("reference", ref_cfg)]
+    for q in quantizations:
+        name = "+".join(x for x in (q, None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
+        configs.append((name or "reference (again)", _config(model, q, kv_cache_dtype, dtype, window, device)))
+    scorers, results = [], []
+    for name, cfg in configs:
+        scorer = _Scorer(cfg)
+        scorers.append(scorer)
+        results.append(QualityResult(name, cfg.model.quantization, cfg.cache.kv_cache_dtype,
+                                     weight_bytes=scorer.weight_bytes()))
+    for w in windows:
+        target = torch.tensor(w[1:])
+        ref = None
+        for scorer, res in zip(scorers, results):
+            t0 = time.perf_counter()
+            lp = scorer.logprobs(w)[:-1]  # position t predicts token t + 1
+            res.seconds += time.perf_counter() - t0
+            res.nll_sum -= float(lp.gather(1, target[:, None]).sum())
+            res.tokens += len(target)
+            if ref is None:
+                ref = lp
+                continue
+            res.agree += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+            res.kl_sum += float((ref.exp() * (ref - lp)).sum())
+            res._n_compared += lp.shape[0]
+    return results
+
+
+def format_table(results: list[QualityResult]) -> str:
+    ref = results[0]
+    rows = [("", [r.name for r in results]),
+            ("weights (MB)", [f"{r.weight_bytes / 1e6:.1f}" for r in results]),
+            ("perplexity", [f"{r.perplexity:.3f}" for r in results]),
+            ("  change", ["-"] + [f"{r.perplexity / ref.perplexity - 1:+.2%}" for r in results[1:]]),
+            ("top-1 agreement", ["-"] + [f"{r.agree / max(r._n_compared, 1):.2%}" for r in results[1:]]),
+            ("KL(ref||q) nats/tok", ["-"] + [f"{r.kl_sum / max(r._n_compared, 1):.5f}" for r in results[1:]])]
+    width = max(12, *(len(c) for _, cols in rows for c in cols)) + 2
+    lines = [f"{label:<20}" + "".join(f"{c:>{width}}" for c in cols) for label, cols in rows]
+    lines.append(f"({ref.tokens} predicted tokens)")
+    return "\n".join(lines)
+
+
+def iter_quantizations(spec: Optional[str]) -> Iterator[Optional[str]]:
+    """'int8,fp8' -> int8, fp8; 'none' stands for the unquantized weights (e.g. to measure a KV dtype alone)."""
+    for part in (spec or "none").split(","):
+        part = part.strip()
+        yield None if part in ("", "none") else part
