@@ -160,7 +160,7 @@ def add_quantize_parser(sub) -> None:
     p = sub.add_parser("quantize", help="write a pre-quantized (fp8, int8, w8a8) copy of a float checkpoint")
     p.add_argument("model", nargs="?", default=None,
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
-    p.add_argument("--method", default="fp8", choices=list(EXPORT_METHODS))
+    p.add_argument("--method", default="fp8", help=f"one of {', '.join(EXPORT_METHODS)} (default fp8)")
     p.add_argument("--format", dest="checkpoint_format", default="compressed-tensors",
                    choices=["compressed-tensors", "fp8"],
                    help="compressed-tensors: per-channel scales (what --quantization does on load); fp8: "
