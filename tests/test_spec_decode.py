@@ -177,6 +177,9 @@ def test_prefix_cache_stops_max_tokens_n(heads):
     assert out.token_ids == expected[0][:cut] and out.finish_reason == "stop"
     assert _generate(spec, prompts, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)) == \
         [e[:7] for e in expected]
+    # min_tokens bans the stop token on the verified positions before it.
+    sp_min = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=cut + 2)
+    assert _generate(spec, prompts[:1], sp_min) == _generate(base, prompts[:1], sp_min)
     # Stop strings (the front cuts the text; the engine must not have emitted differently).
     text_prompt = "The quick brown fox"
     plain = base.generate(text_prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)

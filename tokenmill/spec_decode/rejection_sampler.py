@@ -56,7 +56,7 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
     if probs is not None and K:
         p = probs[rows.clamp(max=logits.shape[0] - 1), drafts]     # [B, K]
         q = draft_probs[draft_idx, drafts] if draft_probs is not None else torch.ones_like(p)
-        u = _uniform((B, K), dev, generator, generators)
+        u = _uniform((B, K), num_draft, dev, generator, generators)
         random_accept = valid & (u * q < p)
         accept = torch.where(greedy[:, None], accept, random_accept)
     num_acc = accept.long().cumprod(1).sum(1) if K else torch.zeros(B, dtype=torch.long, device=dev)
@@ -92,10 +92,10 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
     return RejectionOutput(token_ids, num_acc_l, row_tokens)
 
 
-def _uniform(shape, dev, generator, generators) -> torch.Tensor:
+def _uniform(shape, num_draft, dev, generator, generators) -> torch.Tensor:
     u = torch.rand(shape, device=dev, generator=generator)
-    for b, gen in (generators or {}).items():
-        u[b] = torch.rand(shape[1:], device=dev, generator=gen)
+    for b, gen in (generators or {}).items():  # exactly k_b draws: a seeded stream ignores its batch
+        u[b, :num_draft[b]] = torch.rand(num_draft[b], device=dev, generator=gen)
     return u
 
 
