@@ -6,18 +6,22 @@
  *   QFMT_MXFP4  E2M1 nibbles (two per byte, low nibble first), one E8M0 byte scale per 32 values
  *   QFMT_NVFP4  E2M1 nibbles, one E4M3 byte scale per 16 values, times a per-tensor float `global_scale`
  *
- * There is no native low-precision arithmetic on AVX2 CPUs, so the kernel streams the narrow weights (the
- * point: decode is bound by the bytes it reads) and widens them in registers. A thread owns 4 output rows at
- * a time: it dequantizes them into an L1-resident float buffer once, then takes the dot products with every
- * row of x (3 rows x 4 weight rows = 12 independent FMA chains). x is walked in tiles that stay in L2, so the
- * same code serves decode (M = 1..8) and prefill chunks. FP8 and FP4 decode with integer bit moves, no
- * lookup table: an E4M3 byte's exponent and mantissa placed at float bit 20 give the value times 2^-120
- * (subnormals included, as float subnormals), and an E2M1 nibble's at bit 22 give the value times 2^-126.
+ * There is no native low-precision arithmetic on AVX2 CPUs, so the kernels stream the narrow weights (the
+ * point: decode is bound by the bytes it reads) and widen them in registers.
  *
- * w8a8_linear_f32: int8 weights and int8 activations quantized per row of x (dynamic, symmetric), products
- * accumulated exactly in int32 (AVX2 vpmaddwd on int16-widened values), then scaled by x_scale * w_scale.
+ * qlinear_f32 (float activations): for 1-2 rows of x (decode) int8 / per-channel fp8 rows are widened and
+ * used at once (fused_*); otherwise a thread dequantizes 4 output rows into an L1-resident float buffer once
+ * and takes their dot products with every row of x (3 x 4 independent FMA chains), x walked in L2-sized
+ * tiles. E4M3 decodes with integer bit moves (the byte's exponent|mantissa at float bit 20 is the value times
+ * 2^-120, subnormals included); E2M1 through a 16-entry byte shuffle to twice its value as a small integer.
  *
- * GCC vector extensions keep the float paths portable; the int16 dot uses AVX2 when present.
+ * int8_linear_iq (integer activations): int8 weights times activations quantized per row, products summed
+ * exactly in integers. Used by w8a8 (int8 activations) and by int8 weight-only decode (16-bit activations),
+ * where it halves the instructions per weight of the float path.
+ *
+ * Weight rows are always walked one after the other: short narrow rows read as 4 interleaved streams defeat
+ * the hardware prefetcher. GCC vector extensions keep the float paths portable; AVX2 intrinsics where GCC
+ * would scalarize (8-byte widening, byte shuffles, vpmaddwd), with scalar fallbacks.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,0 +1,165 @@
+"""Weight quantization on the default model: float32 and bf16 vs int8, w8a8, fp8, mxfp4, nvfp4, in one run.
+
+Per configuration: single-stream decode tok/s (one request, greedy), batched throughput (output tok/s of a
+batch of requests), weight memory, the KV tokens that fit in a fixed total memory budget next to the weights,
+and the CPU cost of the matmuls of one decode token (all linear layers, LM head included) -- which is where the
+formats without native CPU arithmetic (fp8, fp4) pay for widening their weights. Quantized models run float32
+activations (the fast float type on CPUs without AVX512-BF16). Configurations are measured round-robin and the
+best of --repeats is kept, so background load hits them alike; every claim is a ratio within this run.
+
+Prints a JSON result and one summary line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from common import load_average  # noqa: E402
+
+CONFIGS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "w8a8"), ("float32", "fp8"),
+           ("float32", "mxfp4"), ("float32", "nvfp4")]
+
+
+def _name(dtype, q):
+    return q or {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+
+
+def _model_of(llm):
+    return llm.engine.executor.worker.model
+
+
+def _weight_bytes(model) -> tuple[int, int]:
+    """(all parameters, linear layers only: what one decode token streams)."""
+    from tokenmill.layers.linear import LinearBase
+
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    linear = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, LinearBase)
+                 for p in m.parameters(recurse=False))
+    return total, linear
+
+
+def _kv_bytes_per_token(llm) -> int:
+    w = llm.engine.executor.worker
+    return w.bytes_per_block() // llm.config.cache.block_size
+
+
+@torch.inference_mode()
+def _linear_ms(model, reps: int = 5) -> float:
+    """CPU milliseconds of all linear layers for one decode token (process time, so load does not count)."""
+    from tokenmill.layers.linear import LinearBase
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    dtype = model.embed_tokens.weight.dtype
+    xs = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+    for m, x in zip(layers, xs):
+        m(x)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        for m, x in zip(layers, xs):
+            m(x)
+        best = min(best, time.process_time() - t)
+    return best * 1e3
+
+
+def _decode_rate(llm, prompt, n_out: int) -> float:
+    from tokenmill import SamplingParams
+
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n_out + 1, ignore_eos=True), use_tqdm=False)
+    return n_out / max(time.perf_counter() - t - prefill, 1e-9)
+
+
+def _batch_rate(llm, prompts, n_out: int) -> float:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF dir or .gguf (default: built-in default model)")
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="requests in the batched-throughput run")
+    ap.add_argument("--batch-tokens", type=int, default=32, help="output tokens per request in the batched run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", default="1GiB", help="total memory (weights + KV) for the KV-tokens column")
+    ap.add_argument("--configs", default=None, help="comma-separated subset, e.g. fp32,bf16,int8")
+    ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
+    args = ap.parse_args()
+    if args.quick:
+        args.decode_tokens, args.batch, args.batch_tokens, args.repeats = 16, 4, 8, 1
+
+    from tokenmill import LLM
+    from tokenmill.config import parse_size
+
+    budget = parse_size(args.budget)
+    configs = [c for c in CONFIGS if not args.configs or _name(*c) in args.configs.split(",")]
+    llms = {}
+    for dtype, q in configs:
+        llms[_name(dtype, q)] = LLM(args.model, dtype=dtype, quantization=q, kv_cache_memory_bytes="256MiB",
+                                    enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
+    first = next(iter(llms.values()))
+    tok = first.get_tokenizer()
+    prompt = {"prompt_token_ids": tok("The history of the printing press begins in").input_ids}
+    vocab = first.config.model.hf_config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batch = [{"prompt_token_ids": torch.randint(100, vocab, (64,), generator=g).tolist()} for _ in range(args.batch)]
+
+    result = {"model": first.config.model.served_model_name, "threads": torch.get_num_threads(),
+              "load_average_start": load_average(), "configs": {}}
+    for name, llm in llms.items():
+        model = _model_of(llm)
+        total, linear = _weight_bytes(model)
+        kv = _kv_bytes_per_token(llm)
+        result["configs"][name] = {
+            "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+            "quantization": llm.config.model.quantization,
+            "weight_mb": round(total / 1e6, 1), "linear_weight_mb": round(linear / 1e6, 1),
+            "kv_bytes_per_token": kv, "kv_tokens_in_budget": max(0, int((budget - total) // kv)),
+            "decode_matmuls_cpu_ms": round(_linear_ms(model), 2),
+            "decode_tok_s": 0.0, "batch_tok_s": 0.0}
+        llm.generate([prompt], None, use_tqdm=False)  # warm up: kernels built, first-call costs paid
+    for _ in range(args.repeats):
+        for name, llm in llms.items():
+            r = result["configs"][name]
+            r["decode_tok_s"] = round(max(r["decode_tok_s"], _decode_rate(llm, prompt, args.decode_tokens)), 2)
+        for name, llm in llms.items():
+            r = result["configs"][name]
+            r["batch_tok_s"] = round(max(r["batch_tok_s"], _batch_rate(llm, batch, args.batch_tokens)), 2)
+    result["load_average_end"] = load_average()
+    cfg = result["configs"]
+    for name, r in cfg.items():
+        for base in ("fp32", "bf16"):
+            if base in cfg and name != base:
+                r[f"decode_vs_{base}"] = round(r["decode_tok_s"] / cfg[base]["decode_tok_s"], 2)
+                r[f"batch_vs_{base}"] = round(r["batch_tok_s"] / cfg[base]["batch_tok_s"], 2)
+    result["workload"] = {"decode_tokens": args.decode_tokens, "batch": args.batch, "batch_tokens": args.batch_tokens,
+                          "prompt_tokens": len(prompt["prompt_token_ids"]), "batch_prompt_tokens": 64,
+                          "repeats": args.repeats, "budget_bytes": budget}
+    print(json.dumps(result, indent=2))
+    parts = [f"{n} {r['decode_tok_s']:.1f} tok/s" + (f" ({r['decode_vs_fp32']:.2f}x fp32, {r['decode_vs_bf16']:.2f}x bf16)"
+                                                       if "decode_vs_bf16" in r and "decode_vs_fp32" in r else "")
+             for n, r in cfg.items()]
+    print("single-stream decode: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
