@@ -73,7 +73,7 @@ def test_models_health_version(client, http):
     card = raw["data"][0]
     assert card["object"] == "model" and card["owned_by"] == "tokenmill" and card["max_model_len"] == 1024
     assert http.get("/health").status_code == 200
-    assert http.get("/version").json() == {"version": tokenmill.__version__}
+    assert http.get("/version").json() == {"version": tokenmill.__version__, "batch_invariant": False}
 
 
 def test_tokenize_detokenize(http, tok):
