@@ -202,6 +202,58 @@ DOT_KERNEL(3)
 
 #define FUSED_MAX_M 2
 
+void quantize_rows_i16(const float *x, int64_t M, int64_t K, int32_t qmax, int16_t *q, float *scales);
+
+#ifdef __AVX2__
+/* 8 bytes = 16 E2M1 codes -> 16 int16 holding twice the values */
+static inline __m256i fp4x16_i16(const uint8_t *p) {
+    const __m128i lut = _mm_loadu_si128((const __m128i *)E2M1_X2);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(b, m));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(lo, hi));
+}
+
+/* FP4 decode rows against 1-2 rows of x on a 16-bit grid (xq, scales xs): each block's products are summed
+ * exactly in int32 (vpmaddwd), then scaled by the block scale into a float accumulator. */
+static void fp4_rows_iq(int fmt, const uint8_t *w, const uint8_t *scales, int64_t n0, int64_t nr,
+                        const int16_t *xq, const float *xs, int64_t M, int64_t K, float global_scale,
+                        const float *bs, float *y, int64_t N) {
+    const int mx = fmt == QFMT_MXFP4;
+    const int64_t bsz = mx ? 32 : 16, nblk = K / bsz;
+    const float gs = 0.5f * global_scale;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *wr = w + (n0 + r) * (K / 2), *sr = scales + (n0 + r) * nblk;
+        for (int64_t m = 0; m < M; m += 2) {
+            const int two = M - m >= 2;
+            const int16_t *x0 = xq + m * K, *x1 = two ? x0 + K : x0;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nblk; b++) {
+                const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(sr[b]) : fp8_to_float(sr[b]) * gs);
+                const int64_t k = b * bsz;
+                const __m256i w0 = fp4x16_i16(wr + k / 2);
+                __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(x0 + k)));
+                __m256i p1 = two ? _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(x1 + k))) : p0;
+                if (mx) {
+                    const __m256i w1 = fp4x16_i16(wr + k / 2 + 8);
+                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x0 + k + 16))));
+                    if (two)
+                        p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x1 + k + 16))));
+                }
+                a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), sc, a0);
+                if (two) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), sc, a1);
+            }
+            y[m * N + n0 + r] = hsum8((v8f)a0) * xs[m] + bs[r];
+            if (two) y[(m + 1) * N + n0 + r] = hsum8((v8f)a1) * xs[m + 1] + bs[r];
+        }
+    }
+}
+#define HAVE_FP4_IQ 1
+#else
+#define HAVE_FP4_IQ 0
+#endif
+
 static void fused_block(int fmt, const uint8_t *w, int64_t rb, int64_t n0, int64_t nr, const float *x, int64_t M,
                         int64_t K, const float *rs, const float *bs, float *y, int64_t N) {
     const uint8_t *rows[NR];
@@ -224,11 +276,19 @@ void qlinear_f32(int fmt, const float *x, int64_t M, const uint8_t *w, const voi
     /* The fused path sums each dot product in another order than the buffered one; batch-invariant callers
      * pass allow_fused = 0 so that a row's result never depends on M. */
     const int fused = allow_fused && M <= FUSED_MAX_M && K % 8 == 0 && (fmt == QFMT_INT8 || (fmt == QFMT_FP8 && group <= 0));
+    const int fused_fp4 = HAVE_FP4_IQ && allow_fused && M <= FUSED_MAX_M && (fmt == QFMT_MXFP4 || fmt == QFMT_NVFP4);
+    int16_t *xq = NULL;
+    float *xs = NULL;
+    if (fused_fp4) {
+        xq = aligned_alloc(64, ((M * K * sizeof(int16_t)) + 63) & ~(size_t)63);
+        xs = malloc(M * sizeof(float));
+        quantize_rows_i16(x, M, K, 32767, xq, xs);
+    }
     int64_t mt = L2_TILE_BYTES / (4 * K);
     mt = mt < 3 ? 3 : mt - mt % 3;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = fused ? NULL : aligned_alloc(64, ((NR * K * sizeof(float)) + 63) & ~(size_t)63);
+        float *buf = (fused || fused_fp4) ? NULL : aligned_alloc(64, ((NR * K * sizeof(float)) + 63) & ~(size_t)63);
         for (int64_t m0 = 0; m0 < M; m0 += mt) {
             const int64_t m1 = m0 + mt < M ? m0 + mt : M;
 #pragma omp for schedule(static)
@@ -244,6 +304,13 @@ void qlinear_f32(int fmt, const float *x, int64_t M, const uint8_t *w, const voi
                     fused_block(fmt, w, rb, n0, nr, x + m0 * K, m1 - m0, K, rs, bs, y + m0 * N, N);
                     continue;
                 }
+#if HAVE_FP4_IQ
+                if (fused_fp4) {
+                    fp4_rows_iq(fmt, w, (const uint8_t *)scales, n0, nr, xq + m0 * K, xs + m0, m1 - m0, K,
+                                global_scale, bs, y + m0 * N, N);
+                    continue;
+                }
+#endif
                 for (int64_t r = 0; r < NR; r++) {
                     if (r < nr)
                         dequant_row(fmt, w + (n0 + r) * rb, row_scales(fmt, scales, n0 + r, K, group), K, group,
@@ -266,6 +333,8 @@ void qlinear_f32(int fmt, const float *x, int64_t M, const uint8_t *w, const voi
         }
         free(buf);
     }
+    free(xq);
+    free(xs);
 }
 
 /* Full dequantization to float32 [N, K] (row scales applied): the large-batch path and the tests. */
