@@ -102,8 +102,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", default="1GiB", help="total memory (weights + KV) for the KV-tokens column")
     ap.add_argument("--configs", default=None, help="comma-separated subset, e.g. fp32,bf16,int8")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch/OpenMP threads (default: torch's); 1 gives stable numbers on a loaded machine")
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (a smoke run)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.decode_tokens, args.batch, args.batch_tokens, args.repeats = 16, 4, 8, 1
 
