@@ -111,7 +111,8 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
 
     ref_cfg = _config(model, None, "auto", dtype, window, device)
     tok = AutoTokenizer.from_pretrained(ref_cfg.model.tokenizer)
-    ids = tok(read_dataset(dataset)).input_ids[:max_tokens]
+    text = read_dataset(dataset)
+    ids = tok(text[: max_tokens * 16]).input_ids[:max_tokens]  # tokens are far fewer than 16 chars each
     if len(ids) < 2:
         raise ValueError("the dataset holds fewer than 2 tokens")
     windows = _windows(ids, window)

@@ -148,7 +148,11 @@ class Fp8LinearMethod(PackedLinearMethod):
             if self._cuda_ok is None:
                 self._cuda_ok = _scaled_mm_ok(x, layer.out_features, layer.in_features)
             if self._cuda_ok:
-                return _scaled_mm(x, layer.weight.view(FP8_DTYPE), layer.weight_row_scale, bias)
+                try:
+                    return _scaled_mm(x, layer.weight.view(FP8_DTYPE), layer.weight_row_scale, bias)
+                except RuntimeError as e:  # an older torch or an unsupported shape: widen instead, once noted
+                    logger.warning("torch._scaled_mm unavailable for this layer (%s); widening fp8 weights", e)
+                    self._cuda_ok = False
         return super().apply(layer, x, bias)
 
 
