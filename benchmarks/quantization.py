@@ -2,8 +2,9 @@
 
 Per configuration: single-stream decode tok/s (one request, greedy), batched throughput (output tok/s of a
 batch of requests), weight memory, the KV tokens that fit in a fixed total memory budget next to the weights,
-and the CPU cost of the matmuls of one decode token (all linear layers, LM head included) -- which is where the
-formats without native CPU arithmetic (fp8, fp4) pay for widening their weights. Quantized models run float32
+the CPU cost of the matmuls of one decode token (all linear layers, LM head included) -- which is where the
+formats without native CPU arithmetic (fp8, fp4) pay for widening their weights -- and the CPU cost of widening
+all weights to float32 once, which every prefill-sized step pays before its GEMMs. Quantized models run float32
 activations (the fast float type on CPUs without AVX512-BF16). Configurations are measured round-robin and the
 best of --repeats is kept, so background load hits them alike; every claim is a ratio within this run.
 
@@ -73,6 +74,21 @@ def _linear_ms(model, reps: int = 5) -> float:
     return best * 1e3
 
 
+@torch.inference_mode()
+def _widen_ms(model) -> float:
+    """CPU milliseconds to widen every quantized linear weight to float32 once: what a prefill-sized step
+    (more than kernels.FUSED_MAX_ROWS rows) pays before its MKL GEMMs. 0 for float models."""
+    from tokenmill.layers.linear import LinearBase
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase) and hasattr(m.quant_method, "dequantized_weight")]
+    if not layers:
+        return 0.0
+    t = time.process_time()
+    for m in layers:
+        m.quant_method.dequantized_weight(m)
+    return (time.process_time() - t) * 1e3
+
+
 def _decode_rate(llm, prompt, n_out: int) -> float:
     from tokenmill import SamplingParams
 
@@ -139,6 +155,7 @@ def main() -> None:
             "weight_mb": round(total / 1e6, 1), "linear_weight_mb": round(linear / 1e6, 1),
             "kv_bytes_per_token": kv, "kv_tokens_in_budget": max(0, int((budget - total) // kv)),
             "decode_matmuls_cpu_ms": round(_linear_ms(model), 2),
+            "widen_all_weights_cpu_ms": round(_widen_ms(model), 1),
             "decode_tok_s": 0.0, "batch_tok_s": 0.0}
         llm.generate([prompt], None, use_tqdm=False)  # warm up: kernels built, first-call costs paid
     for _ in range(args.repeats):
