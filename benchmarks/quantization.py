@@ -80,7 +80,8 @@ def _widen_ms(model) -> float:
     (more than kernels.FUSED_MAX_ROWS rows) pays before its MKL GEMMs. 0 for float models."""
     from tokenmill.layers.linear import LinearBase
 
-    layers = [m for m in model.modules() if isinstance(m, LinearBase) and hasattr(m.quant_method, "dequantized_weight")]
+    layers = [m for m in model.modules()
+              if isinstance(m, LinearBase) and hasattr(m.quant_method, "dequantized_weight")]
     if not layers:
         return 0.0
     t = time.process_time()
@@ -176,9 +177,12 @@ def main() -> None:
                           "prompt_tokens": len(prompt["prompt_token_ids"]), "batch_prompt_tokens": 64,
                           "repeats": args.repeats, "budget_bytes": budget}
     print(json.dumps(result, indent=2))
-    parts = [f"{n} {r['decode_tok_s']:.1f} tok/s" + (f" ({r['decode_vs_fp32']:.2f}x fp32, {r['decode_vs_bf16']:.2f}x bf16)"
-                                                       if "decode_vs_bf16" in r and "decode_vs_fp32" in r else "")
-             for n, r in cfg.items()]
+    def ratios(r):
+        if "decode_vs_bf16" in r and "decode_vs_fp32" in r:
+            return f" ({r['decode_vs_fp32']:.2f}x fp32, {r['decode_vs_bf16']:.2f}x bf16)"
+        return ""
+
+    parts = [f"{n} {r['decode_tok_s']:.1f} tok/s{ratios(r)}" for n, r in cfg.items()]
     print("single-stream decode: " + "; ".join(parts))
 
 

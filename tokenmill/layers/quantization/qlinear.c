@@ -205,6 +205,10 @@ DOT_KERNEL(3)
 void quantize_rows_i16(const float *x, int64_t M, int64_t K, int32_t qmax, int16_t *q, float *scales);
 
 #ifdef __AVX2__
+#define LOADI16(p) _mm256_loadu_si256((const __m256i *)(p))
+/* acc + the pairwise int32 sums of w * x (16 int16 each) */
+#define MADD_ACC(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
+
 /* 8 bytes = 16 E2M1 codes -> 16 int16 holding twice the values */
 static inline __m256i fp4x16_i16(const uint8_t *p) {
     const __m128i lut = _mm_loadu_si128((const __m128i *)E2M1_X2);
@@ -233,13 +237,12 @@ static void fp4_rows_iq(int fmt, const uint8_t *w, const uint8_t *scales, int64_
                 const __m256 sc = _mm256_set1_ps(mx ? e8m0_half(sr[b]) : fp8_to_float(sr[b]) * gs);
                 const int64_t k = b * bsz;
                 const __m256i w0 = fp4x16_i16(wr + k / 2);
-                __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(x0 + k)));
-                __m256i p1 = two ? _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(x1 + k))) : p0;
+                __m256i p0 = _mm256_madd_epi16(w0, LOADI16(x0 + k));
+                __m256i p1 = two ? _mm256_madd_epi16(w0, LOADI16(x1 + k)) : p0;
                 if (mx) {
                     const __m256i w1 = fp4x16_i16(wr + k / 2 + 8);
-                    p0 = _mm256_add_epi32(p0, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x0 + k + 16))));
-                    if (two)
-                        p1 = _mm256_add_epi32(p1, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x1 + k + 16))));
+                    p0 = MADD_ACC(p0, w1, LOADI16(x0 + k + 16));
+                    if (two) p1 = MADD_ACC(p1, w1, LOADI16(x1 + k + 16));
                 }
                 a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), sc, a0);
                 if (two) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), sc, a1);
@@ -275,7 +278,8 @@ void qlinear_f32(int fmt, const float *x, int64_t M, const uint8_t *w, const voi
     const int64_t rb = row_bytes(fmt, K);
     /* The fused path sums each dot product in another order than the buffered one; batch-invariant callers
      * pass allow_fused = 0 so that a row's result never depends on M. */
-    const int fused = allow_fused && M <= FUSED_MAX_M && K % 8 == 0 && (fmt == QFMT_INT8 || (fmt == QFMT_FP8 && group <= 0));
+    const int fused = allow_fused && M <= FUSED_MAX_M && K % 8 == 0 &&
+                      (fmt == QFMT_INT8 || (fmt == QFMT_FP8 && group <= 0));
     const int fused_fp4 = HAVE_FP4_IQ && allow_fused && M <= FUSED_MAX_M && (fmt == QFMT_MXFP4 || fmt == QFMT_NVFP4);
     int16_t *xq = NULL;
     float *xs = NULL;
@@ -395,7 +399,7 @@ static inline int32_t hsum_i32(__m256i v) {
  * widened to int16 in L1 (W16). Specialized per (weights, MR) so the accumulators stay in registers. */
 #ifdef __AVX2__
 #define LOAD_W8(p, k) _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)(p) + (k))))
-#define LOAD_W16(p, k) _mm256_loadu_si256((const __m256i *)((const int16_t *)(p) + (k)))
+#define LOAD_W16(p, k) LOADI16((const int16_t *)(p) + (k))
 /* Weight rows are walked one after the other (not interleaved): short int8 rows read as 4 interleaved
  * streams defeat the hardware prefetcher (measured ~1.4x slower at decode). */
 #define IDOT(NAME, LOADW, WIDE, MR)                                                                        \
@@ -409,14 +413,14 @@ static inline int32_t hsum_i32(__m256i v) {
                 const __m256i w0 = LOADW(w[r], k), w1 = LOADW(w[r], k + 16);                              \
                 for (int i = 0; i < MR; i++) {                                                             \
                     const int16_t *xi = xq + i * ldx + k;                                                  \
-                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xi))); \
-                    a[i][1] = _mm256_add_epi32(a[i][1], _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xi + 16)))); \
+                    a[i][0] = MADD_ACC(a[i][0], w0, LOADI16(xi));                                          \
+                    a[i][1] = MADD_ACC(a[i][1], w1, LOADI16(xi + 16));                                     \
                 }                                                                                          \
             }                                                                                              \
             for (; k + 16 <= k1; k += 16) {                                                                \
                 const __m256i w0 = LOADW(w[r], k);                                                         \
                 for (int i = 0; i < MR; i++)                                                               \
-                    a[i][0] = _mm256_add_epi32(a[i][0], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)(xq + i * ldx + k)))); \
+                    a[i][0] = MADD_ACC(a[i][0], w0, LOADI16(xq + i * ldx + k));                            \
             }                                                                                              \
             for (int i = 0; i < MR; i++) acc[i][r] += hsum_i32(_mm256_add_epi32(a[i][0], a[i][1]));        \
         }                                                                                                  \
