@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from tokenmill.layers import batch_invariant
 from tokenmill.layers.quantization import kernels
 
 
@@ -60,11 +61,19 @@ class PackedLinearMethod:
     fmt: int = kernels.QFMT_INT8
     group: int = 0
     global_scale: float = 1.0
+    run = None  # the bound CPU kernel call (kernels.bind_*), set once the packed tensors are final
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
+    def bind(self, layer: nn.Module) -> None:
+        self.run = kernels.bind_qlinear(self.fmt, layer.weight, layer.weight_scale, layer.weight_row_scale,
+                                        layer.in_features, self.group, self.global_scale)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.run is not None and x.is_cpu and (x.numel() <= kernels.FUSED_MAX_ROWS * layer.in_features
+                                                  or batch_invariant.enabled()):
+            return self.run(x, bias)
         return kernels.qlinear(self.fmt, x, layer.weight, layer.weight_scale, layer.weight_row_scale,
                                layer.in_features, self.group, self.global_scale, bias)
 
@@ -73,8 +82,7 @@ class PackedLinearMethod:
         return kernels.dequantize(self.fmt, layer.weight, layer.weight_scale, layer.weight_row_scale,
                                   layer.in_features, self.group, self.global_scale)
 
-    @staticmethod
-    def _set(layer: nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
+    def _set(self, layer: nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
              row_scale: Optional[torch.Tensor]) -> None:
         def param(t):
             return None if t is None else nn.Parameter(t.contiguous(), requires_grad=False)
@@ -84,3 +92,4 @@ class PackedLinearMethod:
         layer.weight_row_scale = param(row_scale)
         if hasattr(layer, "packed_weight"):
             del layer.packed_weight
+        self.bind(layer)

@@ -46,14 +46,19 @@ class Int8LinearMethod(PackedLinearMethod):
     def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         self._set(layer, q.to(torch.int8), None, scale.float().reshape(-1))
 
+    def bind(self, layer: nn.Module) -> None:
+        self.run = kernels.bind_int8(layer.weight, layer.weight_row_scale,
+                                     kernels.ACT_QMAX_W8A8 if self.activations else kernels.ACT_QMAX_A16)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.run is not None and x.is_cpu and (self.activations or batch_invariant.enabled() or
+                                                  x.numel() <= kernels.FUSED_MAX_ROWS * layer.in_features):
+            return self.run(x, bias)
         if self.activations:
             return kernels.int8_linear(x, layer.weight, layer.weight_row_scale, bias, kernels.ACT_QMAX_W8A8)
-        rows = x.numel() // layer.in_features
-        if (x.device.type == "cpu" and kernels.available()
-                and (rows <= kernels.FUSED_MAX_ROWS or batch_invariant.enabled())):
-            return kernels.int8_linear(x, layer.weight, layer.weight_row_scale, bias, kernels.ACT_QMAX_A16)
-        return super().apply(layer, x, bias)  # prefill-sized: widen to float once, MKL GEMM
+        # prefill-sized batches (or no C kernel): widen to float once, MKL GEMM with float activations
+        return kernels.qlinear(self.fmt, x, layer.weight, None, layer.weight_row_scale, layer.in_features,
+                               bias=bias)
 
 
 class Int8Config(QuantizationConfig):

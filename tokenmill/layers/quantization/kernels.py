@@ -134,3 +134,47 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: O
     lib.int8_linear_iq(x2.data_ptr(), rows, act_qmax, w.data_ptr(), w_scale.data_ptr(), N, K, _ptr(b),
                        y.data_ptr(), torch.get_num_threads())
     return y.reshape(*x.shape[:-1], N).to(x.dtype)
+
+
+# -- bound calls: a layer's packed weights tied to the kernel once ------------------------------------------
+# A decode step makes ~200 small matmul calls; the generic wrappers above cost ~15 us of Python each, the bound
+# closures below ~5 us (shape/dtype checks once per layer, weight pointers captured).
+def _bias_ptr(bias: Optional[torch.Tensor]):
+    if bias is None:
+        return None
+    return (bias if bias.dtype == torch.float32 else bias.float()).data_ptr()
+
+
+def bind_int8(w: torch.Tensor, w_scale: torch.Tensor, act_qmax: int):
+    """run(x, bias) for int8_linear on CPU, or None where the kernel is unavailable."""
+    lib = load() if w.device.type == "cpu" else None
+    if lib is None:
+        return None
+    fn, (N, K) = lib.int8_linear_iq, w.shape
+    wp, sp = w.data_ptr(), w_scale.data_ptr()
+
+    def run(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+        fn(x2.data_ptr(), x2.numel() // K, act_qmax, wp, sp, N, K, _bias_ptr(bias), y.data_ptr(),
+           torch.get_num_threads())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return run
+
+
+def bind_qlinear(fmt: int, w: torch.Tensor, scales: Optional[torch.Tensor], row_scale: Optional[torch.Tensor],
+                 K: int, group: int = 0, global_scale: float = 1.0):
+    """run(x, bias) for qlinear on CPU (any row count: the caller routes prefill-sized batches), or None."""
+    lib = load() if w.device.type == "cpu" else None
+    if lib is None:
+        return None
+    fn, N = lib.qlinear_f32, w.shape[0]
+    wp, sp, rp = w.data_ptr(), _ptr(scales), _ptr(row_scale)
+
+    def run(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+        fn(fmt, x2.data_ptr(), x2.numel() // K, wp, sp, rp, N, K, group, global_scale, _bias_ptr(bias),
+           y.data_ptr(), int(not batch_invariant.enabled()), torch.get_num_threads())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    return run
