@@ -55,9 +55,23 @@ def _kv_bytes_per_token(llm) -> int:
     return w.bytes_per_block() // llm.config.cache.block_size
 
 
+def _one_thread(fn):
+    """Run a CPU-cost measurement on one thread: process time is then the work itself, not OpenMP threads
+    spinning while a busy machine keeps their partner descheduled."""
+    def wrapped(*args):
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(n)
+    return wrapped
+
+
+@_one_thread
 @torch.inference_mode()
 def _linear_ms(model, reps: int = 5) -> float:
-    """CPU milliseconds of all linear layers for one decode token (process time, so load does not count)."""
+    """CPU milliseconds (one thread) of all linear layers for one decode token."""
     from tokenmill.layers.linear import LinearBase
 
     layers = [m for m in model.modules() if isinstance(m, LinearBase)]
@@ -74,9 +88,10 @@ def _linear_ms(model, reps: int = 5) -> float:
     return best * 1e3
 
 
+@_one_thread
 @torch.inference_mode()
 def _widen_ms(model) -> float:
-    """CPU milliseconds to widen every quantized linear weight to float32 once: what a prefill-sized step
+    """CPU milliseconds (one thread) to widen every quantized linear weight to float32 once: what a prefill-sized step
     (more than kernels.FUSED_MAX_ROWS rows) pays before its MKL GEMMs. 0 for float models."""
     from tokenmill.layers.linear import LinearBase
 
