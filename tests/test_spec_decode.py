@@ -383,7 +383,7 @@ def test_controller_batch_size_and_adaptive():
         fast.observe_step(num_tokens=1 + i % 5, num_decodes=1, k=4, num_draft_tokens=i % 5, seconds=0.02,
                           draft_seconds=0.002)
     assert fast.choose_k(1) == 4
-    # Compute-bound steps (cost proportional to tokens) and poor acceptance: stop, but probe now and then.
+    # Compute-bound steps (cost proportional to tokens) and poor acceptance: off.
     slow = SpecController(4, adaptive=True, keeps_kv=True)
     for i in range(40):
         slow.observe_round(4, 0)
@@ -391,7 +391,7 @@ def test_controller_batch_size_and_adaptive():
         slow.observe_step(num_tokens=32 + n, num_decodes=32, k=4, num_draft_tokens=n, seconds=0.001 * (32 + n),
                           draft_seconds=0.004)
     ks = [slow.choose_k(32) for _ in range(64)]
-    assert ks.count(0) >= 58 and 0 < ks.count(4) <= 6
+    assert ks.count(0) >= 44 and set(ks) == {0, 1, 2, 3, 4}  # off, exploring the others now and then
 
 
 def test_adaptive_quantized_self_draft_is_exact(heads, reference):

@@ -9,15 +9,16 @@ B(k + 1) tokens, which costs about what B decodes cost only while the step is me
   with a the measured per-token acceptance (accepted / evaluated draft positions, i.i.d. model), phi the
   fraction of the k slots drafters fill (n-gram finds no match for some requests), t_target a linear fit
   of step time against scheduled tokens, t_draft a linear fit of drafter time per draft step against
-  batch size. All are exponentially decayed so they follow the workload. While speculation is off the
-  controller probes it for two steps (propose, verify) every PROBE_EVERY steps to keep a and phi fresh.
+  batch size. All are exponentially decayed so they follow the workload. Every EXPLORE_EVERY steps the
+  controller tries another k for two steps (propose, verify), round robin over 0..k_max, so the cost fit
+  sees several step sizes and a stays measured while speculation is off.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 DECAY = 0.97
-PROBE_EVERY = 32
+EXPLORE_EVERY = 8
 
 
 @dataclass
@@ -100,8 +101,9 @@ class SpecController:
         self.target = _LinearFit()            # step seconds (minus drafting) vs scheduled tokens
         self.draft = _LinearFit()             # drafter seconds per draft step vs batch size
         self.last_k = k_max
-        self._off_steps = 0
-        self._probe = 0
+        self._steps = 0
+        self._explore_k = 0
+        self._explore_left = 0
 
     # -- decisions -------------------------------------------------------------------------
     def choose_k(self, batch_size: int) -> int:
@@ -112,18 +114,25 @@ class SpecController:
         elif not self.adaptive:
             k = self.k_max
         else:
-            k = self._best_k(batch_size)
-            if k == 0:
-                self._off_steps += 1
-                if self._off_steps % PROBE_EVERY == 0:
-                    self._probe = 2
-                if self._probe:
-                    self._probe -= 1
-                    k = self.k_max
-            else:
-                self._off_steps = 0
+            k = self._adaptive_k(batch_size)
         self.last_k = k
         return k
+
+    def _adaptive_k(self, batch_size: int) -> int:
+        self._steps += 1
+        if self._explore_left:  # a trial runs two steps: propose with k, then verify k drafts
+            self._explore_left -= 1
+            return self._explore_k
+        best = self._best_k(batch_size)
+        if self._steps % EXPLORE_EVERY == 0:
+            # Now and then another k, round robin: the step-cost fit needs several step sizes (all steps at
+            # one k give it no slope), and acceptance must stay measured while speculation is off.
+            self._explore_k = (self._explore_k + 1) % (self.k_max + 1)
+            if self._explore_k == best:
+                self._explore_k = (self._explore_k + 1) % (self.k_max + 1)
+            self._explore_left = 1
+            return self._explore_k
+        return best
 
     @property
     def acceptance(self) -> float:
