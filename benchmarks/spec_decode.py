@@ -247,6 +247,7 @@ def synthetic(args) -> dict:
         prompts = rand_prompts(B, plen, args.vocab, 10 + B)
         adaptive_llm = make_llm(target, {"method": "draft_model", "model": draft, "adaptive": True,
                                          "num_speculative_tokens": args.max_k}, **kw)
+        decode_run(adaptive_llm, prompts, 2 * args.sweep_out_len)  # let it measure its options first
         b, s, ad = paired([lambda: decode_run(base_llm, prompts, args.sweep_out_len),
                            lambda: decode_run(spec_llm, prompts, args.sweep_out_len),
                            lambda: decode_run(adaptive_llm, prompts, args.sweep_out_len)], args.repeats)

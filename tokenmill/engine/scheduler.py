@@ -78,9 +78,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         spec = config.speculative
-        self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive, spec.needs_kv) if spec else None
+        self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive) if spec else None
         self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
-        self.spec_history = bool(spec and spec.method == "ngram")
+        self.spec_history = bool(spec and spec.method in ("ngram", "draft_model"))  # drafters keeping histories
         self.drafts: dict[str, list[int]] = {}                # request id -> drafts for its next step
 
     # -- admission --------------------------------------------------------------------------
@@ -240,7 +240,7 @@ class Scheduler:
 
     def _lookahead(self, req: Request, end: int, k: int) -> int:
         """Slots a KV-keeping drafter may write past this step's tokens (ending at `end`) when it samples."""
-        if not (k and self.spec_lookahead and end == req.num_tokens):
+        if not (k and self.spec_lookahead and end == req.num_tokens and self._may_speculate(req)):
             return 0
         return max(0, min(k, self.max_model_len - req.num_tokens))
 
@@ -292,7 +292,7 @@ class Scheduler:
             outs.append(out)
         if self.spec is not None:
             self.spec.observe_step(sched.num_batched_tokens, sched.num_decodes, sched.spec_k,
-                                   sched.num_draft_tokens, step_seconds, getattr(result, "draft_seconds", 0.0))
+                                   sched.num_draft_tokens, step_seconds)
         return outs
 
     # -- stats ------------------------------------------------------------------------------

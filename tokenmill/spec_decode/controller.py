@@ -1,24 +1,33 @@
 """When to speculate and how far (the scheduler asks once per step), and the acceptance counters.
 
 Speculation and large batches compete for the same compute: verifying k drafts for B requests runs
-B(k + 1) tokens, which costs about what B decodes cost only while the step is memory-bound.
+B(k + 1) tokens, which costs about what B decodes cost only while the step is memory-bound. Whether it
+pays depends on acceptance, on the drafter's cost and on how the step cost grows with tokens on this
+machine, so the adaptive mode measures the outcome of all three rather than modelling them:
 
 - disable_by_batch_size N: no speculation in a step with N or more running requests.
-- adaptive: pick k in 0..k_max maximising predicted tokens per second,
-      B * (1 + phi * a (1 - a^k) / (1 - a))  /  (t_target(B (1 + phi k)) + t_draft(k, B))
-  with a the measured per-token acceptance (accepted / evaluated draft positions, i.i.d. model), phi the
-  fraction of the k slots drafters fill (n-gram finds no match for some requests), t_target a linear fit
-  of step time against scheduled tokens, t_draft a linear fit of drafter time per draft step against
-  batch size. All are exponentially decayed so they follow the workload. Every EXPLORE_EVERY steps the
-  controller tries another k for two steps (propose, verify), round robin over 0..k_max, so the cost fit
-  sees several step sizes and a stays measured while speculation is off.
+- adaptive: for each batch-size bucket (1, 2-3, 4-7, ...) and each k in 0..k_max, the measured wall time
+  of a decode step at that k per request (verification and drafting included; decayed averages), and, over
+  all requests, the recent per-token acceptance a and the fraction phi of draft slots drafters fill. The
+  controller runs the k with the best predicted rate, tokens per request-step over its measured cost:
+      (1 + phi * a (1 - a^k) / (1 - a)) / cost(bucket, k)
+  Acceptance changes along a text much faster than costs do, so it is not left to the per-k measurements.
+  Every EXPLORE_EVERY steps (sooner while one is unmeasured; less and less often while trials confirm the
+  best k) a TRIAL_STEPS-step trial runs at a neighbour of the best k or at 0; its first step only proposes
+  at the new k and is not measured. A new bucket starts
+  from the nearest measured bucket's best k (the very first from the middle of 0..k_max). When drafts stop
+  being accepted, or the batch makes verification compute-bound, k = 0 wins: speculation is off but for
+  the trials (a draft model does not run at all then: it catches up lazily).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DECAY = 0.97
-EXPLORE_EVERY = 8
+DECAY = 0.8           # weight of the past in the cost averages, per measured step
+ACC_DECAY = 0.95      # ... in the acceptance sums, per verification round
+EXPLORE_EVERY = 24   # steps between trials; doubles (to EXPLORE_MAX) while trials keep confirming the best k
+EXPLORE_MAX = 384
+TRIAL_STEPS = 4
 
 
 @dataclass
@@ -62,54 +71,50 @@ class SpecDecodeCounters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class _LinearFit:
-    """Exponentially decayed least squares y = c0 + c1 x."""
-
-    def __init__(self) -> None:
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = DECAY
-        self.w, self.x, self.y = d * self.w + 1, d * self.x + x, d * self.y + y
-        self.xx, self.xy = d * self.xx + x * x, d * self.xy + x * y
-
-    @property
-    def ready(self) -> bool:
-        return self.w >= 3
-
-    def __call__(self, x: float) -> float:
-        if self.w == 0:
-            return 0.0
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        slope = (self.xy / self.w - mx * my) / var if var > 1e-9 * max(mx * mx, 1.0) else 0.0
-        slope = max(slope, 0.0)  # more tokens never make a step cheaper
-        return max(my + slope * (x - mx), 0.0)
-
-
 class SpecController:
-    def __init__(self, k_max: int, disable_by_batch_size=None, adaptive: bool = False,
-                 keeps_kv: bool = False) -> None:
+    def __init__(self, k_max: int, disable_by_batch_size=None, adaptive: bool = False) -> None:
         self.k_max = k_max
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
-        self.keeps_kv = keeps_kv              # the drafter runs (to keep its KV) even when k = 0
         self.counters = SpecDecodeCounters()
-        self.acc = 0.6 * 4                    # decayed accepted / evaluated positions, prior a = 0.6
-        self.evaluated = 4.0
-        self.fill, self.fill_w = 1.0, 1.0     # decayed fraction of k slots that held drafts
-        self.target = _LinearFit()            # step seconds (minus drafting) vs scheduled tokens
-        self.draft = _LinearFit()             # drafter seconds per draft step vs batch size
+        self._cost: dict[tuple[int, int], list[float]] = {}  # (bucket, k) -> [decayed seconds/request, weight]
+        self._acc, self._evaluated = 0.6 * 4, 4.0              # decayed; prior a = 0.6
+        self._fill, self._fill_w = 1.0, 1.0
         self.last_k = k_max
+        self._prev_k = None
         self._steps = 0
-        self._explore_k = 0
-        self._explore_left = 0
+        self._last_trial = 0
+        self._trial_k = 0
+        self._trial_left = 0
+        self._trial_from = None   # the best k when the last trial started
+        self._interval = EXPLORE_EVERY
+        self._rr = 0
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        return batch_size.bit_length()
+
+    @property
+    def acceptance(self) -> float:
+        return min(self._acc / self._evaluated, 0.999)
+
+    def cost(self, bucket: int, k: int):
+        c = self._cost.get((bucket, k))
+        return c[0] / c[1] if c else None
+
+    def predicted_rate(self, bucket: int, k: int):
+        """Tokens per request per second at k, from the measured cost and the current acceptance."""
+        cost = self.cost(bucket, k)
+        if cost is None:
+            return None
+        a, phi = self.acceptance, min(self._fill / self._fill_w, 1.0)
+        return (1.0 + phi * a * (1.0 - a ** k) / (1.0 - a)) / cost
 
     # -- decisions -------------------------------------------------------------------------
     def choose_k(self, batch_size: int) -> int:
         if self.k_max <= 0 or batch_size <= 0:
-            return 0
-        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            k = 0
+        elif self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
             k = 0
         elif not self.adaptive:
             k = self.k_max
@@ -118,58 +123,52 @@ class SpecController:
         self.last_k = k
         return k
 
+    def best_k(self, batch_size: int) -> int:
+        b = self.bucket(batch_size)
+        for bb in sorted({key[0] for key in self._cost}, key=lambda x: (abs(x - b), -x)):  # this bucket, else nearest
+            rates = {k: self.predicted_rate(bb, k) for (kb, k) in self._cost if kb == bb}
+            return max(rates, key=lambda k: (rates[k], -k))
+        return (self.k_max + 1) // 2  # nothing measured yet: start in the middle and climb
+
     def _adaptive_k(self, batch_size: int) -> int:
         self._steps += 1
-        if self._explore_left:  # a trial runs two steps: propose with k, then verify k drafts
-            self._explore_left -= 1
-            return self._explore_k
-        best = self._best_k(batch_size)
-        if self._steps % EXPLORE_EVERY == 0:
-            # Now and then another k, round robin: the step-cost fit needs several step sizes (all steps at
-            # one k give it no slope), and acceptance must stay measured while speculation is off.
-            self._explore_k = (self._explore_k + 1) % (self.k_max + 1)
-            if self._explore_k == best:
-                self._explore_k = (self._explore_k + 1) % (self.k_max + 1)
-            self._explore_left = 1
-            return self._explore_k
-        return best
-
-    @property
-    def acceptance(self) -> float:
-        return min(max(self.acc / self.evaluated, 0.0), 0.999)
-
-    def predicted_rate(self, k: int, batch_size: int) -> float:
-        """Predicted output tokens per second with k drafts per request."""
-        a, phi, B = self.acceptance, min(self.fill / self.fill_w, 1.0), batch_size
-        emitted = B * (1.0 + phi * a * (1.0 - a ** k) / (1.0 - a))
-        cost = self.target(B * (1.0 + phi * k))
-        draft_steps = max(k, 1) if self.keeps_kv else k
-        cost += draft_steps * self.draft(B)
-        return emitted / cost if cost > 0 else float("inf")
-
-    def _best_k(self, batch_size: int) -> int:
-        if not self.target.ready:
-            return self.k_max  # no measurements yet: start speculating and learn
-        rates = [self.predicted_rate(k, batch_size) for k in range(self.k_max + 1)]
-        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        if self._trial_left:
+            self._trial_left -= 1
+            return self._trial_k
+        b, best = self.bucket(batch_size), self.best_k(batch_size)
+        if self._trial_from is not None:  # a trial just ended: back off while the best k holds
+            self._interval = min(2 * self._interval, EXPLORE_MAX) if best == self._trial_from else EXPLORE_EVERY
+            self._trial_from = None
+        around = [k for k in (best - 1, best + 1, 0) if 0 <= k <= self.k_max and k != best]
+        unmeasured = [k for k in around if (b, k) not in self._cost]
+        if not around or self._steps - self._last_trial < (4 if unmeasured else self._interval):
+            return best
+        if unmeasured:
+            k = unmeasured[0]
+        else:
+            k, self._rr = around[self._rr % len(around)], self._rr + 1
+        self._trial_k, self._trial_left, self._last_trial = k, TRIAL_STEPS - 1, self._steps
+        self._trial_from = best
+        return k
 
     # -- measurements ----------------------------------------------------------------------
     def observe_round(self, num_spec: int, num_accepted: int) -> None:
         """One request's verification: num_accepted of its num_spec drafts accepted."""
         self.counters.observe(num_spec, num_accepted)
         if num_spec > 0:
-            self.acc = DECAY * self.acc + num_accepted
-            self.evaluated = DECAY * self.evaluated + min(num_accepted + 1, num_spec)
+            self._acc = ACC_DECAY * self._acc + num_accepted
+            self._evaluated = ACC_DECAY * self._evaluated + min(num_accepted + 1, num_spec)
 
     def observe_step(self, num_tokens: int, num_decodes: int, k: int, num_draft_tokens: int,
-                     seconds: float, draft_seconds: float) -> None:
-        """A finished step: its scheduled tokens, decode requests, k, draft tokens verified, wall times.
-        Steps with prefill chunks (another cost regime) do not enter the step-cost fit."""
-        if num_tokens == num_decodes + num_draft_tokens:
-            self.target.add(num_tokens, max(seconds - draft_seconds, 0.0))
-        if k > 0 and num_decodes > 0:
-            self.fill = DECAY * self.fill + num_draft_tokens / (num_decodes * k)
-            self.fill_w = DECAY * self.fill_w + 1
-        steps = max(k, 1) if self.keeps_kv else k
-        if steps and num_decodes > 0 and draft_seconds > 0:
-            self.draft.add(num_decodes, draft_seconds / steps)
+                     seconds: float) -> None:
+        """A finished step: scheduled tokens, decoding requests, its k, draft tokens verified, wall time.
+        Only decode-only steps whose drafts were proposed at the same k are measured."""
+        steady, self._prev_k = self._prev_k == k, k
+        if not (self.adaptive and steady and num_decodes and seconds > 0
+                and num_tokens == num_decodes + num_draft_tokens):
+            return
+        c = self._cost.setdefault((self.bucket(num_decodes), k), [0.0, 0.0])
+        c[0], c[1] = DECAY * c[0] + seconds / num_decodes, DECAY * c[1] + 1.0
+        if k > 0:
+            self._fill = DECAY * self._fill + num_draft_tokens / (num_decodes * k)
+            self._fill_w = DECAY * self._fill_w + 1.0

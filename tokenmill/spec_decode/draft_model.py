@@ -1,12 +1,15 @@
 """Draft-model drafter: a smaller model with the target's tokenizer, its own paged KV cache over the target's
-block ids, run for the whole batch: one catch-up pass, then k - 1 single-token steps.
+block ids, run for the whole batch: one catch-up pass, then k - 1 single-token steps. Proposals are greedy
+(one-hot q for the rejection sampler).
 
-Catch-up: the draft must hold KV for every position the target does. Last round it already wrote positions
-P .. P + w - 1 with the tokens [new token, d_1 .. d_{w-1}] (P = the new token's position, w = drafts proposed);
-if the target accepted m of them this step, those with correct tokens are P .. P + min(m, w - 1), so the
-catch-up pass needs only the positions after that up to the next new token: one or two tokens per request.
-Anything else (a prefill chunk, a request seen for the first time, resumed after preemption) runs over all of
-the step's valid tokens. Proposals are greedy (one-hot q for the rejection sampler).
+The draft runs only for requests that propose, and catches up lazily. Per request it keeps the token history
+and `synced`: positions [0, synced) hold draft KV this request's own passes wrote (the content of a shared
+prefix block is the same for every request that holds it, so rewriting it is harmless; cached draft KV is
+never trusted, so prefix caching and preemption need nothing special). Before proposing, one pass runs
+positions [synced, P] (P = the new token's position): normally one or two tokens, because the last round's
+draft steps already wrote P' + 1 .. with the drafts the target has now accepted. After a stretch without
+speculation (off for a big batch, a long prompt) it is a prefill-like pass, capped at max_catchup tokens
+per step. So when speculation is off, the draft costs nothing.
 """
 from __future__ import annotations
 
@@ -60,7 +63,18 @@ class KVDrafter(Proposer):
         return max(0, min(r.num_propose, room + 1))
 
 
+class _State:
+    __slots__ = ("hist", "synced", "spec")
+
+    def __init__(self, hist: list[int]) -> None:
+        self.hist = hist      # every token of the request so far (positions 0 .. len - 1)
+        self.synced = 0       # positions [0, synced) hold valid draft KV
+        self.spec = None      # (first position, count) the last round's draft steps wrote with its drafts
+
+
 class DraftModelProposer(KVDrafter):
+    wants_history = True
+
     def __init__(self, config, backend) -> None:
         from tokenmill.models.loader import load_model
 
@@ -71,64 +85,70 @@ class DraftModelProposer(KVDrafter):
                                 max_positions=mc.max_model_len, quantization=spec.quantization)
         attn = self.model.layers[0].self_attn
         super().__init__(config, len(self.model.layers), attn.num_kv_heads, attn.head_dim, mc.torch_dtype)
-        self.written: dict[str, tuple[int, int]] = {}  # rid -> (P, w): draft wrote P .. P + w - 1 last round
+        self.max_catchup = max(config.scheduler.max_num_batched_tokens or 2048, 1)
+        self.state: dict[str, _State] = {}
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self.written.pop(rid, None)
+            self.state.pop(rid, None)
+
+    def _track(self, r: DraftRequest) -> _State:
+        st = self.state.get(r.request_id)
+        if r.new or st is None:
+            st = self.state[r.request_id] = _State(list(r.history or []))
+        if st.spec is not None:  # last round's draft steps wrote the drafts the target just verified
+            first, count = st.spec
+            if r.start_pos + 1 == first and st.synced == first:
+                st.synced = first + min(r.num_accepted, count)
+            st.spec = None
+        del st.hist[r.start_pos:]
+        st.hist.extend(r.computed)
+        if r.sampled:
+            st.hist.append(r.next_token)
+        st.synced = min(st.synced, r.start_pos + len(r.computed))
+        return st
 
     def propose(self, batch: DraftBatch) -> dict[str, list[int]]:
-        tokens, starts, blocks, rows_of = [], [], [], []
         limit = batch.max_model_len
+        tokens, starts, blocks, props = [], [], [], []  # props: (request, state, P, drafts wanted) or None
         for r in batch.reqs:
-            P = r.start_pos + len(r.computed)
-            # The new token's KV is written now only where its slot exists (lookahead allocated).
-            with_new = r.sampled and P < min(len(r.block_ids) * self.block_size, limit)
-            seq = r.computed + ([r.next_token] if with_new else [])
-            start = r.start_pos
-            prev = None if r.new else self.written.pop(r.request_id, None)
-            if prev is not None and prev[0] == r.start_pos and r.num_spec < prev[1] + 1:
-                skip = 1 + min(r.num_accepted, prev[1] - 1)  # positions P .. P + skip - 1 hold valid draft KV
-                seq, start = seq[skip:], start + skip
-            if not seq:
-                continue
-            tokens.append(seq)
-            starts.append(start)
+            st = self._track(r)
+            P = r.start_pos + len(r.computed)  # the new token's position
+            if not (r.sampled and r.num_propose > 0) or P >= min(len(r.block_ids) * self.block_size, limit):
+                continue  # no proposal (or no slot for the new token): the draft need not run now
+            end = min(P + 1, st.synced + self.max_catchup)
+            tokens.append(st.hist[st.synced:end])
+            starts.append(st.synced)
             blocks.append(r.block_ids)
-            rows_of.append(r)
+            st.synced = end
+            props.append((r, st, P, self._budget(r, P + 1, limit, self.block_size)) if end == P + 1 else None)
         if not tokens:
             return {}
         input_ids, meta, qsl = self._flat(tokens, starts, blocks)
         hidden = self.model(input_ids, meta, self.kv_caches)
 
         # Requests that propose: the catch-up pass's last row scores draft 1.
-        active = []
-        for i, r in enumerate(rows_of):
-            P = r.start_pos + len(r.computed)
-            if not (r.sampled and P < min(len(r.block_ids) * self.block_size, limit)):
-                continue
-            n = self._budget(r, P + 1, limit, self.block_size)
-            self.written[r.request_id] = (P, max(n, 1))
-            if n > 0:
-                active.append((r, int(qsl[i + 1]) - 1, P, n))
+        active = [(r, st, int(qsl[i + 1]) - 1, P, n) for i, (r, st, P, n) in
+                  ((i, p) for i, p in enumerate(props) if p is not None) if n > 0]
         if not active:
             return {}
-        logits = self.model.compute_logits(hidden[[row for _, row, _, _ in active]])
-        cur = logits.argmax(-1)
-        drafts = {r.request_id: [] for r, *_ in active}
+        cur = self.model.compute_logits(hidden[[row for _, _, row, _, _ in active]]).argmax(-1)
+        drafts: dict[str, list[int]] = {r.request_id: [] for r, *_ in active}
+        for _, st, _, P, n in active:
+            st.spec = (P + 1, n - 1)
         for j in range(max(n for *_, n in active)):
             toks = cur.tolist()
-            for (r, _, _, _), t in zip(active, toks):
+            for (r, *_), t in zip(active, toks):
                 drafts[r.request_id].append(t)
-            keep = [i for i, (_, _, _, n) in enumerate(active) if n > j + 1]
+            keep = [i for i, a in enumerate(active) if a[4] > j + 1]
             if not keep:
                 break
-            active = [active[i] for i in keep]
-            cur = cur[keep] if len(keep) < len(toks) else cur
-            # Step j + 1: input draft j + 1 at position P + j + 1.
-            starts = np.asarray([P + j + 1 for _, _, P, _ in active], dtype=np.int64)
-            input_ids, meta, _ = flat_batch(cur.numpy() if cur.device.type == "cpu" else cur.cpu().numpy(),
-                                            np.ones(len(active), dtype=np.int64), starts,
+            if len(keep) < len(active):
+                active = [active[i] for i in keep]
+                cur = cur[keep]
+            # Step j + 1: draft j + 1 enters at position P + j + 1.
+            starts_a = np.asarray([P + j + 1 for *_, P, _ in active], dtype=np.int64)
+            input_ids, meta, _ = flat_batch(cur.cpu().numpy(), np.ones(len(active), dtype=np.int64), starts_a,
                                             block_table_array([r.block_ids for r, *_ in active]),
                                             self.block_size, self.device)
             cur = self.model.compute_logits(self.model(input_ids, meta, self.kv_caches)).argmax(-1)

@@ -7,7 +7,6 @@ get logits and go through the rejection sampler instead of the plain sampler.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -28,7 +27,6 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one entry per new token
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # drafts for the next step
-    draft_seconds: float = 0.0                                            # time spent in the drafter
 
 
 class ModelRunner:
@@ -169,9 +167,7 @@ class ModelRunner:
                 if plp:
                     out.prompt_logprobs[r.request_id] = plp
         if self.drafter is not None:
-            t0 = time.perf_counter()
             out.spec_token_ids = self._draft(reqs, qsl, hidden, out)
-            out.draft_seconds = time.perf_counter() - t0
         self._aux.clear()
         return out
 
