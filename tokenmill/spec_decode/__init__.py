@@ -12,9 +12,11 @@ Data flow per engine step (DESIGN.md §1, §3):
              drafts' slots (num_computed_tokens), stores the new drafts and the acceptance counters.
 
 KV-keeping drafters (draft_model, eagle, eagle3) share the target's block ids: their cache has the same
-number of blocks and a token's slot is the same in both. Invariant: every position the target holds valid
-KV for, the drafter does too (the drafter runs over every position the target computes), so prefix-cache
-hits and preemption need nothing special.
+number of blocks and a token's slot is the same in both, so they need no block accounting of their own.
+EAGLE heads run over every position the target computes (they need the target's hidden states, which exist
+only in that step), so their KV is valid wherever the target's is. A draft model instead catches up lazily,
+only for requests about to propose, from its own token history (see draft_model.py), so it costs nothing
+while speculation is off.
 """
 from __future__ import annotations
 
