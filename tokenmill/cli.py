@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | bench | plan | quantize | eval` (router, ... arrive with their issues)."""
+"""`tokenmill serve | generate | router | bench | plan | quantize | eval`."""
 from __future__ import annotations
 
 import argparse
@@ -58,9 +58,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size != 1:
+        from tokenmill.router.data_parallel import run_data_parallel
+
+        return run_data_parallel(args)
     from tokenmill.serve.api_server import run_server
 
     return run_server(args) or 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from tokenmill.router.app import run_router
+
+    return run_router(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         add_serve_args = None
     if add_serve_args is not None:
         add_serve_args(srv)
-    srv.set_defaults(func=_serve)
+    from tokenmill.router.app import add_router_args
+    from tokenmill.router.data_parallel import add_data_parallel_args
+
+    add_data_parallel_args(srv)
+    srv.set_defaults(func=_serve, serve_parser=srv)
+
+    rt = sub.add_parser("router", help="OpenAI-compatible front that routes requests over `tokenmill serve` replicas")
+    add_router_args(rt)
+    rt.set_defaults(func=_router)
 
     from tokenmill.bench import add_bench_parser
     from tokenmill.plan import add_plan_args

@@ -408,3 +408,40 @@ class EngineConfig:
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             speculative_config=getattr(a, "speculative_config", None))
+
+
+ROUTER_POLICIES = ("prefix_aware", "least_load", "round_robin")
+
+
+@dataclass
+class RouterConfig:
+    """`tokenmill router` (and the router in front of `tokenmill serve --data-parallel-size N`)."""
+    replicas: list[str] = field(default_factory=list)  # base URLs of `tokenmill serve` instances
+    policy: str = "prefix_aware"
+    load_weight: float = 0.5            # prefix_aware: score = cached fraction - load_weight * load / busiest
+    prefix_chunk_chars: int = 64        # granularity of the router's prefix index
+    health_check_interval: float = 1.0  # seconds between probes of each replica
+    health_check_timeout: float = 5.0
+
+    def validate(self) -> "RouterConfig":
+        if not self.replicas:
+            raise ValueError("the router needs at least one --replica URL (e.g. http://127.0.0.1:8001)")
+        for url in self.replicas:
+            if not re.match(r"^https?://[^/\s]+/?$", url):
+                raise ValueError(f"--replica {url!r} is not a base URL such as http://127.0.0.1:8001")
+        if len({u.rstrip("/") for u in self.replicas}) != len(self.replicas):
+            raise ValueError("the same --replica URL is given twice")
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router policy {self.policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+        if self.load_weight < 0:
+            raise ValueError(f"load weight must be >= 0, got {self.load_weight}")
+        if self.prefix_chunk_chars < 1:
+            raise ValueError(f"prefix chunk size must be at least 1 character, got {self.prefix_chunk_chars}")
+        if self.health_check_interval <= 0 or self.health_check_timeout <= 0:
+            raise ValueError("health check interval and timeout must be positive")
+        return self
+
+
+def check_data_parallel_size(size: int) -> None:
+    if size < 1:
+        raise ValueError(f"--data-parallel-size must be at least 1, got {size}")

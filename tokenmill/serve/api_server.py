@@ -286,6 +286,7 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = _read_chat_template(args.chat_template)
     sock = _bind(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
+    metrics.set_cache_config(config.cache.block_size, config.cache.enable_prefix_caching)
     try:
         engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
     except BaseException:

@@ -7,10 +7,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.outputs import Logprob
+from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import CompletionRequest
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response, until_disconnected)
+                                     stream_response)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState

@@ -68,6 +68,12 @@ class ServerMetrics:
         self._model_name = model_name
         self._last: EngineStats | None = None
 
+    def set_cache_config(self, block_size: int, enable_prefix_caching: bool) -> None:
+        """vLLM's cache_config_info: lets a router turn kv_cache_total_blocks into tokens."""
+        Gauge("tokenmill:cache_config_info", "KV cache configuration (value 1, settings as labels).",
+              ["model_name", "block_size", "enable_prefix_caching"], registry=self.registry).labels(
+            self._model_name, str(block_size), str(enable_prefix_caching)).set(1)
+
     # -- hooks (called from AsyncLLM's output loop) -------------------------------------------
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)

@@ -7,10 +7,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Optional, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 import msgspec
-from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_llm import EngineDeadError, RequestRejectedError, next_outputs
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tokenmill")
 _json = msgspec.json.Encoder()
-T = TypeVar("T")
 
 
 def random_id(prefix: str) -> str:
@@ -121,32 +119,6 @@ class Generation:
         return {"prompt_tokens": prompt, "total_tokens": prompt + self.num_generated,
                 "completion_tokens": self.num_generated,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> Optional[T]:
-    """Run a non-streaming handler, cancelling it (which aborts its engine requests) if the client goes
-    away first. Returns None in that case."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to report
-        pass
-    return None
 
 
 def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:

@@ -1,0 +1,148 @@
+"""`tokenmill router`: an OpenAI-compatible front that forwards each request to one of several replicas.
+
+Endpoints of its own: /health (200 while any replica is healthy) and /metrics (`tokenmill:router_*`).
+Everything else (/v1/models, /v1/completions, /v1/chat/completions with SSE, /tokenize, ...) is forwarded.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Optional
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.config import ROUTER_POLICIES, RouterConfig
+from tokenmill.router.forward import Router
+from tokenmill.serve.api_server import APIKeyMiddleware
+from tokenmill.serve.disconnect import until_disconnected
+from tokenmill.serve.errors import APIError
+
+logger = logging.getLogger("tokenmill")
+
+
+def add_router_policy_args(p: argparse.ArgumentParser, policy_flag: str = "--policy") -> None:
+    """Flags shared by `tokenmill router` and `tokenmill serve --data-parallel-size N`."""
+    p.add_argument(policy_flag, dest="router_policy", default="prefix_aware", choices=list(ROUTER_POLICIES),
+                   help="prefix_aware: send a request where its prompt prefix is likely cached, traded off "
+                        "against load; least_load: fewest running + waiting requests; round_robin")
+    p.add_argument("--router-load-weight", type=float, default=0.5,
+                   help="prefix_aware: score = cached prefix fraction - weight * load / busiest replica's load")
+    p.add_argument("--router-prefix-chunk-chars", type=int, default=64,
+                   help="prefix_aware: characters per chunk of the router's prefix index")
+    p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between replica probes")
+    p.add_argument("--health-check-timeout", type=float, default=5.0)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
+                   help="base URL of a `tokenmill serve` replica (repeat the flag for each)")
+    add_router_policy_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the replicas as sent)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish")
+    p.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def router_config(args: argparse.Namespace, replicas: list[str]) -> RouterConfig:
+    return RouterConfig(replicas=replicas, policy=args.router_policy, load_weight=args.router_load_weight,
+                        prefix_chunk_chars=args.router_prefix_chunk_chars,
+                        health_check_interval=args.health_check_interval,
+                        health_check_timeout=args.health_check_timeout).validate()
+
+
+def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.pool.probe_all()
+        probing = asyncio.ensure_future(router.pool.run())
+        healthy = len(router.pool.healthy())
+        logger.info("router (%s) up with %d/%d healthy replicas", router.policy.name, healthy,
+                    len(router.pool.replicas))
+        try:
+            yield
+        finally:
+            probing.cancel()
+            await router.aclose()
+
+    app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled router error")
+        return APIError(500, f"Internal router error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not router.pool.healthy():
+            return router.unavailable([], "").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        for r in router.pool.replicas:  # in-flight counts move between probes
+            router.metrics.on_replica(r.url, r.healthy, r.load, r.in_flight)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def forward(path: str, raw: Request) -> Response:
+        body = await raw.body()
+        work = router.forward(raw.method, "/" + path, raw.url.query, body, raw.headers)
+        response = await until_disconnected(raw, work)
+        return response if response is not None else Response(status_code=499)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def serve_router(config: RouterConfig, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
+                 uvicorn_log_level: str = "warning") -> int:
+    """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
+    import uvicorn
+
+    from tokenmill.serve.api_server import _Server
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
+    uv = uvicorn.Config(build_router_app(Router(config), api_key), log_level=uvicorn_log_level, lifespan="on",
+                        timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
+    server = _Server.make(uv)
+    server.run(sockets=[sock])
+    if not server.started:
+        logger.error("router failed to start (see above)")
+        return 1
+    logger.info("router stopped")
+    return 0
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from tokenmill.serve.api_server import _bind
+
+    config = router_config(args, args.replica)
+    sock = _bind(args.host, args.port)
+    logger.info("routing http://%s:%d to %s (%s)", args.host, args.port, ", ".join(config.replicas),
+                config.policy)
+    try:
+        return serve_router(config, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+    finally:
+        sock.close()

@@ -1,0 +1,182 @@
+"""`tokenmill serve --data-parallel-size N`: N engine replicas and the router in front of them, one command.
+
+Each replica is a `tokenmill serve` subprocess with the user's engine flags on its own 127.0.0.1 port and
+an equal share of the CPU threads (or its own GPU); the router listens on the user's --host/--port. The
+replicas run in their own sessions so a terminal's Ctrl-C reaches only this process, which drains the
+router first and then stops them; if this process dies they get SIGTERM from the kernel (Linux).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+from tokenmill.config import check_data_parallel_size
+
+logger = logging.getLogger("tokenmill")
+
+# Flags that belong to the launcher and the router, not to a replica.
+_LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "router_load_weight", "router_prefix_chunk_chars",
+                   "health_check_interval", "health_check_timeout", "host", "port", "install_default_model",
+                   "func", "serve_parser", "command", "log_level", "help"}
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    from tokenmill.router.app import add_router_policy_args
+
+    g = p.add_argument_group("data parallel")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="run N engine replicas (each its own process, threads split between them) behind a "
+                        "router on --port")
+    add_router_policy_args(g, policy_flag="--router-policy")
+
+
+def flags_of(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The command line that parses back to `args` (flags left at their defaults omitted)."""
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.dest in skip or value == action.default or value is None:
+            continue
+        if not action.option_strings:  # positional
+            argv += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0] if value else action.option_strings[1])
+        elif action.nargs == 0:  # store_true / store_const
+            argv.append(action.option_strings[0])
+        elif isinstance(value, list) and action.nargs is None:  # append
+            for v in value:
+                argv += [action.option_strings[0], str(v)]
+        else:
+            argv += [action.option_strings[0], *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _gpus_for(n: int, device: str) -> Optional[list[str]]:
+    """One CUDA device per replica, or None to run on CPU."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) < n:
+        raise ValueError(f"--data-parallel-size {n} needs {n} GPUs (one per replica); {len(ids)} visible")
+    return ids[:n]
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replicas:
+    """The replica subprocesses."""
+
+    def __init__(self, argv: list[str], n: int, gpus: Optional[list[str]], log_level: str) -> None:
+        self.ports = [_free_port() for _ in range(n)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        threads = max(1, _cpu_count() // n)
+        self.procs: list[subprocess.Popen] = []
+        for i, port in enumerate(self.ports):
+            env = dict(os.environ)
+            if gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+            else:
+                env.setdefault("OMP_NUM_THREADS", str(threads))  # a user's own setting is per replica
+            cmd = [sys.executable, "-m", "tokenmill.cli", "--log-level", log_level, "serve", *argv,
+                   "--host", "127.0.0.1", "--port", str(port)]
+            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent))
+        where = f"GPUs {','.join(gpus)}" if gpus is not None else f"{env['OMP_NUM_THREADS']} threads each"
+        logger.info("started %d replicas on ports %s (%s)", n, ", ".join(map(str, self.ports)), where)
+
+    def wait_healthy(self, timeout: float) -> None:
+        import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every probe at INFO
+        deadline = time.monotonic() + timeout
+        pending = set(range(len(self.procs)))
+        while pending:
+            for i in sorted(pending):
+                code = self.procs[i].poll()
+                if code is not None:
+                    raise RuntimeError(f"data-parallel replica {i} exited with status {code} while starting "
+                                       "(see its log above)")
+                try:
+                    if httpx.get(self.urls[i] + "/health", timeout=2).status_code == 200:
+                        pending.discard(i)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"data-parallel replicas {sorted(pending)} not healthy after {timeout:.0f}s")
+            time.sleep(0.25)
+
+    def stop(self, timeout: float) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("replica %d did not stop in %.0fs; killing it", p.pid, timeout)
+                p.kill()
+                p.wait()
+
+
+def _raise_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM while the replicas start: stop them as Ctrl-C would
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    from tokenmill.config import resolve_model_path
+    from tokenmill.router.app import router_config, serve_router
+    from tokenmill.serve.api_server import _bind
+
+    n = args.data_parallel_size
+    check_data_parallel_size(n)
+    # Validate the router's flags before starting anything; the replicas' URLs are known once they run.
+    config = router_config(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)])
+    # Install / convert the model once here rather than racing N times in the replicas.
+    resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
+    gpus = _gpus_for(n, args.device)
+    sock = _bind(args.host, args.port)  # fail fast on a busy port
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    replicas: Optional[Replicas] = None
+    try:
+        replicas = Replicas(flags_of(args.serve_parser, args, _LAUNCHER_DESTS), n, gpus, args.log_level)
+        replicas.wait_healthy(args.engine_start_timeout)
+        signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
+        config.replicas = replicas.urls
+        logger.info("data parallel: %d replicas behind the %s router on http://%s:%d", n, config.policy,
+                    args.host, args.port)
+        return serve_router(config, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+        if replicas is not None:
+            replicas.stop(args.shutdown_timeout + 10)

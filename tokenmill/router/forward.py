@@ -1,0 +1,189 @@
+"""The router's request path: pick a replica, forward, retry elsewhere while nothing has reached the client.
+
+Generation requests (/v1/completions, /v1/chat/completions) are routed by the policy with the request's
+prefix hashes; anything else goes to the least loaded replica. Bytes pass through untouched: status,
+body and SSE events are the replica's own. A request is retried on another replica when its replica
+fails before answering (connection refused or reset, 503 overloaded/engine dead) and, for streams,
+before the first chunk arrived; a stream cut later ends with an in-band error event and `[DONE]`, as a
+replica reports its own mid-stream failures.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import AsyncIterator, Optional
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from tokenmill.config import RouterConfig
+from tokenmill.router.index import PrefixIndex, prefix_hashes
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policies import Candidate, make_policy
+from tokenmill.router.pool import Replica, ReplicaPool
+from tokenmill.serve.errors import APIError
+
+logger = logging.getLogger("tokenmill")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the HTTP layer recomputes are not forwarded.
+_HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                "transfer-encoding", "upgrade", "host", "content-length", "date", "server"}
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+def forwardable(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def routing_text(body: dict) -> str:
+    """The part of a generation request that becomes its prompt prefix: the messages (as canonical JSON,
+    which keeps shared leading messages a shared leading string) or the (first) prompt."""
+    if "messages" in body:
+        return json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: its prompts land on one replica; route by the first
+    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+
+
+class Router:
+    def __init__(self, config: RouterConfig, client: Optional[httpx.AsyncClient] = None) -> None:
+        self.config = config
+        self.client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),  # generations may run long
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.policy = make_policy(config.policy, config.load_weight)
+        self.index = PrefixIndex()
+        self.pool = ReplicaPool(config.replicas, self.client, config.health_check_interval,
+                                config.health_check_timeout, on_update=self._on_replica_update)
+        self.metrics = RouterMetrics([r.url for r in self.pool.replicas], self.policy.name)
+        self.chars_per_token = 4.0  # learned from replies: turns a replica's KV tokens into prefix chunks
+
+    # -- choosing ---------------------------------------------------------------------------------
+    def choose(self, candidates: list[Replica], hashes: list[int]) -> tuple[Replica, int]:
+        """The policy's pick and how many of the request's prefix chunks it is estimated to hold."""
+        options = []
+        for r in candidates:
+            prefixes = self.index.of(r.url)
+            matched = prefixes.matched(hashes)
+            options.append(Candidate(r, r.load, matched / len(hashes) if hashes else 0.0, len(prefixes)))
+        pick = self.policy.choose(options)
+        return pick.replica, round(pick.cached_fraction * len(hashes))
+
+    def _on_replica_update(self, replica: Replica, was_healthy: bool) -> None:
+        if was_healthy and not replica.healthy:
+            self.index.forget(replica.url)  # if it comes back, it comes back with an empty cache
+        tokens = replica.kv_capacity_tokens
+        chunks = None if tokens is None else int(tokens * self.chars_per_token / self.config.prefix_chunk_chars)
+        self.index.of(replica.url).set_capacity(chunks)
+        self.metrics.on_replica(replica.url, replica.healthy, replica.load, replica.in_flight)
+
+    def _learn_usage(self, replica: Replica, text: str, content: bytes) -> None:
+        try:
+            usage = json.loads(content).get("usage") or {}
+            prompt = int(usage.get("prompt_tokens") or 0)
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return
+        self.metrics.on_usage(replica.url, prompt, cached)
+        if prompt > 0 and text:
+            self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / prompt)
+
+    # -- forwarding -------------------------------------------------------------------------------
+    async def forward(self, method: str, path: str, query: str, body: bytes, headers) -> Response:
+        generation = method == "POST" and path in GENERATION_PATHS
+        try:
+            request = json.loads(body) if generation else {}
+        except ValueError:
+            request = {}  # the replica answers with its own 400
+        if not isinstance(request, dict):
+            request = {}
+        stream = request.get("stream") is True
+        text = routing_text(request) if request else ""
+        salt = request.get("cache_salt")
+        hashes = prefix_hashes(text, self.config.prefix_chunk_chars, salt if isinstance(salt, str) else None)
+        url_tail = path + (f"?{query}" if query else "")
+        headers = forwardable(headers)
+        tried: list[Replica] = []
+        last_error = ""
+        while True:
+            candidates = self.pool.healthy(exclude=tried)
+            if not candidates:
+                self.metrics.unrouted.inc()
+                raise self.unavailable(tried, last_error)
+            if generation:
+                replica, cached = self.choose(candidates, hashes)
+                self.metrics.on_routed(replica.url, len(hashes), cached)
+                self.index.insert(replica.url, hashes)  # now, so concurrent requests sharing it follow
+            else:
+                replica = min(candidates, key=lambda r: r.load)
+            response = await self._attempt(replica, method, url_tail, body, headers, stream, text,
+                                           may_retry=len(candidates) > 1)
+            if response is not None:
+                return response
+            tried.append(replica)
+            last_error = replica.last_error or "it failed before answering"
+            self.metrics.retries.labels(replica.url).inc()
+
+    async def _attempt(self, replica: Replica, method: str, url_tail: str, body: bytes, headers: dict,
+                       stream: bool, text: str, may_retry: bool) -> Optional[Response]:
+        """The replica's response, or None when the request should go elsewhere."""
+        replica.in_flight += 1
+        upstream: Optional[httpx.Response] = None
+        relayed = False
+        try:
+            upstream = await self.client.send(
+                self.client.build_request(method, replica.url + url_tail, content=body, headers=headers),
+                stream=True)
+            if upstream.status_code == 503 and may_retry:  # overloaded or its engine died: others may not be
+                replica.last_error = f"answered 503: {(await upstream.aread())[:200]!r}"
+                return None
+            chunks = upstream.aiter_raw()
+            if stream and upstream.status_code == 200:
+                first = await anext(chunks, b"")
+                if not first:
+                    raise httpx.RemoteProtocolError("the stream ended before its first event")
+                relayed = True
+                return StreamingResponse(self._relay(replica, upstream, first, chunks),
+                                         status_code=200, headers=forwardable(upstream.headers))
+            content = b"".join([c async for c in chunks])
+            if upstream.status_code == 200 and "content-encoding" not in upstream.headers:
+                self._learn_usage(replica, text, content)
+            return Response(content, status_code=upstream.status_code, headers=forwardable(upstream.headers))
+        except httpx.TransportError as e:
+            replica.last_error = f"{type(e).__name__}: {e}"
+            self.pool.report_failure(replica, e)
+            return None
+        finally:
+            if not relayed:
+                replica.in_flight -= 1
+                if upstream is not None:
+                    await upstream.aclose()
+
+    async def _relay(self, replica: Replica, upstream: httpx.Response, first: bytes,
+                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.TransportError as e:
+            self.metrics.stream_failures.labels(replica.url).inc()
+            self.pool.report_failure(replica, e)
+            err = APIError(502, f"The replica serving this stream failed: {type(e).__name__}: {e}",
+                           code="replica_failed")
+            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n" + _SSE_DONE
+        finally:
+            replica.in_flight -= 1  # before awaiting: a cancelled relay must still give its slot back
+            await upstream.aclose()
+
+    def unavailable(self, tried: list[Replica], last_error: str) -> APIError:
+        if tried:
+            return APIError(502, f"{len(tried)} replica(s) failed before answering; last error: {last_error}",
+                            code="replicas_failed")
+        down = "; ".join(f"{r.url}: {r.last_error or 'not checked yet'}" for r in self.pool.replicas)
+        return APIError(503, f"No replica is available ({down}).", code="no_replica_available",
+                        headers={"Retry-After": "1"})
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

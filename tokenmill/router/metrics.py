@@ -1,0 +1,70 @@
+"""The router's own /metrics (Prometheus text), named `tokenmill:router_<metric>`."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class RouterMetrics:
+    def __init__(self, replica_urls: list[str], policy: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.policy = policy
+        self.requests = Counter("tokenmill:router_requests", "Requests routed, by replica and policy.",
+                                ["replica", "policy"], registry=r)
+        self.retries = Counter("tokenmill:router_retries",
+                               "Requests retried on another replica after this one failed before answering.",
+                               ["replica"], registry=r)
+        self.stream_failures = Counter("tokenmill:router_stream_failures",
+                                       "Streams cut by a replica failure after they had started (not retryable).",
+                                       ["replica"], registry=r)
+        self.unrouted = Counter("tokenmill:router_unrouted_requests",
+                                "Requests answered with an error because no replica could take them.", registry=r)
+        self.healthy = Gauge("tokenmill:router_replica_healthy", "1 while the replica answers its health checks.",
+                             ["replica"], registry=r)
+        self.load = Gauge("tokenmill:router_replica_load",
+                          "Requests running + waiting on the replica (its /metrics or our in-flight count).",
+                          ["replica"], registry=r)
+        self.in_flight = Gauge("tokenmill:router_replica_in_flight", "Requests this router has open there.",
+                               ["replica"], registry=r)
+        self.est_queried = Counter("tokenmill:router_prefix_chunks_queried",
+                                   "Prompt prefix chunks of routed requests.", ["replica"], registry=r)
+        self.est_hits = Counter("tokenmill:router_prefix_chunks_estimated_cached",
+                                "Prompt prefix chunks the router estimated cached on the replica it chose.",
+                                ["replica"], registry=r)
+        self.est_hit_rate = Gauge("tokenmill:router_estimated_prefix_hit_rate",
+                                  "Estimated cached / queried prefix chunks of requests routed there (cumulative).",
+                                  ["replica"], registry=r)
+        self.prompt_tokens = Counter("tokenmill:router_prompt_tokens",
+                                     "Prompt tokens reported in non-streaming replies' usage.", ["replica"], registry=r)
+        self.cached_tokens = Counter("tokenmill:router_cached_tokens",
+                                     "Cached prompt tokens (usage.prompt_tokens_details.cached_tokens) in those "
+                                     "replies.", ["replica"], registry=r)
+        self._queried = dict.fromkeys(replica_urls, 0)
+        self._hits = dict.fromkeys(replica_urls, 0)
+        for url in replica_urls:  # export every series from the start, zeros included
+            self.requests.labels(url, policy)
+            for m in (self.retries, self.stream_failures, self.est_queried, self.est_hits, self.prompt_tokens,
+                      self.cached_tokens):
+                m.labels(url)
+            for g in (self.healthy, self.load, self.in_flight, self.est_hit_rate):
+                g.labels(url).set(0)
+
+    def on_routed(self, replica: str, queried_chunks: int, cached_chunks: int) -> None:
+        self.requests.labels(replica, self.policy).inc()
+        self.est_queried.labels(replica).inc(queried_chunks)
+        self.est_hits.labels(replica).inc(cached_chunks)
+        self._queried[replica] += queried_chunks
+        self._hits[replica] += cached_chunks
+        if self._queried[replica]:
+            self.est_hit_rate.labels(replica).set(self._hits[replica] / self._queried[replica])
+
+    def on_usage(self, replica: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.labels(replica).inc(prompt_tokens)
+        self.cached_tokens.labels(replica).inc(cached_tokens)
+
+    def on_replica(self, replica: str, healthy: bool, load: float, in_flight: int) -> None:
+        self.healthy.labels(replica).set(1 if healthy else 0)
+        self.load.labels(replica).set(load)
+        self.in_flight.labels(replica).set(in_flight)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
