@@ -1,0 +1,83 @@
+"""The KV connector interface: move KV blocks between a worker's device cache and somewhere else (a slower
+tier of this instance, another instance), by block id and request id.
+
+A connector has two halves, as the engine has two sides:
+
+- `KVConnectorScheduler` lives with the scheduler and decides. It answers lookups ("after the device
+  prefix-cache hit, how many more leading tokens can you supply?"), hears which device blocks a request was
+  given for them and which cached device blocks the pool is about to reuse, and packs what the worker must
+  move this step into a plan (`SchedulerOutput.kv_connector_plan`, None when there is nothing to do).
+- `KVConnectorWorker` lives with the device and executes. `start_step(plan)` runs before the forward pass:
+  when it returns, every block this step reads is in place. Transfers it starts in the background (a slow
+  tier, the network) are reported by `finished()` (`ModelRunnerOutput.kv_connector_output`), which the
+  scheduler folds back in with `update()`.
+
+Invariant: a device block named in a plan belongs to the scheduler's accounting for the whole step. Blocks
+saved are ones the pool is handing out again this step, so a worker copies them out before it loads
+anything into device blocks, and both happen before the forward pass writes new KV.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.engine.request import Request
+
+
+@dataclass
+class ExternalHit:
+    num_tokens: int   # tokens after the device hit the connector supplies this step (whole blocks)
+    ready: bool       # False: a background transfer started; ask again when `is_ready(request)`
+
+
+class KVConnectorScheduler(ABC):
+    @abstractmethod
+    def lookup(self, req: Request, num_device_tokens: int) -> ExternalHit:
+        """How many of req's leading tokens after its first num_device_tokens (the device prefix hit) the
+        connector can supply. Holds what it found for req until `on_allocated` or `release`."""
+
+    @abstractmethod
+    def on_allocated(self, req: Request, block_ids: list[int]) -> None:
+        """req was admitted with the hit of its last lookup; block_ids are the device blocks for it."""
+
+    @abstractmethod
+    def release(self, req: Request) -> None:
+        """req finished, was aborted or gave up its hit: drop whatever the connector holds for it."""
+
+    def is_ready(self, req: Request) -> bool:
+        """Whether the background transfers req waits for have finished (successfully or not)."""
+        return True
+
+    def on_evict(self, block_id: int, block_hash: bytes) -> None:
+        """The device pool is about to reuse a block that still holds cached KV for block_hash."""
+
+    @abstractmethod
+    def build_plan(self) -> Optional[Any]:
+        """What the worker moves this step (None: nothing). Called once per step, after scheduling."""
+
+    def update(self, output: Optional[Any]) -> None:
+        """Fold in what the worker reported (its `finished()`)."""
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class KVConnectorWorker(ABC):
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """The device KV tensors, each with the block index on dim 2 ([2, heads, blocks, block_size, dim])."""
+
+    @abstractmethod
+    def start_step(self, plan: Any) -> None:
+        """Execute a plan's synchronous part; returns when the blocks this step reads are in place."""
+
+    def finished(self, wait: bool = False) -> Optional[Any]:
+        """Background transfers finished since the last call. With `wait` (a step with nothing else to do)
+        it may block briefly for the first one rather than let the engine loop spin."""
+        return None
+
+    def close(self) -> None:
+        pass
