@@ -18,10 +18,10 @@ class UnquantizedLinearMethod:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.packed_weight = cpu_linear.pack(layer.weight)  # CPU fp32: a GEMM layout for batched decode
+        layer.packed_weight = cpu_linear.pack(layer.weight)  # CPU: 16-column panels for the GEMM kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        # F.linear, routed to faster CPU kernels by row count
+        # F.linear, or the CPU kernels (cpu_linear.py)
         return cpu_linear.linear(x, layer.weight, bias, getattr(layer, "packed_weight", None))
 
 

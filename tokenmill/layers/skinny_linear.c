@@ -1,16 +1,18 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias), fp32 accumulation, with a fixed reduction order per output.
  *
- * Two uses:
- * - Decode-sized matmuls (few rows) are weight-streaming: every weight byte is used M times and then never
- *   again in the step, so the limit is memory bandwidth. torch/MKL's GEMV reaches about half of it on small
- *   CPUs (and less for 2 <= M <= 8); here each weight row is streamed once per call.
- * - Batch-invariant mode (--batch-invariant) runs every matmul here: y[m, n] is always reduced the same way
- *   (8 lane partial sums over k in steps of 8, a fixed tree to add them, the K tail in order, then the bias),
- *   whatever M is, where row m sits, and how rows are tiled or split between threads. So a token's outputs
- *   do not depend on what else is in the batch.
+ * Two kernels (see cpu_linear.py for which runs when):
+ * - skinny_linear_*: straight from the row-major weight, for few rows (decode is weight-streaming: every
+ *   weight byte is used M times and then never again in the step, so the limit is memory bandwidth; torch's
+ *   GEMV reaches about half of it on small CPUs). Each weight row is streamed once per call.
+ * - panel_linear_* (below): from a copy packed once into 16-column panels, a register-blocked GEMM for any
+ *   row count.
+ * Both fix the reduction order of every output element whatever M is, where row m sits, and how rows are
+ * tiled or split between threads, so batch-invariant mode (--batch-invariant) runs every matmul through one of
+ * them. skinny: 8 lane partial sums over k in steps of 8, a fixed tree to add them, the K tail in order, then
+ * the bias.
  *
- * Tiling: OpenMP splits (chunk of 64 rows of x) x (4 rows of w). Inside, blocks of 3 x-rows by 4 w-rows keep
- * 12 vector accumulators in registers (7 loads per 12 FMAs), x's chunk stays in L2 and the 4 w rows in L1.
+ * skinny tiling: OpenMP splits (chunk of 64 rows of x) x (4 rows of w). Inside, blocks of 3 x-rows by 4 w-rows
+ * keep 12 vector accumulators in registers (7 loads per 12 FMAs), x's chunk stays in L2 and the 4 w rows in L1.
  * GCC vector extensions keep it portable (AVX2/AVX-512/NEON via -march=native); FMA contraction applies to
  * every path alike because every path is the same code (the micro-kernel below, instantiated per row count).
  */
@@ -116,3 +118,82 @@ void NAME(const T *x, const T *w, const T *bias, T *y, int64_t M, int64_t N, int
 
 DEFINE_LINEAR(skinny_linear_f32, float, micro3_f32, micro1_f32, IDENT, IDENT)
 DEFINE_LINEAR(skinny_linear_bf16, uint16_t, micro3_bf16, micro1_bf16, f2bf16, bf16f)
+
+/* ---- Packed panels: the batch-invariant GEMM for any row count ------------------------------------------
+ * With --batch-invariant every matmul must reduce each output the same way whatever the row count, so prefill
+ * chunks and batched decode cannot use MKL/oneDNN (their blocking depends on the shape). This kernel gets GEMM
+ * speed under that rule: the weight is packed once into panels of NP output columns, wp[p][k][0..NP), and a
+ * micro-kernel of MR rows x NP columns keeps 2*MR vector accumulators in registers, broadcasting one x value
+ * per row and loading NP weights per k (the classic register-blocked GEMM shape). y[m, n] is then always
+ * acc = fma(x[m,k], w[n,k], acc) for k = 0..K-1 in order, then + bias: the same sequence of operations for
+ * every m, every row count and every tiling, since each remainder kernel (MR = 1..6) is the same code.
+ * x and y are float32 (bf16 inputs are widened by the caller); weights are float32 or bfloat16 panels. */
+#define NP 16
+#define PMR 6   /* rows per micro-kernel */
+#define PMC 48  /* rows per thread work item (x's chunk stays in L2) */
+
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8f load8_bf16_vec(const uint16_t *p) {
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define DEFINE_PANEL_MICRO(NAME, MR, WT, LOADW)                                                            \
+static inline void NAME(const float *x, int64_t K, const WT *wp, const float *bias, float *y, int64_t N,   \
+                        int ncols) {                                                                       \
+    v8f a0[MR], a1[MR];                                                                                    \
+    for (int m = 0; m < MR; m++) a0[m] = a1[m] = (v8f){0};                                                 \
+    for (int64_t k = 0; k < K; k++) {                                                                      \
+        const v8f w0 = LOADW(wp + k * NP), w1 = LOADW(wp + k * NP + 8);                                    \
+        for (int m = 0; m < MR; m++) {                                                                     \
+            const float xs = x[m * K + k]; const v8f xb = {xs, xs, xs, xs, xs, xs, xs, xs};                                                        \
+            a0[m] += xb * w0;                                                                              \
+            a1[m] += xb * w1;                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int m = 0; m < MR; m++) {                                                                         \
+        float out[NP];                                                                                     \
+        memcpy(out, &a0[m], sizeof a0[m]);                                                                 \
+        memcpy(out + 8, &a1[m], sizeof a1[m]);                                                             \
+        for (int c = 0; c < ncols; c++) y[m * N + c] = out[c] + (bias ? bias[c] : 0.0f);                   \
+    }                                                                                                      \
+}
+
+#define DEFINE_PANEL_LINEAR(NAME, WT, LOADW)                                                               \
+DEFINE_PANEL_MICRO(NAME##_m6, 6, WT, LOADW)                                                                \
+DEFINE_PANEL_MICRO(NAME##_m5, 5, WT, LOADW)                                                                \
+DEFINE_PANEL_MICRO(NAME##_m4, 4, WT, LOADW)                                                                \
+DEFINE_PANEL_MICRO(NAME##_m3, 3, WT, LOADW)                                                                \
+DEFINE_PANEL_MICRO(NAME##_m2, 2, WT, LOADW)                                                                \
+DEFINE_PANEL_MICRO(NAME##_m1, 1, WT, LOADW)                                                                \
+void NAME(const float *x, const WT *wp, const float *bias, float *y, int64_t M, int64_t N, int64_t K,       \
+          int num_threads) {                                                                               \
+    const int64_t nchunks = (M + PMC - 1) / PMC, npanels = (N + NP - 1) / NP;                              \
+    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")                      \
+    for (int64_t p = 0; p < npanels; p++) {                                                                \
+        for (int64_t c = 0; c < nchunks; c++) {                                                            \
+            const int64_t n0 = p * NP, m_end = (c + 1) * PMC < M ? (c + 1) * PMC : M;                      \
+            const int nc = N - n0 < NP ? (int)(N - n0) : NP;                                               \
+            const WT *w = wp + p * K * NP;                                                                 \
+            const float *b = bias ? bias + n0 : 0;                                                         \
+            int64_t m = c * PMC;                                                                           \
+            for (; m + PMR <= m_end; m += PMR) NAME##_m6(x + m * K, K, w, b, y + m * N + n0, N, nc);       \
+            switch (m_end - m) {                                                                           \
+            case 5: NAME##_m5(x + m * K, K, w, b, y + m * N + n0, N, nc); break;                           \
+            case 4: NAME##_m4(x + m * K, K, w, b, y + m * N + n0, N, nc); break;                           \
+            case 3: NAME##_m3(x + m * K, K, w, b, y + m * N + n0, N, nc); break;                           \
+            case 2: NAME##_m2(x + m * K, K, w, b, y + m * N + n0, N, nc); break;                           \
+            case 1: NAME##_m1(x + m * K, K, w, b, y + m * N + n0, N, nc); break;                           \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
+DEFINE_PANEL_LINEAR(panel_linear_f32, float, load8)
+DEFINE_PANEL_LINEAR(panel_linear_bf16, uint16_t, load8_bf16_vec)
