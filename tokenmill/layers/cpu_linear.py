@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -67,7 +68,14 @@ def pack(weight: torch.Tensor) -> Optional[Panels]:
     N, K = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -N % NP))
     _packed_bytes += nbytes
-    return Panels(padded.view(-1, NP, K).transpose(1, 2).contiguous(), N)
+    data = padded.view(-1, NP, K).transpose(1, 2).contiguous()
+    weakref.finalize(data, _unpacked, nbytes)  # a freed model gives its share of the budget back
+    return Panels(data, N)
+
+
+def _unpacked(nbytes: int) -> None:
+    global _packed_bytes
+    _packed_bytes -= nbytes
 
 
 def available() -> bool:
