@@ -43,6 +43,11 @@ class ServerMetrics:
         self.kv_total_blocks = g("kv_cache_total_blocks", "KV cache blocks in all.")
         self.prefix_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.external_queries = c("external_prefix_cache_queries",
+                                  "Prompt tokens past the device prefix hit looked up in the offloaded KV tiers.")
+        self.external_hits = c("external_prefix_cache_hits", "Prompt tokens restored from the offloaded KV tiers.")
+        self.prefix_hit_rate = g("prefix_cache_hit_rate",
+                                 "Looked-up prompt tokens served from any cache tier, device or offloaded (cumulative).")
         self.preemptions = c("num_preemptions", "Requests preempted because the KV cache was full.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
@@ -104,14 +109,14 @@ class ServerMetrics:
         self.kv_free_blocks.set(s.num_free_blocks)
         self.kv_total_blocks.set(s.num_blocks)
         last = self._last
-        if last is not None:  # engine counters are cumulative; Prometheus counters take increments
-            self.prefix_queries.inc(max(s.prefix_cache_queries - last.prefix_cache_queries, 0))
-            self.prefix_hits.inc(max(s.prefix_cache_hits - last.prefix_cache_hits, 0))
-            self.preemptions.inc(max(s.num_preemptions - last.num_preemptions, 0))
-        else:
-            self.prefix_queries.inc(s.prefix_cache_queries)
-            self.prefix_hits.inc(s.prefix_cache_hits)
-            self.preemptions.inc(s.num_preemptions)
+        # Engine counters are cumulative; Prometheus counters take increments.
+        for counter, name in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
+                              (self.external_queries, "external_prefix_cache_queries"),
+                              (self.external_hits, "external_prefix_cache_hits"),
+                              (self.preemptions, "num_preemptions")):
+            counter.inc(max(getattr(s, name) - (getattr(last, name) if last is not None else 0), 0))
+        if s.prefix_cache_queries:
+            self.prefix_hit_rate.set((s.prefix_cache_hits + s.external_prefix_cache_hits) / s.prefix_cache_queries)
         self._on_spec_stats(s, last)
         self._last = s
 
