@@ -54,9 +54,11 @@ class OffloadingScheduler(KVConnectorScheduler):
         for h in hashes[len(found):]:  # continue the run on disk: fetch into host slots, then come back
             slot = self.reading.get(h)
             if slot is None:
-                if h not in self.disk or (slot := self._take_slot()) is None:
+                if h not in self.disk:
                     break
-                self.disk.move_to_end(h)
+                self.disk.move_to_end(h)  # first: the spill that frees a slot must not push h off the disk
+                if (slot := self._take_slot()) is None:
+                    break
                 self.reading[h] = slot
                 self._plan.disk_ops.append((READ, h, slot))
             self._pin(slot, held)
