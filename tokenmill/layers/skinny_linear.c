@@ -144,13 +144,22 @@ static inline v8f load8_bf16_vec(const uint16_t *p) {
     return f;
 }
 
+/* Keeps the two weight vectors in registers: left alone, GCC folds them into every FMA as memory operands,
+ * which costs MR extra loads per k and makes the loop load-bound instead of FMA-bound. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define PIN(a, b) __asm__("" : "+x"(a), "+x"(b))
+#else
+#define PIN(a, b) ((void)0)
+#endif
+
 #define DEFINE_PANEL_MICRO(NAME, MR, WT, LOADW)                                                            \
 static inline void NAME(const float *x, int64_t K, const WT *wp, const float *bias, float *y, int64_t N,   \
                         int ncols) {                                                                       \
     v8f a0[MR], a1[MR];                                                                                    \
     for (int m = 0; m < MR; m++) a0[m] = a1[m] = (v8f){0};                                                 \
     for (int64_t k = 0; k < K; k++) {                                                                      \
-        const v8f w0 = LOADW(wp + k * NP), w1 = LOADW(wp + k * NP + 8);                                    \
+        v8f w0 = LOADW(wp + k * NP), w1 = LOADW(wp + k * NP + 8);                                          \
+        PIN(w0, w1);                                                                                       \
         for (int m = 0; m < MR; m++) {                                                                     \
             const float xs = x[m * K + k]; const v8f xb = {xs, xs, xs, xs, xs, xs, xs, xs};                                                        \
             a0[m] += xb * w0;                                                                              \

@@ -1,7 +1,7 @@
 """Attention over the paged cache: a paged decode kernel (C on CPU, Triton on CUDA) plus torch SDPA for
 prefills. One backend class serves both devices; only the decode kernel differs.
 
-Decodes (query length 1) of all requests run as one call of the paged kernel (cpu_kernels.py /
+Decodes and other short queries of all requests run as one call of the paged kernel (cpu_kernels.py /
 triton_paged.py), which reads each request's KV straight from its blocks. Without a kernel (no compiler, no
 triton, other dtypes) they run as one batched SDPA over their gathered KV padded to the longest, with the
 query heads grouped by KV head so GQA needs no repeated K/V. Prefill chunks run one SDPA per request: a chunk
@@ -22,17 +22,25 @@ from tokenmill.layers.attention import cpu_kernels, triton_paged
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
+# Queries up to this many tokens run in the paged kernel, which reads a request's KV once per query token;
+# longer ones gather the context once and run SDPA (the gather and the mask cost more than re-reading for a
+# few tokens, e.g. the k + 1 tokens that verify k drafts).
+KERNEL_MAX_QUERY_LEN = 16
+
+
 class _StepPlan:
     """Index tensors and masks for one step, shared by all layers (built on first use per window/group).
 
-    With a kernel, decodes go to it (and, in batch-invariant mode, every token: each one attends its own key
-    range [kv_start, kv_end) in position order, however its prompt was chunked). The rest are prefills."""
+    With a kernel, short queries go to it: decodes, speculative verification (k + 1 tokens) and small chunks,
+    each token attending its own key range [kv_start, kv_end) in position order (in batch-invariant mode every
+    token, however its prompt was chunked). The rest are prefills."""
 
     def __init__(self, meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool,
                  all_tokens: bool = False) -> None:
         bs = meta.block_size
         dev = meta.slot_mapping.device
-        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) == 1 or all_tokens]
+        short = KERNEL_MAX_QUERY_LEN if use_kernel else 1  # the padded SDPA fallback takes one token each
+        dec = [i for i in range(meta.num_reqs) if meta.query_len(i) <= short or all_tokens]
         self.num_dec = len(dec)
         self.dec_all = len(dec) == meta.num_reqs
         self.use_kernel = use_kernel
@@ -59,7 +67,7 @@ class _StepPlan:
         self.prefills = []  # (q0, q1, context blocks or None, mask [G*n, s] or None)
         for i in range(meta.num_reqs):
             n = meta.query_len(i)
-            if n == 1 or all_tokens:
+            if n <= short or all_tokens:
                 continue
             q0, seq_len = meta.query_start_loc[i], meta.seq_lens[i]
             start = seq_len - n
