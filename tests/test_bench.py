@@ -17,7 +17,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' s
 from models import tiny_model
 from server_utils import API_KEY, free_port, shared_server
 from tokenmill.bench.datasets import build_dataset, load_tokenizer, sharegpt_dataset
-from tokenmill.bench.report import distribution, parse_slo, percentile, summarize
+from tokenmill.bench.report import distribution, format_table, parse_slo, percentile, summarize
 from tokenmill.bench.serve import ServeConfig, arrival_times, run_benchmark
 from tokenmill.cli import main
 
@@ -148,7 +148,7 @@ def test_poisson_arrivals():
 # -- a fake OpenAI endpoint with injected delays ----------------------------------------------------------
 def _fake_app():
     from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
     app = FastAPI()
     app.state.received = 0
@@ -190,6 +190,17 @@ def _fake_app():
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.get("/metrics")
+    async def metrics():
+        # a speculating server: per request served, 3 drafts of k = 3 tokens, accepted 3, 2 and 1 by position
+        n = app.state.received
+        text = (f"tokenmill:spec_decode_num_drafts_total{{model_name=\"m\"}} {3.0 * n}\n"
+                f"tokenmill:spec_decode_num_draft_tokens_total{{model_name=\"m\"}} {9.0 * n}\n"
+                f"tokenmill:spec_decode_num_accepted_tokens_total{{model_name=\"m\"}} {6.0 * n}\n"
+                + "".join(f"tokenmill:spec_decode_num_accepted_tokens_per_pos_total{{model_name=\"m\",position="
+                          f"\"{i}\"}} {float(a * n)}\n" for i, a in enumerate((3, 2, 1))))
+        return PlainTextResponse(text)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -259,6 +270,17 @@ def test_token_counts_come_from_usage_not_chunks(fake):
     for rec in r["requests"]:
         assert rec["output_tokens"] == 8 and len(rec["itl"]) == 3  # 4 chunks of 2 tokens
         assert rec["tpot"] == pytest.approx((rec["e2e"] - rec["ttft"]) / 7)
+
+
+def test_spec_decode_acceptance_reported_from_server_metrics(fake):
+    """Counters scraped before and after the run (warm-up excluded): acceptance, mean length, per position."""
+    cfg = ServeConfig(base_url=fake.url, num_prompts=4, output_len=4, input_len=5, progress=False, warmup=2)
+    s = run_benchmark(cfg)["summary"]
+    sd = s["spec_decode"]
+    assert (sd["num_drafts"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (12, 36, 24)
+    assert sd["acceptance_rate"] == pytest.approx(24 / 36) and sd["mean_acceptance_length"] == pytest.approx(3.0)
+    assert sd["acceptance_per_position"] == pytest.approx([1.0, 2 / 3, 1 / 3])
+    assert "spec decode" in format_table(s) and "66.7%" in format_table(s)
 
 
 def test_errors_by_kind_and_chat(fake, tmp_path):

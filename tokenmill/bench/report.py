@@ -6,6 +6,7 @@ they can be checked by hand.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -130,6 +131,22 @@ def _fmt(x: Optional[float], digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def spec_decode_summary(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Acceptance over a run from two scrapes of the server's counters (serve.metrics.spec_decode_counters);
+    None when the server reports none or did not speculate in between."""
+    if before is None or after is None:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    if d["num_draft_tokens"] <= 0:
+        return None
+    per_pos = [a - b for a, b in itertools.zip_longest(after.get("accepted_per_pos", []),
+                                                       before.get("accepted_per_pos", []), fillvalue=0.0)]
+    return {**{k: int(v) for k, v in d.items()},
+            "acceptance_rate": d["num_accepted_tokens"] / d["num_draft_tokens"],
+            "mean_acceptance_length": 1.0 + d["num_accepted_tokens"] / d["num_drafts"],
+            "acceptance_per_position": [p / d["num_drafts"] for p in per_pos]}
+
+
 def format_table(summary: dict[str, Any], title: str = "") -> str:
     s = summary
     lines = [f"===== {title} =====" if title else "=" * 40]
@@ -149,6 +166,11 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
     if "client_cpu_s" in s:
         lines.append(f"{'client CPU':<24}{s['client_cpu_s']:.2f} s ({s['client_cpu_s'] / s['duration_s']:.0%} of a core"
                      " while measuring)" if s["duration_s"] > 0 else f"{'client CPU':<24}{s['client_cpu_s']:.2f} s")
+    if s.get("spec_decode"):
+        sd = s["spec_decode"]
+        pos = ", ".join(f"{a:.2f}" for a in sd["acceptance_per_position"])
+        lines.append(f"{'spec decode':<24}acceptance {sd['acceptance_rate']:.1%} of {sd['num_draft_tokens']} drafted "
+                     f"tokens, mean accepted length {sd['mean_acceptance_length']:.2f}, per position [{pos}]")
     if s.get("usage_missing"):
         lines.append(f"{'note':<24}{s['usage_missing']} responses had no usage: their tokens were counted "
                      "from stream chunks")
