@@ -26,16 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProc:
-    def __init__(self, model: str | None, *extra: str, api_key: str | None = None,
-                 startup_timeout: float = 180) -> None:
-        """model None: the built-in default model."""
+class CliProc:
+    """`python -m tokenmill.cli <args> --port N` on a free port, waited on until its /health answers 200."""
+
+    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 180) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "tokenmill.cli", "serve", *([model] if model else []), "--port", str(self.port),
-               "--dtype", "float32", "--kv-cache-memory-bytes", "64MiB", *extra]
+        cmd = [sys.executable, "-m", "tokenmill.cli", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -86,6 +85,15 @@ class ServerProc:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class ServerProc(CliProc):
+    def __init__(self, model: str | None, *extra: str, api_key: str | None = None,
+                 startup_timeout: float = 180) -> None:
+        """model None: the built-in default model."""
+        super().__init__(["serve", *([model] if model else []), "--dtype", "float32",
+                          "--kv-cache-memory-bytes", "64MiB", *extra], api_key=api_key,
+                         startup_timeout=startup_timeout)
 
 
 def shared_server(pytest_config, model: str, *extra: str, api_key: str | None = None) -> ServerProc:

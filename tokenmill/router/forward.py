@@ -139,18 +139,19 @@ class Router:
             if upstream.status_code == 503 and may_retry:  # overloaded or its engine died: others may not be
                 replica.last_error = f"answered 503: {(await upstream.aread())[:200]!r}"
                 return None
-            chunks = upstream.aiter_raw()
             if stream and upstream.status_code == 200:
+                chunks = upstream.aiter_raw()  # raw: the client gets the replica's bytes as they were sent
                 first = await anext(chunks, b"")
                 if not first:
                     raise httpx.RemoteProtocolError("the stream ended before its first event")
                 relayed = True
                 return StreamingResponse(self._relay(replica, upstream, first, chunks),
                                          status_code=200, headers=forwardable(upstream.headers))
-            content = b"".join([c async for c in chunks])
-            if upstream.status_code == 200 and "content-encoding" not in upstream.headers:
+            content = await upstream.aread()  # decoded, hence no content-encoding in the headers below
+            if upstream.status_code == 200:
                 self._learn_usage(replica, text, content)
-            return Response(content, status_code=upstream.status_code, headers=forwardable(upstream.headers))
+            headers = {k: v for k, v in forwardable(upstream.headers).items() if k.lower() != "content-encoding"}
+            return Response(content, status_code=upstream.status_code, headers=headers)
         except httpx.TransportError as e:
             replica.last_error = f"{type(e).__name__}: {e}"
             self.pool.report_failure(replica, e)
