@@ -308,3 +308,36 @@ def test_offloading_flags_and_errors(tmp_path):
         CacheConfig(kv_offloading_size=1, enable_prefix_caching=False).validate()
     with pytest.raises(ValueError, match="must not be negative"):
         CacheConfig(kv_offloading_size=-1).validate()
+
+
+def test_server_reports_tier_hits_per_tenant(tiny):
+    """End to end over HTTP: usage.prompt_tokens_details.cached_tokens counts blocks restored from the host
+    tier, cache_salt keeps tenants apart, and /metrics shows the tier hits."""
+    import time
+
+    import httpx
+    from server_utils import ServerProc, metrics
+
+    server = ServerProc(tiny("llama"), "--served-model-name", "m", "--num-gpu-blocks-override", "12",
+                        "--kv-offloading-size", f"{64 * BLOCK_BYTES}B")
+
+    def complete(prompt, salt=None):
+        body = {"model": "m", "prompt": prompt, "max_tokens": 3, "temperature": 0, "cache_salt": salt}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["text"]
+
+    try:
+        first = complete(A, "tenant-1")
+        assert complete(A, "tenant-2")[0] == 0
+        for f in FILLERS:
+            complete(f)
+        assert complete(A, "tenant-1") == (144, first[1])  # restored from host RAM, same text
+        deadline = time.monotonic() + 10
+        while (m := metrics(server)).get("tokenmill:external_prefix_cache_hits_total", 0) < 144:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.1)
+        assert m["tokenmill:prefix_cache_hit_rate"] > 0
+    finally:
+        server.stop()
