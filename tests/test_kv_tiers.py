@@ -257,6 +257,24 @@ def test_quantized_kv_restores_bit_exactly(tiny, kv_cache_dtype):
     _assert_clean(llm)
 
 
+def test_tiers_restore_a_drafters_kv_too(tiny, reference):
+    """A KV-keeping drafter shares the target's block ids: its cache moves with the block."""
+    spec = {"method": "draft_model", "model": tiny("qwen2"), "num_speculative_tokens": 2}
+    llm = LLM(tiny("qwen2"), dtype="float32", num_gpu_blocks_override=12, max_num_batched_tokens=64,
+              kv_offloading_size=f"{40 * 2 * BLOCK_BYTES}B", speculative_config=spec)
+    assert llm.engine.executor.bytes_per_block() == 2 * BLOCK_BYTES
+    longer = GREEDY.clone(max_tokens=12)
+    first = _gen(llm, A, longer)
+    for f in FILLERS:
+        _gen(llm, f)
+    out = _gen(llm, A, longer)
+    assert out.num_cached_tokens == 144
+    assert out.outputs[0].token_ids == first.outputs[0].token_ids
+    assert out.outputs[0].token_ids[:4] == reference.token_ids
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    _assert_clean(llm)
+
+
 def test_tiers_under_preemption_n_and_aborts(tiny, tmp_path):
     """A busy small pool (preemptions, n = 2, shared prefixes) twice: the second round hits the tiers; outputs
     equal those without any caching. A request aborted while its blocks are read from disk leaks nothing."""
