@@ -177,6 +177,11 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (= model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 | int8
+    # KV tiers below the device pool (tokenmill/kv_transfer): evicted prefix-cache blocks go to host RAM, then
+    # disk, and come back on a hit instead of being recomputed. Sizes in GiB (vLLM's unit) or "512MiB".
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_disk_dir: Optional[str] = None
+    kv_offloading_disk_size: float = 50.0
 
     def validate(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -189,6 +194,37 @@ class CacheConfig:
             raise ValueError("num_gpu_blocks_override must be at least 1")
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_size(self.kv_cache_memory_bytes)
+        self._validate_offloading()
+
+    def _validate_offloading(self) -> None:
+        if self.kv_offloading_size is not None:
+            self.kv_offloading_size = parse_gib(self.kv_offloading_size, "kv_offloading_size")
+        self.kv_offloading_disk_size = parse_gib(self.kv_offloading_disk_size, "kv_offloading_disk_size")
+        if self.kv_offloading_disk_dir is not None and not self.kv_offloading_size:
+            raise ValueError("--kv-offloading-disk-dir needs a host-RAM tier to stage blocks through: "
+                             "set --kv-offloading-size (GiB) too")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size keeps evicted prefix-cache blocks; it needs prefix caching "
+                             "(drop --no-enable-prefix-caching)")
+
+    @property
+    def kv_offloading_bytes(self) -> int:
+        return int((self.kv_offloading_size or 0) * 2**30)
+
+    @property
+    def kv_offloading_disk_bytes(self) -> int:
+        return int(self.kv_offloading_disk_size * 2**30) if self.kv_offloading_disk_dir else 0
+
+
+def parse_gib(value: Any, name: str) -> float:
+    """A size in GiB: a number (vLLM's unit for these flags) or a string with a unit ("512MiB")."""
+    try:
+        gib = float(value)
+    except (TypeError, ValueError):
+        gib = parse_size(value) / 2**30
+    if gib < 0:
+        raise ValueError(f"{name} must not be negative, got {value!r}")
+    return gib
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -375,6 +411,13 @@ class EngineConfig:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         p.add_argument("--num-gpu-blocks-override", type=int, default=None)
         p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--kv-offloading-size", default=None,
+                       help="GiB of host RAM (or e.g. 512MiB) for KV blocks evicted from the device cache; a later "
+                            "prefix hit copies them back instead of recomputing")
+        p.add_argument("--kv-offloading-disk-dir", default=None, metavar="PATH",
+                       help="a disk tier below the host-RAM one: blocks the host tier evicts go to files "
+                            "(checksummed) in a private folder under PATH, removed at exit")
+        p.add_argument("--kv-offloading-disk-size", default=50.0, help="GiB of disk for that tier (default 50)")
         p.add_argument("--quantization", default=None, metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
                        help="quantize the linear weights (the LM head included) on load: int8 (weight-only, "
                             "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
@@ -405,6 +448,8 @@ class EngineConfig:
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
+            kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
+            kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             speculative_config=getattr(a, "speculative_config", None))

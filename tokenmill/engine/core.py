@@ -9,6 +9,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.base import Executor
+from tokenmill.kv_transfer import make_scheduler_connector
 
 logger = logging.getLogger("tokenmill")
 
@@ -23,6 +24,9 @@ class EngineStats:
     num_preemptions: int
     num_free_blocks: int
     num_blocks: int
+    # Prompt tokens past the device hit looked up in / supplied by lower KV tiers (vLLM's external_prefix_cache_*)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     # Speculative decoding (cumulative; zero without it)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -42,7 +46,13 @@ class EngineCore:
         gib = num_blocks * self.executor.bytes_per_block() / 2**30
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, bs, num_blocks * bs, gib,
                     config.cache.kv_cache_dtype)
-        self.scheduler = Scheduler(config, num_blocks)
+        connector = make_scheduler_connector(config, self.executor.bytes_per_block())
+        if connector is not None:
+            cc = config.cache
+            logger.info("KV tiers: host RAM %.2f GiB%s", cc.kv_offloading_size,
+                        f", disk {cc.kv_offloading_disk_size:.4g} GiB under {cc.kv_offloading_disk_dir}"
+                        if cc.kv_offloading_disk_dir else "")
+        self.scheduler = Scheduler(config, num_blocks, connector)
         self.vocab_size = config.model.hf_config.vocab_size
         self._pending: list[EngineCoreOutput] = []  # abort notices not yet returned by step()
         self.step_stats = None
@@ -76,21 +86,21 @@ class EngineCore:
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
-        if sched.empty:
-            if sched.finished_req_ids:  # let the worker drop state of finished requests
-                self.executor.execute_model(sched)
+        if not sched.needs_worker:
             return outputs
+        # With nothing scheduled the worker still drops finished requests' state and runs KV transfers.
         t_exec = time.perf_counter()
         result = self.executor.execute_model(sched)
         outputs += self.scheduler.update(sched, result, time.perf_counter() - t_exec)
-        if self.step_stats is not None:
+        if self.step_stats is not None and not sched.empty:
             self.step_stats.log(sched, time.perf_counter() - t0)
         return outputs
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
-                            s.num_preemptions, kv.pool.num_free, kv.num_blocks)
+                            s.num_preemptions, kv.pool.num_free, kv.num_blocks, kv.num_external_queries,
+                            kv.num_external_hits)
         if s.spec is not None:
             c = s.spec.counters
             stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens

@@ -5,13 +5,15 @@ Invariants:
 - A block in the free queue may still hold valid cached KV (block_hash set); it is reused on a prefix
   hit, or evicted (hash dropped) from the front of the queue when a fresh block is needed.
 - Every block a request owns returns to the pool when the request finishes, aborts or is preempted.
+- Evicting a block's cached content is announced (on_evict) before the block is reused, so a KV connector
+  can copy it to a lower tier first (tokenmill/kv_transfer).
 """
 from __future__ import annotations
 
 import hashlib
 from array import array
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenmill.engine.request import Request
 
@@ -37,10 +39,11 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Optional[Callable[[int, bytes], None]] = None) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)  # LRU first
         self.cached: dict[bytes, Block] = {}
+        self.on_evict = on_evict  # (block id, hash): a KV connector may save the content first
 
     @property
     def num_free(self) -> int:
@@ -51,6 +54,8 @@ class BlockPool:
         if block.block_hash is not None:  # evict its cached content
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
             block.block_hash = None
         block.ref_cnt = 1
         return block
@@ -71,14 +76,17 @@ class BlockPool:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 on_evict: Optional[Callable[[int, bytes], None]] = None) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_evict)
         self.req_blocks: dict[str, list[Block]] = {}
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0
+        self.num_external_queries = 0  # prompt tokens past the device hit asked of a KV connector (lower tiers)
+        self.num_external_hits = 0
 
     # -- prefix cache ---------------------------------------------------------------------
     def _extra_key(self, req: Request) -> Optional[str]:
@@ -92,10 +100,15 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
+    @staticmethod
+    def reuses_cache(req: Request) -> bool:
+        """A request reporting prompt logprobs needs logits for every prompt position: it computes them all."""
+        return req.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, req: Request) -> tuple[list[Block], int]:
         """Longest run of cached full blocks at the start of the request. At least one token is always
         left to compute (its logits start generation)."""
-        if req.sampling_params.prompt_logprobs is not None:  # needs logits for every prompt position
+        if not self.reuses_cache(req):
             return [], 0
         self._update_hashes(req, req.num_tokens)
         hits: list[Block] = []
@@ -106,10 +119,14 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int, num_external_tokens: Optional[int] = None) -> None:
+        """num_external_tokens: what a KV connector supplied after the device hit (None: no connector)."""
         if self.enable_caching:
             self.num_queries += num_tokens
             self.num_hits += num_hit_tokens
+            if num_external_tokens is not None:
+                self.num_external_queries += num_tokens - num_hit_tokens
+                self.num_external_hits += num_external_tokens
 
     # -- allocation -----------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, cached: Optional[list[Block]] = None,

@@ -11,17 +11,23 @@ tokens, under the same budget); their slots are allocated like any other (plus l
 KV-keeping drafter writes ahead), but only verified tokens ever enter the prefix cache. After the step the
 accepted tokens are appended one by one (a stop token or max_tokens ends the request there) and the
 rejected drafts' slots are rolled back by lowering num_computed_tokens: their KV is simply overwritten later.
+
+KV tiers (a KV connector, tokenmill/kv_transfer): after the device prefix hit, the connector is asked how many
+more leading tokens it holds. Those get device blocks like new tokens, but count as computed: the worker
+copies them in before the forward pass. When they must first come from a slow tier (disk), the request
+steps aside into `loading` (others run) and is looked up again once the connector says it is ready.
 """
 from __future__ import annotations
 
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus
+from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController
 
@@ -59,20 +65,28 @@ class SchedulerOutput:
     spec_k: int = 0                # drafts per request this step (0: speculation off)
     num_decodes: int = 0           # requests decoding (one known token to run) this step
     num_draft_tokens: int = 0
+    kv_connector_plan: Optional[Any] = None  # KV transfers for the worker (before the forward pass)
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def needs_worker(self) -> bool:
+        return bool(self.scheduled or self.finished_req_ids or self.kv_connector_plan is not None)
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, connector: Optional[KVConnectorScheduler] = None) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
         self.block_size = config.cache.block_size
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching)
+        self.connector = connector
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
+                                 connector.on_evict if connector is not None else None)
         self.waiting: deque[Request] = deque()
+        self.loading: list[Request] = []  # waiting for a KV connector's background transfers
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
@@ -120,8 +134,12 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.loading:
+            self.loading.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
+        if self.connector is not None:
+            self.connector.release(req)
         self.drafts.pop(req.request_id, None)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
@@ -135,6 +153,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
+        if self.loading:
+            self._resume_loaded()
         budget = self.max_num_batched_tokens
         if self.spec is not None:  # the batch this step will (about) have
             batch = len(self.running) + min(len(self.waiting), max(self.max_num_seqs - len(self.running), 0))
@@ -172,16 +192,29 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            lookahead = self._lookahead(req, num_hit + n, k)
-            if not self.kv.allocate_slots(req, n, hits, num_lookahead_tokens=lookahead):
-                if not lookahead or not self.kv.allocate_slots(req, n, hits):
+            num_ext = 0  # tokens after the device hit that a lower tier supplies
+            if self.connector is not None and self.kv.reuses_cache(req):
+                ext = self.connector.lookup(req, num_hit)
+                if not ext.ready:
+                    self.loading.append(self.waiting.popleft())
+                    continue
+                num_ext = ext.num_tokens
+            n = min(req.num_tokens - num_hit - num_ext, budget)
+            lookahead = self._lookahead(req, num_hit + num_ext + n, k)
+            if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
+                if not lookahead or not self.kv.allocate_slots(req, num_ext + n, hits):
                     break
             self.waiting.popleft()
-            self.kv.record_lookup(req.num_tokens, num_hit)
+            if self.connector is not None:
+                first = len(hits)
+                self.connector.on_allocated(
+                    req, self.kv.block_ids(req.request_id)[first:first + num_ext // self.block_size])
+                self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
+            else:
+                self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-            req.num_computed_tokens = num_hit
+                req.num_cached_tokens = num_hit + num_ext
+            req.num_computed_tokens = num_hit + num_ext
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chosen.append((req, n, [], True))
@@ -219,7 +252,16 @@ class Scheduler:
             out.num_batched_tokens += n + len(drafts)
             out.num_draft_tokens += len(drafts)
             out.num_decodes += n == 1 and sample
+        if self.connector is not None:
+            out.kv_connector_plan = self.connector.build_plan()
         return out
+
+    def _resume_loaded(self) -> None:
+        """Requests whose background KV transfers finished go back to the head of the queue, in order."""
+        ready = [r for r in self.loading if self.connector.is_ready(r)]
+        for req in reversed(ready):
+            self.loading.remove(req)
+            self.waiting.appendleft(req)
 
     # -- speculation ------------------------------------------------------------------------
     def _may_speculate(self, req: Request) -> bool:
@@ -290,9 +332,11 @@ class Scheduler:
             elif self.spec is not None and s.request_id in result.spec_token_ids:
                 self.drafts[s.request_id] = result.spec_token_ids[s.request_id]
             outs.append(out)
-        if self.spec is not None:
+        if self.spec is not None and sched.scheduled:
             self.spec.observe_step(sched.num_batched_tokens, sched.num_decodes, sched.spec_k,
                                    sched.num_draft_tokens, step_seconds)
+        if self.connector is not None:
+            self.connector.update(result.kv_connector_output)
         return outs
 
     # -- stats ------------------------------------------------------------------------------
@@ -302,4 +346,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)

@@ -22,3 +22,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

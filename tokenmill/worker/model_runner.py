@@ -8,7 +8,7 @@ get logits and go through the rejection sampler instead of the plain sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one entry per new token
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # drafts for the next step
+    kv_connector_output: Optional[Any] = None                            # finished background KV transfers
 
 
 class ModelRunner:

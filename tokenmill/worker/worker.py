@@ -6,6 +6,7 @@ import logging
 import torch
 
 from tokenmill.config import EngineConfig, kv_cache_torch_dtype
+from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
@@ -42,6 +43,7 @@ class Worker:
         if mc.tokenizer is not None:
             self.runner.structured = StructuredOutputManager(mc.tokenizer, mc.hf_config.vocab_size)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
+        self.kv_connector = None
         if self.kv_dtype.itemsize == 1:  # fp8/int8 cache: each attention layer quantizes on write
             for module in self.model.modules():
                 if hasattr(module, "kv_quant"):
@@ -87,6 +89,19 @@ class Worker:
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
+        self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())
+        if self.kv_connector is not None:  # a block moves with its draft KV too: the drafter's cache shares ids
+            self.kv_connector.register_kv_caches(self.runner.kv_caches + list(getattr(self.drafter, "kv_caches", [])))
 
     def execute_model(self, scheduler_output):
-        return self.runner.execute(scheduler_output)
+        connector, plan = self.kv_connector, scheduler_output.kv_connector_plan
+        if plan is not None:
+            connector.start_step(plan)  # blocks this step reads are in place before the forward pass
+        out = self.runner.execute(scheduler_output)
+        if connector is not None:
+            out.kv_connector_output = connector.finished(wait=not scheduler_output.scheduled)
+        return out
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
