@@ -32,6 +32,8 @@ class OffloadingScheduler(KVConnectorScheduler):
         self.holds: dict[str, list[int]] = {}      # request id -> slots it pins
         self.hits: dict[str, list[int]] = {}       # request id -> host slots its last lookup supplies
         self.waits: dict[str, list[bytes]] = {}    # request id -> reads it waits for
+        # saved/spilled/dropped_blocks: device -> host, host -> disk, lost for want of a free slot;
+        # host_hit_blocks: host -> device loads; disk_hit/failed_blocks: disk -> host reads that passed/failed.
         self.stats: Counter[str] = Counter()
         self._plan = OffloadPlan()
         self._plan_pins: list[int] = []
@@ -73,7 +75,9 @@ class OffloadingScheduler(KVConnectorScheduler):
         return not any(h in self.reading for h in self.waits.get(req.request_id, ()))
 
     def on_allocated(self, req: Request, block_ids: list[int]) -> None:
-        slots = self.hits.get(req.request_id, [])[:len(block_ids)]
+        slots = self.hits.get(req.request_id, [])
+        if len(slots) != len(block_ids):  # those blocks count as computed: each must be loaded
+            raise RuntimeError(f"{req.request_id}: {len(block_ids)} device blocks for a hit of {len(slots)}")
         for slot, block_id in zip(slots, block_ids):
             self._plan.loads.append((slot, block_id))
             self._pin(slot, self._plan_pins)
