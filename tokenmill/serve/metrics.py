@@ -46,8 +46,8 @@ class ServerMetrics:
         self.external_queries = c("external_prefix_cache_queries",
                                   "Prompt tokens past the device prefix hit looked up in the offloaded KV tiers.")
         self.external_hits = c("external_prefix_cache_hits", "Prompt tokens restored from the offloaded KV tiers.")
-        self.prefix_hit_rate = g("prefix_cache_hit_rate",
-                                 "Looked-up prompt tokens served from any cache tier, device or offloaded (cumulative).")
+        self.prefix_hit_rate = g("prefix_cache_hit_rate", "Looked-up prompt tokens served from any cache tier "
+                                 "(device or offloaded), cumulative.")
         self.preemptions = c("num_preemptions", "Requests preempted because the KV cache was full.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
