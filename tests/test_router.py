@@ -73,20 +73,25 @@ def test_routing_text_of_prompts_and_messages():
 
 # -- policies ----------------------------------------------------------------------------------------
 def test_prefix_aware_trades_cached_prefix_against_load():
-    policy = PrefixAware(load_weight=0.5)
-    # A whole cached prefix outweighs being the busiest replica...
+    policy = PrefixAware(load_weight=0.2, room_weight=0.5)
+    # A whole cached prefix outweighs a few more requests in the queue...
     cands = [Candidate(A, load=4, cached_fraction=0.9), Candidate(B, load=0, cached_fraction=0.0)]
     assert policy.choose(cands).replica == A
-    # ...a small one does not.
-    cands = [Candidate(A, load=4, cached_fraction=0.3), Candidate(B, load=1, cached_fraction=0.0)]
-    assert policy.choose(cands).replica == B
-    # Nothing cached anywhere: least load.
+    # ...but not a queue far ahead of the others', and a small cached share does not outweigh much.
+    assert policy.choose([Candidate(A, 12, 0.9), Candidate(B, 0, 0.0)]).replica == B
+    assert policy.choose([Candidate(A, 3, 0.3), Candidate(B, 0, 0.0)]).replica == B
+    # The excess counts relative to the least loaded: 14 vs 10 is closer than 4 vs 0.
+    assert policy.choose([Candidate(A, 14, 0.3), Candidate(B, 10, 0.0)]).replica == A
+    # Nothing cached anywhere: least load...
     cands = [Candidate(A, 3, 0.0), Candidate(B, 1, 0.0), Candidate(C, 2, 0.0)]
     assert policy.choose(cands).replica == B
-    # Equal scores: the replica whose cache holds least takes the new prefix.
-    cands = [Candidate(A, 0, 0.0, cached_chunks=8), Candidate(B, 0, 0.0, cached_chunks=2),
-             Candidate(C, 0, 0.0, cached_chunks=5)]
-    assert policy.choose(cands).replica == B
+    # ...unless a new prefix would evict others' from a full cache while an emptier one is nearly as idle.
+    cands = [Candidate(A, 0, 0.0, cache_fullness=0.9), Candidate(B, 1, 0.0, cache_fullness=0.5),
+             Candidate(C, 1, 0.0, cache_fullness=0.0)]
+    assert policy.choose(cands).replica == C
+    # Equal scores: the emptier cache.
+    cands = [Candidate(A, 0, 0.0, 0.0), Candidate(B, 0, 0.0, 0.0)]
+    assert {policy.choose(cands).replica for _ in range(4)} == {A, B}  # ties rotate
     # Load weight 0: pure cache affinity.
     assert PrefixAware(0.0).choose([Candidate(A, 100, 0.2), Candidate(B, 0, 0.1)]).replica == A
 
@@ -112,14 +117,18 @@ def _router(*urls, policy="prefix_aware", transport=None, **kw) -> Router:
 
 def test_prefix_aware_spreads_new_prefixes_then_sticks():
     router = _router(A, B, C)
-    tenants = [f"tenant {t} " * 20 for t in range(6)]
+    tenants = [f"tenant {t} " * 20 for t in range(6)]  # 11 chunks each
     home = {}
-    for t, text in enumerate(tenants):  # one at a time on idle replicas: two new prefixes per replica
+    for r in router.pool.replicas:
+        router.index.of(r.url).set_capacity(30)
+    for t, text in enumerate(tenants):  # new prefixes go to the emptiest cache, even when a little busier
+        router.pool.replicas[t % 3].in_flight = 1
         hashes = prefix_hashes(text, 16)
         replica, cached = router.choose(router.pool.replicas, hashes)
         assert cached == 0
         router.index.insert(replica.url, hashes)
         home[t] = replica.url
+        router.pool.replicas[t % 3].in_flight = 0
     assert sorted(list(home.values()).count(u) for u in (A, B, C)) == [2, 2, 2]
     for t, text in enumerate(tenants):
         hashes = prefix_hashes(text + f"suffix {t}", 16)
@@ -322,8 +331,11 @@ def test_data_parallel_replica_flags_round_trip():
 
 
 # -- end to end: three real replicas ------------------------------------------------------------------
-NUM_TENANTS, NUM_REQUESTS, PREFIX_WORDS = 6, 60, 40
-BLOCKS_PER_REPLICA = 16  # 16 x 16 tokens: two tenants' ~97-token prefixes plus running requests, not three
+NUM_TENANTS, NUM_REQUESTS = 6, 60
+BLOCK, PREFIX_BLOCKS = 16, 6
+# 16 blocks: two tenants' 6-block prefixes plus the last, partial block of up to four running requests;
+# three tenants' prefixes do not fit.
+BLOCKS_PER_REPLICA = 16
 WORDS = sorted(set("The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in "
                    "fixed-size blocks of tokens. Continuous batching admits new requests as soon as others "
                    "finish. Hello, world! The capital of France is Paris.".split()))
@@ -340,12 +352,29 @@ def replicas():
         p.stop()
 
 
+def _tenant_prefix(rng: random.Random, tok) -> str:
+    """Random words that tokenize to exactly PREFIX_BLOCKS full blocks, so a request's suffix starts a
+    block of its own and every cached block is a shared one."""
+    target = PREFIX_BLOCKS * BLOCK
+    words: list[str] = []
+    while True:
+        words.append(rng.choice(WORDS))
+        n = len(tok(" ".join(words)).input_ids)
+        if n == target:
+            return " ".join(words)
+        if n > target:
+            words = words[:-2] if len(words) > 2 else []
+
+
 def _workload(seed: int) -> list[str]:
     """NUM_REQUESTS prompts: one of six tenants' long shared prefixes (new text per seed, so every run
     starts cold) and a short distinct suffix, in shuffled order."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model("llama"))
     rng = random.Random(seed)
-    prefixes = [" ".join(rng.choice(WORDS) for _ in range(PREFIX_WORDS)) for _ in range(NUM_TENANTS)]
-    prompts = [f"{prefixes[i % NUM_TENANTS]} Request {i}: what follows?" for i in range(NUM_REQUESTS)]
+    prefixes = [_tenant_prefix(rng, tok) for _ in range(NUM_TENANTS)]
+    prompts = [f"{prefixes[i % NUM_TENANTS]} Hello, world {i}!" for i in range(NUM_REQUESTS)]  # + 4 tokens < a block
     rng.shuffle(prompts)
     return prompts
 
@@ -384,7 +413,7 @@ def _hit_rate(results: list[dict]) -> float:
 
 
 def test_prefix_aware_routing_doubles_the_hit_rate(replicas):
-    rates = {}
+    rates, estimated = {}, {}
     for seed, policy in enumerate(("round_robin", "least_load", "prefix_aware")):
         router = _router_proc(replicas, policy)
         try:
@@ -392,11 +421,16 @@ def test_prefix_aware_routing_doubles_the_hit_rate(replicas):
                 results = list(pool.map(lambda p: _complete(router.url, p), _workload(seed)))
             assert all("error" not in u for u in results), [u for u in results if "error" in u][:3]
             rates[policy] = _hit_rate(results)
-            routed = {k: v for k, v in metrics(router).items() if k.startswith("tokenmill:router_requests_total")}
+            m = metrics(router)
+            routed = {k: v for k, v in m.items() if k.startswith("tokenmill:router_requests_total")}
             assert sum(routed.values()) == NUM_REQUESTS and len(routed) == 3, routed
+            chunks = [sum(v for k, v in m.items() if k.startswith(f"tokenmill:router_prefix_chunks_{name}_total"))
+                      for name in ("estimated_cached", "queried")]
+            estimated[policy] = chunks[0] / chunks[1]
         finally:
             router.stop()
-    print(f"aggregate prefix-cache hit rate over {NUM_REQUESTS} requests of {NUM_TENANTS} tenants: {rates}")
+    print(f"aggregate prefix-cache hit rate over {NUM_REQUESTS} requests of {NUM_TENANTS} tenants: {rates}; "
+          f"the router's estimate (share of prefix chunks): {estimated}")
     assert rates["prefix_aware"] >= 2 * rates["round_robin"], rates
     assert rates["prefix_aware"] >= 2 * rates["least_load"], rates
 
@@ -415,8 +449,12 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(repli
             done.set()
         return result
 
-    def killer():
+    def killer():  # once the run is under way, at a moment the victim has requests in flight
         done.wait(120)
+        key = f"tokenmill:router_replica_in_flight{{replica={victim.url}}}"
+        deadline = time.monotonic() + 60
+        while metrics(router).get(key, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         victim.proc.kill()  # the engine process notices its parent is gone and exits
 
     try:
@@ -429,7 +467,10 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(repli
         assert len(cut) <= 6, cut  # at most the requests in flight at the kill
         m = metrics(router)
         assert m[f"tokenmill:router_replica_healthy{{replica={victim.url}}}"] == 0
-        assert sum(v for k, v in m.items() if k.startswith("tokenmill:router_retries_total")) >= 1, m
+        retries = sum(v for k, v in m.items() if k.startswith("tokenmill:router_retries_total"))
+        print(f"replica killed mid-run: {NUM_REQUESTS - len(cut)} of {NUM_REQUESTS} requests completed, "
+              f"{retries:.0f} retried on another replica, {len(cut)} streams cut after they had started")
+        assert retries >= 1, m
     finally:
         router.stop()
 

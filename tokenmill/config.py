@@ -463,7 +463,7 @@ class RouterConfig:
     """`tokenmill router` (and the router in front of `tokenmill serve --data-parallel-size N`)."""
     replicas: list[str] = field(default_factory=list)  # base URLs of `tokenmill serve` instances
     policy: str = "prefix_aware"
-    load_weight: float = 0.5            # prefix_aware: score = cached fraction - load_weight * load / busiest
+    load_weight: float = 0.2            # prefix_aware: weight of the load excess over the least loaded replica
     prefix_chunk_chars: int = 64        # granularity of the router's prefix index
     health_check_interval: float = 1.0  # seconds between probes of each replica
     health_check_timeout: float = 5.0

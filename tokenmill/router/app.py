@@ -32,8 +32,9 @@ def add_router_policy_args(p: argparse.ArgumentParser, policy_flag: str = "--pol
     p.add_argument(policy_flag, dest="router_policy", default="prefix_aware", choices=list(ROUTER_POLICIES),
                    help="prefix_aware: send a request where its prompt prefix is likely cached, traded off "
                         "against load; least_load: fewest running + waiting requests; round_robin")
-    p.add_argument("--router-load-weight", type=float, default=0.5,
-                   help="prefix_aware: score = cached prefix fraction - weight * load / busiest replica's load")
+    p.add_argument("--router-load-weight", type=float, default=0.2,
+                   help="prefix_aware: score = cached prefix fraction - weight * (load - least load) / "
+                        "(least load + 1) - uncached fraction * cache fullness")
     p.add_argument("--router-prefix-chunk-chars", type=int, default=64,
                    help="prefix_aware: characters per chunk of the router's prefix index")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between replica probes")

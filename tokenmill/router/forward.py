@@ -67,7 +67,7 @@ class Router:
         for r in candidates:
             prefixes = self.index.of(r.url)
             matched = prefixes.matched(hashes)
-            options.append(Candidate(r, r.load, matched / len(hashes) if hashes else 0.0, len(prefixes)))
+            options.append(Candidate(r, r.load, matched / len(hashes) if hashes else 0.0, prefixes.fullness))
         pick = self.policy.choose(options)
         return pick.replica, round(pick.cached_fraction * len(hashes))
 

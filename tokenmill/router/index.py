@@ -50,6 +50,11 @@ class ReplicaPrefixes:
             self._lru.move_to_end(h)
         self._evict()
 
+    @property
+    def fullness(self) -> float:
+        """Share of the capacity in use (0 while the capacity is unknown)."""
+        return min(1.0, len(self._lru) / self.capacity) if self.capacity else 0.0
+
     def set_capacity(self, capacity: Optional[int]) -> None:
         self.capacity = capacity
         self._evict()

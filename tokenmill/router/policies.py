@@ -12,10 +12,10 @@ from typing import Any, Sequence
 
 @dataclass
 class Candidate:
-    replica: Any            # what the caller routes to (the pool's Replica)
-    load: float             # requests running + waiting there
-    cached_fraction: float  # estimated share of the request's prefix chunks cached there (0..1)
-    cached_chunks: int = 0  # prefix chunks the router believes the replica holds (how full its cache is)
+    replica: Any             # what the caller routes to (the pool's Replica)
+    load: float              # requests running + waiting there
+    cached_fraction: float   # estimated share of the request's prefix chunks cached there (0..1)
+    cache_fullness: float = 0.0  # estimated share of its prefix cache in use (0..1; 0 while unknown)
 
 
 class Policy:
@@ -49,33 +49,39 @@ class LeastLoad(Policy):
 
 
 class PrefixAware(Policy):
-    """score = cached_fraction - load_weight * load / (load of the busiest candidate).
+    """score = cached_fraction
+               - load_weight * (load - least load) / (least load + 1)
+               - room_weight * (1 - cached_fraction) * cache_fullness
 
-    A replica holding the whole prefix wins unless it is the busiest one and the cached share does not
-    outweigh load_weight; with nothing cached anywhere this is least-load. Ties (typically a new prefix
-    on idle replicas) go to the lower load, then to the replica whose cache holds the least, so new
-    prefixes spread over the replicas' caches instead of evicting each other on one."""
+    The cached share is prefill the replica skips. The load term grows with the excess over the least
+    loaded replica relative to that replica's load, so one request more or less among idle replicas weighs
+    little, while a hot prefix still spills over once its replica's queue runs far ahead of the others.
+    The room term is the cost of the part that is not cached: it has to evict someone else's prefix where
+    the cache is full, so new prefixes spread over the replicas' caches instead of displacing each other on
+    one. Ties go to the lower load, then the emptier cache."""
     name = "prefix_aware"
 
-    def __init__(self, load_weight: float = 0.5) -> None:
+    def __init__(self, load_weight: float = 0.2, room_weight: float = 1.0) -> None:
         super().__init__()
         self.load_weight = load_weight
+        self.room_weight = room_weight
 
-    def score(self, c: Candidate, busiest: float) -> float:
-        return c.cached_fraction - (self.load_weight * c.load / busiest if busiest > 0 else 0.0)
+    def score(self, c: Candidate, least_load: float) -> float:
+        return (c.cached_fraction - self.load_weight * (c.load - least_load) / (least_load + 1)
+                - self.room_weight * (1.0 - c.cached_fraction) * c.cache_fullness)
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
-        busiest = max(c.load for c in candidates)
-        scores = [self.score(c, busiest) for c in candidates]
+        least = min(c.load for c in candidates)
+        scores = [self.score(c, least) for c in candidates]
         best = max(scores)
         tied = [c for c, s in zip(candidates, scores) if s >= best - 1e-9]
-        return min(self._rotate(tied), key=lambda c: (c.load, c.cached_chunks))
+        return min(self._rotate(tied), key=lambda c: (c.load, c.cache_fullness))
 
 
 POLICIES = {p.name: p for p in (PrefixAware, LeastLoad, RoundRobin)}
 
 
-def make_policy(name: str, load_weight: float = 0.5) -> Policy:
+def make_policy(name: str, load_weight: float = 0.2) -> Policy:
     if name == PrefixAware.name:
         return PrefixAware(load_weight)
     return POLICIES[name]()

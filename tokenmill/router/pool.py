@@ -55,10 +55,11 @@ def parse_replica_metrics(text: str) -> ReplicaLoad:
                 out.waiting += s.value
             elif s.name == "tokenmill:kv_cache_total_blocks":
                 blocks += s.value
-            elif s.name == "tokenmill:cache_config_info":
+            elif s.name == "tokenmill:cache_config_info":  # set as soon as the replica is up
                 block_size = int(s.labels.get("block_size", block_size))
+                blocks = max(blocks, float(s.labels.get("num_gpu_blocks", 0)))
                 prefix_caching = s.labels.get("enable_prefix_caching", "True") == "True"
-    if blocks > 0:  # zero until the replica has run a step
+    if blocks > 0:
         out.kv_capacity_tokens = int(blocks) * block_size if prefix_caching else 0
     return out
 

@@ -108,6 +108,8 @@ def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.engine.start(timeout=state.args.engine_start_timeout)
+        ready = state.engine.ready
+        state.metrics.set_cache_config(ready.block_size, ready.num_blocks, state.config.cache.enable_prefix_caching)
         import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
         try:
@@ -286,7 +288,6 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = _read_chat_template(args.chat_template)
     sock = _bind(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
-    metrics.set_cache_config(config.cache.block_size, config.cache.enable_prefix_caching)
     try:
         engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
     except BaseException:

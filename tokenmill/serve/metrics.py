@@ -73,11 +73,12 @@ class ServerMetrics:
         self._model_name = model_name
         self._last: EngineStats | None = None
 
-    def set_cache_config(self, block_size: int, enable_prefix_caching: bool) -> None:
-        """vLLM's cache_config_info: lets a router turn kv_cache_total_blocks into tokens."""
+    def set_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """vLLM's cache_config_info, set once the engine is up: a router sizes its view of our cache by it."""
         Gauge("tokenmill:cache_config_info", "KV cache configuration (value 1, settings as labels).",
-              ["model_name", "block_size", "enable_prefix_caching"], registry=self.registry).labels(
-            self._model_name, str(block_size), str(enable_prefix_caching)).set(1)
+              ["model_name", "block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=self.registry).labels(
+            self._model_name, str(block_size), str(num_blocks), str(enable_prefix_caching)).set(1)
+        self.kv_total_blocks.set(num_blocks)
 
     # -- hooks (called from AsyncLLM's output loop) -------------------------------------------
     def on_scheduled(self, queue_time: float) -> None:
