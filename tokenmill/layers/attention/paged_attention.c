@@ -32,7 +32,130 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, KT, LOAD, STORE, LOADKV)                                           \
+/* exp for the softmax, 8 lanes at a time (x <= 0 here: scores minus their max). libm's expf does not
+ * vectorize without -ffast-math and was about a third of a decode item's time. Cody-Waite reduction
+ * x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial for e^r and 2^n put into the exponent bits:
+ * within 2 ulp of expf over the range that matters (below -87.3 it returns 0, as expf underflows). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f exp8(v8f x) {
+    v8f n;
+    for (int i = 0; i < 8; i++) {
+        x[i] = x[i] < -87.3f ? -87.3f : x[i];
+        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
+    }
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* softmax numerators in place over s[0..L) (minus the max), returning their sum; fixed order for a given L */
+static inline float exp_sum(float *s, int64_t L, float mx) {
+    v8f vs = (v8f){0};
+    int64_t i = 0;
+    for (; i + 8 <= L; i += 8) {
+        v8f v;
+        memcpy(&v, s + i, sizeof v);
+        v = exp8(v - mx);
+        memcpy(s + i, &v, sizeof v);
+        vs += v;
+    }
+    float sum = ((vs[0] + vs[4]) + (vs[1] + vs[5])) + ((vs[2] + vs[6]) + (vs[3] + vs[7]));
+    for (; i < L; i++) {
+        v8f v = (v8f){0} + (s[i] - mx);
+        s[i] = exp8(v)[0];
+        sum += s[i];
+    }
+    return sum;
+}
+
+static inline v8f ld8_f32(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f ld8_bf16(const uint16_t *p) {
+    typedef uint16_t v8u16 __attribute__((vector_size(16)));
+    typedef uint32_t v8u32 __attribute__((vector_size(32)));
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
+ * models): each key is loaded once into registers and scored against the G query heads; values are summed
+ * block by block (16 keys) with one query head's accumulators held in registers. qf is the scaled query
+ * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
+#define DEFINE_ITEM(NAME, KT, DD, LD8)                                                                     \
+static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
+                 int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv) {           \
+    const int64_t L = s1 - s0;                                                                              \
+    for (int64_t p = s0; p < s1;) {                                                                         \
+        const int64_t off = p % block_size;                                                                 \
+        int64_t n = block_size - off;                                                                       \
+        if (n > s1 - p) n = s1 - p;                                                                         \
+        const KT *kb = kh + ((int64_t)bt[p / block_size] * block_size + off) * DD;                          \
+        for (int64_t j = 0; j < n; j++) {                                                                   \
+            v8f kv[DD / 8];                                                                                 \
+            for (int c = 0; c < DD / 8; c++) kv[c] = LD8(kb + j * DD + 8 * c);                              \
+            for (int64_t g = 0; g < G; g++) {                                                               \
+                v8f a = (v8f){0};                                                                           \
+                for (int c = 0; c < DD / 8; c++) a += ld8_f32(qf + g * DD + 8 * c) * kv[c];                 \
+                sc[g * L + (p - s0) + j] = hsum8(a);                                                        \
+            }                                                                                               \
+        }                                                                                                   \
+        p += n;                                                                                             \
+    }                                                                                                       \
+    for (int64_t g = 0; g < G; g++) {                                                                       \
+        float *s = sc + g * L, mx = -INFINITY;                                                              \
+        for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;                                         \
+        const float sum = exp_sum(s, L, mx);                                                                \
+        inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                          \
+    }                                                                                                       \
+    for (int64_t g = 0; g < G; g++) {                                                                       \
+        v8f a[DD / 8];                                                                                      \
+        for (int c = 0; c < DD / 8; c++) a[c] = (v8f){0};                                                   \
+        for (int64_t p = s0; p < s1;) {                                                                     \
+            const int64_t off = p % block_size;                                                             \
+            int64_t n = block_size - off;                                                                   \
+            if (n > s1 - p) n = s1 - p;                                                                     \
+            const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * DD;                      \
+            const float *w = sc + g * L + (p - s0);                                                         \
+            for (int64_t j = 0; j < n; j++)                                                                 \
+                for (int c = 0; c < DD / 8; c++) a[c] += w[j] * LD8(vb + j * DD + 8 * c);                   \
+            p += n;                                                                                         \
+        }                                                                                                   \
+        for (int c = 0; c < DD / 8; c++) memcpy(acc + g * DD + 8 * c, &a[c], sizeof a[c]);                  \
+    }                                                                                                       \
+}
+
+DEFINE_ITEM(item_f32_d64, float, 64, ld8_f32)
+DEFINE_ITEM(item_f32_d128, float, 128, ld8_f32)
+DEFINE_ITEM(item_bf16_d64, uint16_t, 64, ld8_bf16)
+DEFINE_ITEM(item_bf16_d128, uint16_t, 128, ld8_bf16)
+/* no specialised item for this (KV type, D): the generic loops below */
+#define item_none_d64 0
+#define item_none_d128 0
+
+#define DEFINE_PAGED_ATTENTION(NAME, T, KT, LOAD, STORE, LOADKV, ITEM)                                           \
 void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_t *block_table,             \
           int64_t bt_stride, const int32_t *req_of, const int32_t *kv_start, const int32_t *kv_end,         \
           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                    \
@@ -53,6 +176,14 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 qf[i] = LOAD(q[(t * num_heads + h * G) * D + i]) * qscale;                                  \
                 acc[i] = 0.0f;                                                                              \
             }                                                                                               \
+            float inv[G];                                                                                   \
+            void (*item)(const float *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t,     \
+                         int64_t, float *, float *, float, float *) =                                       \
+                D == 64 ? ITEM##_d64 : D == 128 ? ITEM##_d128 : 0;                                          \
+            if (item) {                                                                                     \
+                item(qf, kh, vh, bt, s0, s1, block_size, G, sc, acc, oscale, inv);                          \
+                goto store;                                                                                 \
+            }                                                                                               \
             /* pass 1: scores, block by block */                                                            \
             for (int64_t p = s0; p < s1;) {                                                                 \
                 const int64_t off = p % block_size;                                                         \
@@ -72,11 +203,10 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 p += n;                                                                                     \
             }                                                                                               \
             /* softmax per query head */                                                                    \
-            float inv[G];                                                                                   \
             for (int64_t g = 0; g < G; g++) {                                                               \
                 float *s = sc + g * L, mx = -INFINITY, sum = 0.0f;                                          \
                 for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;                                 \
-                for (int64_t i = 0; i < L; i++) { s[i] = expf(s[i] - mx); sum += s[i]; }                    \
+                sum = exp_sum(s, L, mx);                                                                    \
                 inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                  \
             }                                                                                               \
             /* pass 2: weighted sum of values */                                                            \
@@ -96,6 +226,7 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 }                                                                                           \
                 p += n;                                                                                     \
             }                                                                                               \
+        store:;                                                                                             \
             T *o = out + (t * num_heads + h * G) * D;                                                       \
             for (int64_t g = 0; g < G; g++)                                                                 \
                 for (int64_t d = 0; d < D; d++) o[g * D + d] = STORE(acc[g * D + d] * inv[g]);              \
@@ -106,7 +237,7 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
 
 #define IDENT(x) (x)
 #define BYTE_LUT(x) (lut[(x)])
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, float, IDENT, IDENT, IDENT)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32)
-DEFINE_PAGED_ATTENTION(paged_attention_f32_kv8, float, uint8_t, IDENT, IDENT, BYTE_LUT)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16_kv8, uint16_t, uint8_t, bf16_to_f32, f32_to_bf16, BYTE_LUT)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, float, IDENT, IDENT, IDENT, item_f32)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, item_bf16)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_kv8, float, uint8_t, IDENT, IDENT, BYTE_LUT, item_none)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_kv8, uint16_t, uint8_t, bf16_to_f32, f32_to_bf16, BYTE_LUT, item_none)
