@@ -301,6 +301,15 @@ def test_router_errors_are_openai_shaped(front):
     _assert_openai_error(client.get("/health"), 503)
 
 
+def test_api_key_checked_and_forwarded():
+    fake = FakeReplicas(lambda base, req: httpx.Response(200, json={"auth": req.headers.get("authorization")}))
+    with TestClient(build_router_app(_router(A, transport=fake.transport()), api_key="k")) as client:
+        _assert_openai_error(client.post("/v1/completions", json={"prompt": "x"}), 401)
+        r = client.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["auth"] == "Bearer k"  # replicas may check it too
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
 def test_router_config_errors():
     with pytest.raises(ValueError, match="at least one --replica"):
         RouterConfig().validate()
