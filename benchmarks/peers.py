@@ -125,20 +125,28 @@ def run_transformers_single(model_dir: str, dtype) -> dict:
 # -- vLLM-CPU ------------------------------------------------------------------------------------------
 _VLLM_OFFLINE = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-spec = json.load(open(sys.argv[1]))
-t0 = time.perf_counter()
-llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=256, seed=0)
-start = time.perf_counter() - t0
-prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["workload"]]
-params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in spec["workload"]]
-llm.generate(prompts[:1], params[:1], use_tqdm=False)
-t = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-dt = time.perf_counter() - t
-n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-print("RESULT " + json.dumps({"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt, "engine_start_s": start}))
+
+
+def main():  # vLLM starts its engine core with multiprocessing spawn: the script needs a main guard
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=256, seed=0)
+    start = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in spec["workload"]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in spec["workload"]]
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
+                                  "engine_start_s": start}))
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -151,8 +159,22 @@ def _vllm_env(py: str) -> dict[str, str]:
     return env
 
 
-def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
+def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str, todo: set) -> dict:
     res: dict[str, Any] = {}
+    if "W1" in todo:
+        res["W1"] = _run_vllm_offline(py, model_dir, dtype, workload, tmp)
+    if "W3" in todo:
+        port = _free_port()
+        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
+               "--port", str(port), "--served-model-name", "default"]
+        try:
+            res["W3"] = _serve_w3(cmd, _vllm_env(py), port, "/health", 600, os.path.join(tmp, "vllm_server.log"))
+        except Exception as e:  # noqa: BLE001 - a peer failing is a reported result, not a crash
+            res["W3"] = {"error": str(e)}
+    return res
+
+
+def _run_vllm_offline(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
     spec = os.path.join(tmp, "vllm_spec.json")
     with open(spec, "w") as f:
         json.dump({"model": model_dir, "dtype": dtype, "workload": workload}, f)
@@ -161,38 +183,35 @@ def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
         f.write(_VLLM_OFFLINE)
     proc = subprocess.run([py, script, spec], capture_output=True, text=True, env=_vllm_env(py), timeout=3600)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    res["W1"] = json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}
-    port = _free_port()
-    cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
-           "--port", str(port), "--served-model-name", "default"]
-    try:
-        res["W3"] = _serve_w3(cmd, _vllm_env(py), port, "/health", 600, os.path.join(tmp, "vllm_server.log"))
-    except Exception as e:  # noqa: BLE001 - a peer failing is a reported result, not a crash
-        res["W3"] = {"error": str(e)}
-    return res
+    return json.loads(line[7:]) if line else {"error": proc.stderr[-2000:]}
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------------
-def run_llama_cpp(bin_dir: str, gguf: str, tmp: str) -> dict:
+def run_llama_cpp(bin_dir: str, gguf: str, tmp: str, todo: set) -> dict:
     res: dict[str, Any] = {}
+    if "W2" in todo:
+        res["W2"] = _llama_bench(bin_dir, gguf)
+    if "W3" in todo:
+        port = _free_port()
+        cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-np", str(W3_REQUESTS), "-t", "2",
+               "-c", str(W3_REQUESTS * 1024), "--port", str(port)]
+        try:
+            res["W3"] = _serve_w3(cmd, dict(os.environ), port, "/health", 300, os.path.join(tmp, "llama_server.log"))
+        except Exception as e:  # noqa: BLE001
+            res["W3"] = {"error": str(e)}
+    return res
+
+
+def _llama_bench(bin_dir: str, gguf: str) -> dict:
     bench = subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", "2", "-p", str(W2_PROMPT),
                             "-n", str(W2_OUTPUT), "-o", "json"], capture_output=True, text=True, timeout=1800)
     try:
         rows = json.loads(bench.stdout)
         pp = next(r for r in rows if r.get("n_prompt") == W2_PROMPT and r.get("n_gen") == 0)
         tg = next(r for r in rows if r.get("n_gen") == W2_OUTPUT and r.get("n_prompt") == 0)
-        res["W2"] = {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"],
-                     "ttft_s": W2_PROMPT / pp["avg_ts"]}
+        return {"prefill_tok_s": pp["avg_ts"], "decode_tok_s": tg["avg_ts"], "ttft_s": W2_PROMPT / pp["avg_ts"]}
     except (ValueError, StopIteration, KeyError):
-        res["W2"] = {"error": (bench.stderr or bench.stdout)[-2000:]}
-    port = _free_port()
-    cmd = [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-np", str(W3_REQUESTS), "-t", "2",
-           "-c", str(W3_REQUESTS * 1024), "--port", str(port)]
-    try:
-        res["W3"] = _serve_w3(cmd, dict(os.environ), port, "/health", 300, os.path.join(tmp, "llama_server.log"))
-    except Exception as e:  # noqa: BLE001
-        res["W3"] = {"error": str(e)}
-    return res
+        return {"error": (bench.stderr or bench.stdout)[-2000:]}
 
 
 def run_tokenmill_server(tmp: str) -> dict:
@@ -255,9 +274,9 @@ def main() -> None:
         engines["transformers"] = hf
         if args.vllm_python:
             engines["vllm-cpu"] = run_vllm(args.vllm_python, model_dir, str(dtype).removeprefix("torch."),
-                                           workload, tmp)
+                                           workload, tmp, todo)
         if args.llama_cpp_bin and args.llama_gguf and shutil.which(os.path.join(args.llama_cpp_bin, "llama-bench")):
-            engines["llama.cpp"] = run_llama_cpp(args.llama_cpp_bin, args.llama_gguf, tmp)
+            engines["llama.cpp"] = run_llama_cpp(args.llama_cpp_bin, args.llama_gguf, tmp, todo)
     load.append(load_average())
     result = {"num_requests": n, "dtype": str(dtype).removeprefix("torch."), "read_bandwidth_gb_s": read_bw / 1e9,
               "load_average": load, "engines": engines}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.layers import cpu_fused
+
 
 def _rope_parameters(config) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -41,6 +43,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step_cache: dict):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. cos/sin are gathered once per step, not per layer."""
+        if cpu_fused.rope_usable(q, k) and positions.device.type == "cpu":
+            pos = positions if positions.dtype == torch.int64 else positions.long()
+            cpu_fused.rope_(q, pos, self.cos, self.sin)  # in place: q and k are fresh (views of qkv)
+            cpu_fused.rope_(k, pos, self.cos, self.sin)
+            return q, k
         key = ("rope", id(self), q.dtype)
         cs = step_cache.get(key)
         if cs is None:

@@ -1,0 +1,68 @@
+"""The fused CPU ops (cpu_fused.c) equal the torch code they replace: float32 to rounding, bfloat16 to one
+bf16 step; strided rotary inputs (slices of qkv) are rotated in place."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import cpu_fused
+from tokenmill.layers.rotary import _rotate
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+
+
+def _ref_norm(x, residual, w, eps):
+    if residual is not None:
+        x = x + residual
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return w * normed.to(x.dtype), x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(1, 576), (7, 100), (300, 64)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(dtype, T, H, with_residual):
+    g = torch.Generator().manual_seed(T * H)
+    x, r, w = (torch.randn(*s, generator=g).to(dtype) for s in ((T, H), (T, H), (H,)))
+    res = r if with_residual else None
+    r_before = r.clone()
+    with torch.inference_mode():
+        out, new_res = cpu_fused.add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_res = _ref_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    if with_residual:
+        assert torch.equal(new_res, ref_res)  # one add, rounded as torch rounds it
+    assert torch.equal(r, r_before)  # inputs are never written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,I", [(1, 1536), (5, 13), (200, 64)])
+def test_silu_and_mul(dtype, T, I):
+    x = (torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(I)) * 4).to(dtype)
+    with torch.inference_mode():
+        out = cpu_fused.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), (F.silu(gate) * up).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_qkv_slices(dtype):
+    T, Hq, Hk, D, P = 9, 6, 2, 64, 100
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(dtype)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.view(T, Hq, D), k.view(T, Hk, D)
+    freqs = torch.arange(P, dtype=torch.float)[:, None] * (1.0 / 10000 ** (torch.arange(0, D, 2) / D))[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    pos = torch.randint(0, P, (T,), generator=g)
+    c, s = cos[pos].unsqueeze(1).to(dtype), sin[pos].unsqueeze(1).to(dtype)
+    ref_q, ref_k, v_before = _rotate(q, c, s), _rotate(k, c, s), v.clone()
+    with torch.inference_mode():
+        assert cpu_fused.rope_usable(q, k)
+        cpu_fused.rope_(q, pos, cos, sin)
+        cpu_fused.rope_(k, pos, cos, sin)
+    torch.testing.assert_close(q.float(), ref_q.float(), **TOL[dtype])
+    torch.testing.assert_close(k.float(), ref_k.float(), **TOL[dtype])
+    assert torch.equal(v, v_before)

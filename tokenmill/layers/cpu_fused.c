@@ -1,0 +1,135 @@
+/* The small per-layer ops of a decoder layer, each one pass over its rows: residual add + RMSNorm,
+ * SiLU-and-multiply, and rotary embedding in place.
+ *
+ * Why: in a decode step these touch a few KB each, yet through torch each costs 5-50 us (a composite of
+ * elementwise kernels, each with dispatch and an OpenMP fork) — about a third of a single-stream step on a
+ * small model. Here each is one call. Every row is computed on its own in a fixed order, so the results do
+ * not depend on the batch (batch-invariant mode needs nothing more). bf16 follows torch's rounding points:
+ * each torch op computes in fp32 and rounds its output to bf16, so the same roundings happen here.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline float bf16f(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* bf16 rounding of a float result, kept as float */
+static inline float rbf(float f) { return bf16f(f2bf16(f)); }
+
+/* e^x, 8 lanes (as in paged_attention.c): Cody-Waite reduction and a degree-6 polynomial, within 2 ulp. */
+static inline v8f exp8(v8f x) {
+    v8f n;
+    for (int i = 0; i < 8; i++) {
+        x[i] = x[i] < -87.3f ? -87.3f : (x[i] > 88.3f ? 88.3f : x[i]);
+        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
+    }
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#define PARALLEL_MIN 65536 /* elements: below this an OpenMP fork costs more than it saves */
+
+/* x, residual, res_out, out: [T, H]; with residual != 0: res_out = x + residual, then
+ * out = w * norm(res_out); else out = w * norm(x). norm(r) = r / sqrt(mean(r^2) + eps), in fp32. */
+#define DEFINE_ADD_RMS_NORM(NAME, T_, LOAD, ROUND, STORE)                                                 \
+void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, int64_t T, int64_t H,         \
+          float eps, int num_threads) {                                                                   \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * H >= PARALLEL_MIN)")      \
+    for (int64_t t = 0; t < T; t++) {                                                                     \
+        const T_ *xr = x + t * H;                                                                         \
+        const T_ *ri = residual ? residual + t * H : 0;                                                   \
+        T_ *rr = residual ? res_out + t * H : 0;                                                          \
+        T_ *o = out + t * H;                                                                              \
+        float ss[8] = {0};                                                                                \
+        for (int64_t i = 0; i < H; i++) {                                                                 \
+            float v = LOAD(xr[i]);                                                                        \
+            if (rr) {                                                                                     \
+                v = ROUND(v + LOAD(ri[i]));                                                               \
+                rr[i] = STORE(v);                                                                         \
+            }                                                                                             \
+            ss[i & 7] += v * v;                                                                           \
+        }                                                                                                 \
+        const float ms = (((ss[0] + ss[4]) + (ss[1] + ss[5])) + ((ss[2] + ss[6]) + (ss[3] + ss[7]))) / H;  \
+        const float inv = 1.0f / sqrtf(ms + eps);                                                         \
+        const T_ *src = rr ? rr : xr;                                                                     \
+        for (int64_t i = 0; i < H; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(src[i]) * inv));             \
+    }                                                                                                     \
+}
+
+/* x: [T, 2I] = [gate | up]; out[T, I] = silu(gate) * up */
+#define DEFINE_SILU_MUL(NAME, T_, LOAD, ROUND, STORE)                                                     \
+void NAME(const T_ *x, T_ *out, int64_t T, int64_t I, int num_threads) {                                  \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN)")      \
+    for (int64_t t = 0; t < T; t++) {                                                                     \
+        const T_ *g = x + t * 2 * I, *u = g + I;                                                          \
+        T_ *o = out + t * I;                                                                              \
+        int64_t i = 0;                                                                                    \
+        for (; i + 8 <= I; i += 8) {                                                                      \
+            v8f gv, uv;                                                                                   \
+            for (int j = 0; j < 8; j++) gv[j] = LOAD(g[i + j]), uv[j] = LOAD(u[i + j]);                   \
+            const v8f s = gv / (1.0f + exp8((v8f){0} - gv));                                              \
+            for (int j = 0; j < 8; j++) o[i + j] = STORE(ROUND(s[j]) * uv[j]);                            \
+        }                                                                                                 \
+        for (; i < I; i++) {                                                                              \
+            const float gs = LOAD(g[i]);                                                                  \
+            const float s = gs / (1.0f + exp8((v8f){0} - gs)[0]);                                         \
+            o[i] = STORE(ROUND(s) * LOAD(u[i]));                                                          \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+
+/* In place on x [T, H, D] (row stride x_stride elements, heads D apart): the two halves of each head rotate
+ * by the token's angles, cos/sin [max_pos, D/2] (float32) at positions[t]:
+ * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (each product and sum rounded as torch does for bf16). */
+#define DEFINE_ROPE(NAME, T_, LOAD, ROUND, STORE)                                                         \
+void NAME(T_ *x, int64_t x_stride, const int64_t *positions, const float *cos_t, const float *sin_t,       \
+          int64_t T, int64_t H, int64_t D, int num_threads) {                                             \
+    const int64_t half = D / 2;                                                                           \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * H * D >= PARALLEL_MIN)")  \
+    for (int64_t t = 0; t < T; t++) {                                                                     \
+        const float *c = cos_t + positions[t] * half, *s = sin_t + positions[t] * half;                   \
+        for (int64_t h = 0; h < H; h++) {                                                                 \
+            T_ *x1 = x + t * x_stride + h * D, *x2 = x1 + half;                                           \
+            for (int64_t i = 0; i < half; i++) {                                                          \
+                const float a = LOAD(x1[i]), b = LOAD(x2[i]), ci = ROUND(c[i]), si = ROUND(s[i]);         \
+                const float p1 = ROUND(a * ci), p2 = ROUND(b * si), p3 = ROUND(b * ci), p4 = ROUND(a * si); \
+                x1[i] = STORE(p1 - p2);                                                                   \
+                x2[i] = STORE(p3 + p4);                                                                   \
+            }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+}
+
+#define IDENT(x) (x)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENT, IDENT, IDENT)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16f, rbf, f2bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16f, rbf, f2bf16)
+DEFINE_ROPE(rope_f32, float, IDENT, IDENT, IDENT)
+DEFINE_ROPE(rope_bf16, uint16_t, bf16f, rbf, f2bf16)
