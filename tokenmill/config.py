@@ -139,6 +139,13 @@ class ModelConfig:
     hf_config: Any = None
     torch_dtype: Optional[torch.dtype] = None
 
+    @property
+    def online_quantization(self) -> Optional[str]:
+        """The --quantization method applied on load (None for a checkpoint that carries its own format)."""
+        if self.quantization in QUANTIZATION_METHODS and not getattr(self.hf_config, "quantization_config", None):
+            return self.quantization
+        return None
+
     def finalize(self, device: str, install_default: bool = False) -> None:
         from transformers import AutoConfig
 
@@ -149,8 +156,6 @@ class ModelConfig:
             raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
         cfg = self.hf_config
         self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
-        if self.quantization in QUANTIZATION_METHODS and not getattr(cfg, "quantization_config", None):
-            cfg.tokenmill_quantization = self.quantization  # read by models.loader.load_model
         cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
         self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device)
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -47,16 +47,13 @@ def iter_weights(files: list[str]):
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
                quantization: Optional[str] = None):
     """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
-    checkpoint's own quantization_config is always honoured. Without the argument, the --quantization the
-    engine config recorded on the HF config (ModelConfig.finalize) applies."""
+    checkpoint's own quantization_config is always honoured."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
 
     t0 = time.perf_counter()
     cls = get_model_class(config)
     with torch.device(device):
         model = cls(config, dtype, backend, max_positions)
-    if quantization is None:
-        quantization = getattr(config, "tokenmill_quantization", None)
     quant = get_quant_config(quantization, config)
     if quant is not None:
         nquant = apply_quantization(model, quant)

@@ -32,7 +32,7 @@ class Worker:
                                "(is a C compiler installed? see the warning above)")
         self.backend = get_attention_backend(self.device)
         self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
-                                max_positions=mc.max_model_len)
+                                max_positions=mc.max_model_len, quantization=mc.online_quantization)
         self.drafter = None
         if config.speculative is not None:
             from tokenmill.spec_decode import make_proposer
