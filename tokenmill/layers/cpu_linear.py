@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,10 +51,15 @@ def _ram_bytes() -> int:
         return 0
 
 
-class Panels(NamedTuple):
-    """A [N, K] weight packed as [ceil(N/16), K, 16] (zero-padded columns), for panel_linear."""
-    data: torch.Tensor
-    out_features: int
+class Panels:
+    """A [N, K] weight packed as [ceil(N/16), K, 16] (zero-padded columns), for panel_linear. It keeps its
+    kernel and data pointer bound: a decode step makes ~120 of these calls, so per-call Python counts."""
+    __slots__ = ("data", "out_features", "in_features", "kernel", "ptr", "__weakref__")
+
+    def __init__(self, data: torch.Tensor, out_features: int) -> None:
+        self.data, self.out_features, self.in_features = data, out_features, data.shape[1]
+        self.kernel = getattr(_load(), _PANEL_KERNELS[data.dtype])
+        self.ptr = data.data_ptr()
 
 
 def pack(weight: torch.Tensor) -> Optional[Panels]:
@@ -100,15 +105,21 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 def panel_linear(x: torch.Tensor, panels: Panels, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y = x @ weight^T + bias from the weight's panels (any row count; fixed reduction order)."""
-    w = panels.data
-    K = w.shape[1]
-    x2 = x.reshape(-1, K).float().contiguous()  # bf16 activations widen once here, not in the inner loop
-    y = torch.empty(x2.shape[0], panels.out_features, dtype=torch.float32)
-    b = bias.float().contiguous() if bias is not None else None
-    getattr(_load(), _PANEL_KERNELS[w.dtype])(x2.data_ptr(), w.data_ptr(), b.data_ptr() if b is not None else None,
-                                              y.data_ptr(), x2.shape[0], panels.out_features, K,
-                                              torch.get_num_threads())
-    return y.to(x.dtype).view(*x.shape[:-1], panels.out_features)
+    K, N = panels.in_features, panels.out_features
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()  # bf16 activations widen once here, not in the inner loop
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    panels.kernel(x2.data_ptr(), panels.ptr, bias.data_ptr() if bias is not None else None, y.data_ptr(), M, N,
+                  K, torch.get_num_threads())
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], N)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
