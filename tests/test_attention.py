@@ -146,3 +146,23 @@ def test_cuda_backend_matches_cpu_backend(dtype, tol, Hq, Hkv, window):
     out_cpu, _ = _run_step(PagedAttentionBackend("cpu"), cpu_dtype, *args[1:], bs=16, D=64)
     torch.testing.assert_close(out_gpu.float(), ref, atol=tol, rtol=tol)
     torch.testing.assert_close(out_gpu.float(), out_cpu.float(), atol=tol, rtol=tol)
+
+
+def test_kernel_kv_write_equals_index_copy():
+    """The C write of a step's k/v (rows strided like slices of qkv) lands exactly where index_copy_ puts it;
+    a slot outside the cache raises and writes nothing."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(0)
+    T, Hkv, D, N, bs = 5, 3, 64, 7, 4
+    qkv = torch.randn(T, 4 * Hkv * D, generator=g)
+    k = qkv[:, 2 * Hkv * D:3 * Hkv * D].view(T, Hkv, D)
+    v = qkv[:, 3 * Hkv * D:].view(T, Hkv, D)
+    slots = torch.tensor([0, 5, 6, 13, 27])
+    ours, ref = torch.zeros(2, Hkv, N, bs, D), torch.zeros(2, Hkv, N, bs, D)
+    assert cpu_kernels.write_kv(ours, k, v, slots)
+    ref[0].view(Hkv, -1, D).index_copy_(1, slots, k.transpose(0, 1))
+    ref[1].view(Hkv, -1, D).index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(ours, ref)
+    with pytest.raises(IndexError):
+        cpu_kernels.write_kv(torch.zeros(2, Hkv, N, bs, D), k, v, torch.tensor([0, 1, 2, 3, N * bs]))

@@ -87,6 +87,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
              kv_quant=None) -> None:
     """Store the step's k/v [T, Hkv, D] into their slots (quantized when the cache is 8-bit)."""
     Hkv, D = k.shape[1], k.shape[2]
+    if kv_quant is None and k.device.type == "cpu" and cpu_kernels.write_kv(kv_cache, k, v, slot_mapping):
+        return
     if kv_quant is not None:
         kv_quant.observe(k, v)
         k, v = kv_quant.quantize(k, 0), kv_quant.quantize(v, 1)

@@ -22,6 +22,8 @@ def load() -> Optional[ctypes.CDLL]:
             fn.argtypes = [vp, vp, vp, vp, i32p, i64, i32p, i32p, i32p, i64, i64, i64, i64, i64, i64,
                            ctypes.c_float, ctypes.c_int, vp, vp, vp]
             fn.restype = None
+        lib.write_kv.argtypes = [vp, i64, vp, i64, vp, i64, i64, i64, i64, vp]
+        lib.write_kv.restype = ctypes.c_int
         lib._typed = True
     return lib
 
@@ -60,3 +62,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0), as_i32(req_of), as_i32(kv_start), as_i32(kv_end), Tq, Hq, Hkv, D,
         k_cache.stride(0), bs, scale, torch.get_num_threads(), *extra)
     return out
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """kv_cache [2, Hkv, num_blocks, block_size, D] (contiguous, k's dtype); k/v [T, Hkv, D] with dense heads
+    (rows may be strided, e.g. slices of qkv); int64 slots. Returns False, writing nothing, where the layout
+    does not fit (the caller's torch path then writes)."""
+    lib = load()
+    if (lib is None or kv_cache.dtype != k.dtype or v.dtype != k.dtype or not kv_cache.is_contiguous()
+            or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (k, v))):
+        return False
+    T, Hkv, D = k.shape
+    es = k.element_size()
+    if lib.write_kv(k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, kv_cache.data_ptr(), T, Hkv,
+                    D * es, kv_cache[0, 0].numel() * es, slot_mapping.data_ptr()):
+        raise IndexError(f"a KV slot is outside the cache ({kv_cache[0, 0].numel() // D} slots per head)")
+    return True

@@ -241,3 +241,21 @@ DEFINE_PAGED_ATTENTION(paged_attention_f32, float, float, IDENT, IDENT, IDENT, i
 DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, uint16_t, bf16_to_f32, f32_to_bf16, bf16_to_f32, item_bf16)
 DEFINE_PAGED_ATTENTION(paged_attention_f32_kv8, float, uint8_t, IDENT, IDENT, BYTE_LUT, item_none)
 DEFINE_PAGED_ATTENTION(paged_attention_bf16_kv8, uint16_t, uint8_t, bf16_to_f32, f32_to_bf16, BYTE_LUT, item_none)
+
+/* Store a step's new keys and values into their cache slots: k/v rows [T, Hkv, D] (rows row_bytes apart,
+ * heads dense), cache [2, Hkv, num_slots, D]; one copy of head_bytes per (token, head, K|V). Two torch
+ * index_copy_ calls per layer cost ~30 us at decode sizes; this is one call and a few memcpy. */
+int write_kv(const char *k, int64_t k_row_bytes, const char *v, int64_t v_row_bytes, char *cache, int64_t T,
+             int64_t num_kv_heads, int64_t head_bytes, int64_t cache_head_bytes, const int64_t *slots) {
+    char *v_cache = cache + num_kv_heads * cache_head_bytes;
+    const int64_t num_slots = cache_head_bytes / head_bytes;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1; /* nothing written */
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t dst = h * cache_head_bytes + slots[t] * head_bytes;
+            memcpy(cache + dst, k + t * k_row_bytes + h * head_bytes, (size_t)head_bytes);
+            memcpy(v_cache + dst, v + t * v_row_bytes + h * head_bytes, (size_t)head_bytes);
+        }
+    return 0;
+}
