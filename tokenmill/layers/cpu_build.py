@@ -22,6 +22,7 @@ from tokenmill.config import cache_root
 
 logger = logging.getLogger("tokenmill")
 
+VEC_HEADER = os.path.join(os.path.dirname(__file__), "cpu_vec.h")  # shared by the kernels
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 
@@ -50,7 +51,8 @@ def _build(name: str, sources: list[str]) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *sources, "-lm"], capture_output=True, text=True)
+        compiled = [src for src in sources if not src.endswith(".h")]  # headers only count in the hash
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *compiled, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(tmp, target)  # atomic: concurrent builders never see a half-written library
@@ -61,7 +63,8 @@ def _build(name: str, sources: list[str]) -> str:
 
 
 def load_library(name: str, sources: list[str]) -> Optional[ctypes.CDLL]:
-    """The compiled library `name` built from `sources` (absolute paths), or None when it cannot be built."""
+    """The compiled library `name` built from `sources` (absolute paths; list the headers they include too, so
+    that a changed header rebuilds it), or None when it cannot be built."""
     if name in _loaded:
         return _loaded[name]
     lib = None

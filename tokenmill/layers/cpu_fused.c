@@ -7,51 +7,10 @@
  * not depend on the batch (batch-invariant mode needs nothing more). bf16 follows torch's rounding points:
  * each torch op computes in fp32 and rounds its output to bf16, so the same roundings happen here.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline float bf16f(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "cpu_vec.h"
 
 /* bf16 rounding of a float result, kept as float */
-static inline float rbf(float f) { return bf16f(f2bf16(f)); }
-
-/* e^x, 8 lanes (as in paged_attention.c): Cody-Waite reduction and a degree-6 polynomial, within 2 ulp. */
-static inline v8f exp8(v8f x) {
-    v8f n;
-    for (int i = 0; i < 8; i++) {
-        x[i] = x[i] < -87.3f ? -87.3f : (x[i] > 88.3f ? 88.3f : x[i]);
-        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
-    }
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #define PARALLEL_MIN 65536 /* elements: below this an OpenMP fork costs more than it saves */
 
@@ -128,8 +87,8 @@ void NAME(T_ *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
 
 #define IDENT(x) (x)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENT, IDENT, IDENT)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16f, rbf, f2bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)
 DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16f, rbf, f2bf16)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)
 DEFINE_ROPE(rope_f32, float, IDENT, IDENT, IDENT)
-DEFINE_ROPE(rope_bf16, uint16_t, bf16f, rbf, f2bf16)
+DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)

@@ -9,14 +9,14 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers.cpu_build import load_library
+from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_fused.c")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _load():
-    lib = load_library("cpu_fused", [_SOURCE])
+    lib = load_library("cpu_fused", [_SOURCE, VEC_HEADER])
     if lib is not None and not getattr(lib, "_typed", False):
         vp, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         for sfx in _SUFFIX.values():

@@ -7,14 +7,14 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers.cpu_build import load_library
+from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "paged_attention.c")
 
 
 def load() -> Optional[ctypes.CDLL]:
     """The compiled kernel library, or None when it cannot be built (then attention uses torch SDPA)."""
-    lib = load_library("paged_attention", [_SOURCE])
+    lib = load_library("paged_attention", [_SOURCE, VEC_HEADER])
     if lib is not None and not getattr(lib, "_typed", False):
         i64, i32p, vp = ctypes.c_int64, ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p
         for name in set(_FUNCS.values()):

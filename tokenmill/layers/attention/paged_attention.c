@@ -12,52 +12,9 @@
  * per KV head for K and for V (kv_quant.py); a head's scale is constant over the context, so it is folded
  * into the query (K) and the output (V) instead of multiplying every element.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp for the softmax, 8 lanes at a time (x <= 0 here: scores minus their max). libm's expf does not
- * vectorize without -ffast-math and was about a third of a decode item's time. Cody-Waite reduction
- * x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial for e^r and 2^n put into the exponent bits:
- * within 2 ulp of expf over the range that matters (below -87.3 it returns 0, as expf underflows). */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f exp8(v8f x) {
-    v8f n;
-    for (int i = 0; i < 8; i++) {
-        x[i] = x[i] < -87.3f ? -87.3f : x[i];
-        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
-    }
-    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
-    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    v8f scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "../cpu_vec.h"
 
 /* softmax numerators in place over s[0..L) (minus the max), returning their sum; fixed order for a given L */
 static inline float exp_sum(float *s, int64_t L, float mx) {
@@ -79,27 +36,6 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
     return sum;
 }
 
-static inline v8f ld8_f32(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline v8f ld8_bf16(const uint16_t *p) {
-    typedef uint16_t v8u16 __attribute__((vector_size(16)));
-    typedef uint32_t v8u32 __attribute__((vector_size(32)));
-    v8u16 h;
-    memcpy(&h, p, sizeof h);
-    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
 /* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
  * models): each key is loaded once into registers and scored against the G query heads; values are summed
  * block by block (16 keys) with one query head's accumulators held in registers. qf is the scaled query
@@ -118,7 +54,7 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
             for (int c = 0; c < DD / 8; c++) kv[c] = LD8(kb + j * DD + 8 * c);                              \
             for (int64_t g = 0; g < G; g++) {                                                               \
                 v8f a = (v8f){0};                                                                           \
-                for (int c = 0; c < DD / 8; c++) a += ld8_f32(qf + g * DD + 8 * c) * kv[c];                 \
+                for (int c = 0; c < DD / 8; c++) a += load8(qf + g * DD + 8 * c) * kv[c];                 \
                 sc[g * L + (p - s0) + j] = hsum8(a);                                                        \
             }                                                                                               \
         }                                                                                                   \
@@ -147,10 +83,10 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
     }                                                                                                       \
 }
 
-DEFINE_ITEM(item_f32_d64, float, 64, ld8_f32)
-DEFINE_ITEM(item_f32_d128, float, 128, ld8_f32)
-DEFINE_ITEM(item_bf16_d64, uint16_t, 64, ld8_bf16)
-DEFINE_ITEM(item_bf16_d128, uint16_t, 128, ld8_bf16)
+DEFINE_ITEM(item_f32_d64, float, 64, load8)
+DEFINE_ITEM(item_f32_d128, float, 128, load8)
+DEFINE_ITEM(item_bf16_d64, uint16_t, 64, load8_bf16)
+DEFINE_ITEM(item_bf16_d128, uint16_t, 128, load8_bf16)
 /* no specialised item for this (KV type, D): the generic loops below */
 #define item_none_d64 0
 #define item_none_d128 0

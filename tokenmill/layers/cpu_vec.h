@@ -1,0 +1,71 @@
+/* Helpers shared by tokenmill's C kernels (cpu_fused.c, attention/paged_attention.c; skinny_linear.c still
+ * keeps its own copies: with this header a decode step measured ~2 ms slower twice, not yet understood):
+ * 8-lane float vectors through GCC vector extensions (AVX2/AVX-512/NEON via -march=native), bf16 <-> fp32
+ * with torch's rounding, a fixed-order horizontal sum and a vector exp. */
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline v8f load8(const float *p) { /* unaligned */
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f load8_bf16(const uint16_t *p) {
+    v8u16 h;
+    memcpy(&h, p, sizeof h);
+    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
+    v8f f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* the same tree for every caller: part of the fixed reduction order batch invariance relies on */
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* e^x, 8 lanes: libm's expf does not vectorize without -ffast-math. Cody-Waite reduction x = n ln2 + r,
+ * |r| <= ln2/2, a degree-6 polynomial for e^r, and 2^n put into the exponent bits: within 2 ulp of expf;
+ * 0 below -87.3, clamped above 88.3. */
+static inline v8f exp8(v8f x) {
+    v8f n;
+    for (int i = 0; i < 8; i++) {
+        x[i] = x[i] < -87.3f ? -87.3f : (x[i] > 88.3f ? 88.3f : x[i]);
+        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
+    }
+    const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    const v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
