@@ -14,7 +14,6 @@ import socket
 from typing import Optional
 
 from fastapi import FastAPI
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -22,7 +21,7 @@ from tokenmill.config import ROUTER_POLICIES, RouterConfig
 from tokenmill.router.forward import Router
 from tokenmill.serve.api_server import APIKeyMiddleware
 from tokenmill.serve.disconnect import until_disconnected
-from tokenmill.serve.errors import APIError
+from tokenmill.serve.errors import install_error_handlers
 
 logger = logging.getLogger("tokenmill")
 
@@ -78,18 +77,7 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
 
     app = FastAPI(title="tokenmill router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled router error")
-        return APIError(500, f"Internal router error: {type(exc).__name__}: {exc}").response()
+    install_error_handlers(app, "router")
 
     @app.get("/health")
     async def health() -> Response:

@@ -21,12 +21,11 @@ from typing import Any, Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
-from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
 from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("tokenmill")
@@ -121,22 +120,11 @@ def build_app(state: ServerState) -> FastAPI:
                   redoc_url=None)
     app.state.tokenmill = state
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> Response:
-        return exc.response()
+    install_error_handlers(app, "server")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> Response:
         return _validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error")
-        return APIError(500, f"Internal server error: {type(exc).__name__}: {exc}").response()
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,10 +1,15 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
+
+logger = logging.getLogger("tokenmill")
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
@@ -37,3 +42,20 @@ def param_of(message: str, known: tuple[str, ...]) -> Optional[str]:
     """SamplingParams errors start with the field's name ('temperature must be ...')."""
     first = message.split(" ", 1)[0]
     return first if first in known else None
+
+
+def install_error_handlers(app, what: str = "server") -> None:
+    """Answer APIError, HTTP errors (404, 405, ...) and anything unexpected (500, logged) of a FastAPI app with
+    OpenAI-shaped bodies. `what` names the app in the 500 message ("server", "router")."""
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled %s error", what)
+        return APIError(500, f"Internal {what} error: {type(exc).__name__}: {exc}").response()
