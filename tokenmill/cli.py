@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -73,6 +74,41 @@ def _router(args: argparse.Namespace) -> int:
     return run_router(args)
 
 
+# -- tokenmill eval ----------------------------------------------------------------------------------
+def _eval_quality(args: argparse.Namespace) -> int:
+    from tokenmill.eval.quality import evaluate, format_table, iter_quantizations
+
+    results = evaluate(args.model, list(iter_quantizations(args.quantization)), args.dataset,
+                       kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_tokens=args.max_tokens,
+                       window=args.window, device=args.device)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict(results[0]) for r in results], f, indent=2)
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    from tokenmill.config import KV_CACHE_DTYPES
+
+    ev = sub.add_parser("eval", help="evaluate a model (quality under quantization)")
+    kinds = ev.add_subparsers(dest="eval_command", required=True)
+    q = kinds.add_parser("quality", help="perplexity, top-1 agreement and KL divergence of quantized variants "
+                                         "against the unquantized model, side by side")
+    q.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    q.add_argument("--quantization", default=None,
+                   help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights")
+    q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    q.add_argument("--dataset", default=None, help="a text file (default: Python's pydoc topics, English prose)")
+    q.add_argument("--max-tokens", type=int, default=4096, help="tokens of the dataset to score")
+    q.add_argument("--window", type=int, default=512, help="tokens per scored window (one prefill each)")
+    q.add_argument("--dtype", default="auto")
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    q.add_argument("--json", default=None, help="also write the results to this JSON file")
+    q.set_defaults(func=_eval_quality)
+
+
 def main(argv: list[str] | None = None) -> int:
     from tokenmill.config import EngineConfig
 
@@ -118,11 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_parser(sub)
     add_plan_args(sub.add_parser("plan", help="memory and roofline math for a model on given hardware"))
 
-    from tokenmill.eval import add_eval_parser
     from tokenmill.models.export import add_quantize_parser
 
     add_quantize_parser(sub)
-    add_eval_parser(sub)
+    _add_eval_parser(sub)
 
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
