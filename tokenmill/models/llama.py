@@ -16,6 +16,7 @@ from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.cpu_stack import CpuStack
 
 
 def _layer_window(config, layer_idx: int) -> Optional[int]:
@@ -120,15 +121,32 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Short-query steps on CPU run the whole stack in one C call (cpu_stack.py); off: layer by layer.
+        self.use_cpu_stack = True
+        self._stack_for: Optional[list[torch.Tensor]] = None
+        self._stack: Optional[CpuStack] = None
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        stack = self._cpu_stack(kv_caches)
+        if stack is not None:
+            hidden = stack.run(input_ids, meta)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv)
         x, _ = self.norm(x, residual)
         return x
+
+    def _cpu_stack(self, kv_caches: list[torch.Tensor]) -> Optional[CpuStack]:
+        """The one-call CPU stack for these caches (built on first use; None where it does not apply)."""
+        if not self.use_cpu_stack:
+            return None
+        if self._stack_for is not kv_caches:
+            self._stack_for, self._stack = kv_caches, CpuStack.build(self, kv_caches)
+        return self._stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

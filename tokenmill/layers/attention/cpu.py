@@ -83,6 +83,16 @@ class _StepPlan:
             self.prefills.append((q0, q0 + n, blocks, mask.repeat(group, 1)))
 
 
+def step_plan(meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool) -> _StepPlan:
+    """The step's plan for this window and GQA group, built once per step and shared by every layer."""
+    key = ("sdpa", window, group, use_kernel)
+    plan = meta.cache.get(key)
+    if plan is None:
+        plan = meta.cache[key] = _StepPlan(meta, window, group, use_kernel,
+                                           use_kernel and batch_invariant.enabled())
+    return plan
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              kv_quant=None) -> None:
     """Store the step's k/v [T, Hkv, D] into their slots (quantized when the cache is 8-bit)."""
@@ -123,11 +133,7 @@ class PagedAttentionBackend(AttentionBackend):
         else:
             load = lambda x, which: kv_quant.dequantize(x, which, q.dtype)  # noqa: E731
 
-        use_kernel = q.dtype in self.kernel_dtypes
-        key = ("sdpa", window, G, use_kernel)
-        plan = meta.cache.get(key)
-        if plan is None:
-            plan = meta.cache[key] = _StepPlan(meta, window, G, use_kernel, use_kernel and batch_invariant.enabled())
+        plan = step_plan(meta, window, G, q.dtype in self.kernel_dtypes)
         out = None if plan.dec_all else torch.empty_like(q)
 
         if plan.num_dec and plan.use_kernel:

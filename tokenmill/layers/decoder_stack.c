@@ -1,0 +1,142 @@
+/* A Llama-family decoder stack for short queries (decode, speculative verification), all layers in one call.
+ *
+ * Why: a single-stream decode step of a small model spends as long in Python (module calls, views, tensor
+ * allocation, ~10 ctypes calls per layer) as in the kernels themselves. This loop runs the same kernels, in
+ * the same order, with the same rounding points as the Python layer code (models/llama.py), so its output
+ * is bit-identical to it; it only removes the glue. The kernels come in as function pointers from their own
+ * libraries (skinny_linear.c, cpu_fused.c, attention/paged_attention.c), so each exists once.
+ *
+ * Activations are in the model's dtype (float32 or bfloat16, `bf16` below). A linear layer takes float32 in
+ * and out: in bf16 its input is widened and its output rounded, as panel_linear does in Python.
+ */
+#include "cpu_vec.h"
+
+typedef void (*linear_fn)(const float *x, const void *wp, const float *bias, float *y, int64_t M, int64_t N,
+                          int64_t K, int num_threads);
+typedef void (*norm_fn)(const void *x, const void *residual, void *res_out, const void *w, void *out, int64_t T,
+                        int64_t H, float eps, int num_threads);
+typedef void (*silu_fn)(const void *x, void *out, int64_t T, int64_t I, int num_threads);
+typedef void (*rope_fn)(void *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
+                        const float *sin_t, int64_t T, int64_t H, int64_t D, int num_threads);
+typedef void (*attn_fn)(const void *q, const void *k_cache, const void *v_cache, void *out,
+                        const int32_t *block_table, int64_t bt_stride, const int32_t *req_of,
+                        const int32_t *kv_start, const int32_t *kv_end, int64_t num_tokens, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t head_stride, int64_t block_size,
+                        float scale, int num_threads, const float *lut, const float *k_scale,
+                        const float *v_scale);
+typedef int (*write_kv_fn)(const char *k, int64_t k_row_bytes, const char *v, int64_t v_row_bytes, char *cache,
+                           int64_t T, int64_t num_kv_heads, int64_t head_bytes, int64_t cache_head_bytes,
+                           const int64_t *slots);
+
+typedef struct {
+    linear_fn fn;
+    const void *w;     /* panels */
+    const float *bias; /* float32 or NULL */
+    int64_t N, K;
+} linear_t;
+
+typedef struct {
+    const void *norm1, *norm2, *q_norm, *k_norm; /* q_norm/k_norm NULL unless the model has them */
+    linear_t qkv, o, gate_up, down;
+    char *kv_cache; /* [2, Hkv, num_slots, D] */
+} layer_t;
+
+typedef struct {
+    int64_t num_layers, H, Hq, Hkv, D, I, block_size, num_slots;
+    float eps, scale;
+    int bf16;
+    const float *cos_t, *sin_t;
+    const void *final_norm;
+    norm_fn norm;
+    silu_fn silu;
+    rope_fn rope;
+    attn_fn attn;
+    write_kv_fn write_kv;
+    const layer_t *layers;
+} stack_t;
+
+/* per-step inputs: query tokens, their positions and slots, and the attention plan (attention/cpu.py) */
+typedef struct {
+    int64_t M, bt_stride;
+    const int64_t *positions, *slots;
+    const int32_t *block_table, *req_of, *kv_start, *kv_end;
+} step_t;
+
+static void linear(const stack_t *s, const linear_t *l, const void *x, void *y, int64_t M, float *fx, float *fy,
+                   int nt) {
+    if (!s->bf16) {
+        l->fn(x, l->w, l->bias, y, M, l->N, l->K, nt);
+        return;
+    }
+    const uint16_t *xb = x;
+    uint16_t *yb = y;
+    for (int64_t i = 0; i < M * l->K; i++) fx[i] = bf16_to_f32(xb[i]);
+    l->fn(fx, l->w, l->bias, fy, M, l->N, l->K, nt);
+    for (int64_t i = 0; i < M * l->N; i++) yb[i] = f32_to_bf16(fy[i]);
+}
+
+/* rows [M, n*D] of a wider matrix (row stride `stride` elements) into a dense [M, n*D] buffer */
+static void gather_rows(char *dst, const char *src, int64_t M, int64_t row_bytes, int64_t stride_bytes) {
+    for (int64_t t = 0; t < M; t++) memcpy(dst + t * row_bytes, src + t * stride_bytes, (size_t)row_bytes);
+}
+
+static inline int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* the widest input and output of the stack's linear layers (float32 staging in bf16) */
+static int64_t widest_in(const stack_t *s) { return max3(s->H, s->I, s->Hq * s->D); }
+static int64_t widest_out(const stack_t *s) { return max3(s->H, 2 * s->I, (s->Hq + 2 * s->Hkv) * s->D); }
+
+/* Scratch sizes for M tokens: `act` elements of the model dtype, `f32` floats. */
+void decoder_stack_scratch(const stack_t *s, int64_t M, int64_t *act, int64_t *f32) {
+    const int64_t qkv_n = (s->Hq + 2 * s->Hkv) * s->D, q_n = s->Hq * s->D;
+    *act = M * (3 * s->H + qkv_n + 2 * q_n + s->Hkv * s->D + 3 * s->I);
+    *f32 = s->bf16 ? M * (widest_in(s) + widest_out(s)) : 0;
+}
+
+/* x [M, H]: the embedded tokens (overwritten); out [M, H]: the final-normed hidden states. Returns 0, or -1
+ * when a KV slot lies outside the cache (nothing of that layer's KV written). */
+int decoder_stack_run(const stack_t *s, const step_t *st, void *x, void *out, void *act, float *f32, int nt) {
+    const int64_t M = st->M, H = s->H, D = s->D, es = s->bf16 ? 2 : 4;
+    const int64_t q_n = s->Hq * D, kv_n = s->Hkv * D, qkv_n = q_n + 2 * kv_n;
+    char *a = act;
+    char *res = a, *h = res + M * H * es, *o = h + M * H * es, *qkv = o + M * H * es;
+    char *q = qkv + M * qkv_n * es, *att = q + M * q_n * es, *k = att + M * q_n * es, *gu = k + M * kv_n * es;
+    char *mid = gu + M * 2 * s->I * es;
+    float *fx = f32, *fy = f32 ? f32 + M * widest_in(s) : 0;
+    for (int64_t li = 0; li < s->num_layers; li++) {
+        const layer_t *L = &s->layers[li];
+        if (li == 0) {
+            memcpy(res, x, (size_t)(M * H * es));
+            s->norm(x, 0, 0, L->norm1, h, M, H, s->eps, nt);
+        } else {
+            s->norm(x, res, res, L->norm1, h, M, H, s->eps, nt);
+        }
+        linear(s, &L->qkv, h, qkv, M, fx, fy, nt);
+        /* q into its own dense buffer (the attention kernel reads dense rows), k too when it gets normed */
+        gather_rows(q, qkv, M, q_n * es, qkv_n * es);
+        const char *kp = qkv + q_n * es;
+        int64_t k_stride = qkv_n;
+        if (L->q_norm) {
+            gather_rows(k, kp, M, kv_n * es, qkv_n * es);
+            s->norm(q, 0, 0, L->q_norm, q, M * s->Hq, D, s->eps, nt);
+            s->norm(k, 0, 0, L->k_norm, k, M * s->Hkv, D, s->eps, nt);
+            kp = k;
+            k_stride = kv_n;
+        }
+        s->rope(q, q_n, st->positions, s->cos_t, s->sin_t, M, s->Hq, D, nt);
+        s->rope((void *)kp, k_stride, st->positions, s->cos_t, s->sin_t, M, s->Hkv, D, nt);
+        if (s->write_kv(kp, k_stride * es, qkv + (q_n + kv_n) * es, qkv_n * es, L->kv_cache, M, s->Hkv, D * es,
+                        s->num_slots * D * es, st->slots))
+            return -1;
+        const char *kc = L->kv_cache, *vc = kc + s->Hkv * s->num_slots * D * es;
+        s->attn(q, kc, vc, att, st->block_table, st->bt_stride, st->req_of, st->kv_start, st->kv_end, M, s->Hq,
+                s->Hkv, D, s->num_slots * D, s->block_size, s->scale, nt, 0, 0, 0);
+        linear(s, &L->o, att, o, M, fx, fy, nt);
+        s->norm(o, res, res, L->norm2, h, M, H, s->eps, nt);
+        linear(s, &L->gate_up, h, gu, M, fx, fy, nt);
+        s->silu(gu, mid, M, s->I, nt);
+        linear(s, &L->down, mid, x, M, fx, fy, nt);
+    }
+    s->norm(x, res, res, s->final_norm, out, M, H, s->eps, nt);
+    return 0;
+}

@@ -1,0 +1,171 @@
+"""Runs a Llama-family decoder stack on CPU in one C call (layers/decoder_stack.c) for steps whose queries are
+all short (decodes, speculative verification): the same kernels, order and rounding as the layer-by-layer
+Python code, minus its per-layer glue, which costs as much as the matmuls in a single-stream decode step of a
+small model.
+
+`CpuStack.build` returns None where the stack does not apply as a whole (quantized or unpacked linears, an
+8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler); `run` returns None for a step
+it does not take (a prefill, hooks on the layers); the caller then runs the Python layers.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Optional
+
+import torch
+
+from tokenmill.layers import cpu_fused, cpu_linear
+from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers.attention.base import AttentionMetadata
+from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
+from tokenmill.layers.cpu_build import VEC_HEADER, load_library
+from tokenmill.layers.linear import UnquantizedLinearMethod
+
+_SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "layers", "decoder_stack.c")
+vp, i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("fn", vp), ("w", vp), ("bias", vp), ("N", i64), ("K", i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", vp), ("norm2", vp), ("q_norm", vp), ("k_norm", vp), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("kv_cache", vp)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [("num_layers", i64), ("H", i64), ("Hq", i64), ("Hkv", i64), ("D", i64), ("I", i64),
+                ("block_size", i64), ("num_slots", i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("bf16", ctypes.c_int), ("cos_t", vp), ("sin_t", vp), ("final_norm", vp), ("norm", vp),
+                ("silu", vp), ("rope", vp), ("attn", vp), ("write_kv", vp), ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("M", i64), ("bt_stride", i64), ("positions", vp), ("slots", vp), ("block_table", vp),
+                ("req_of", vp), ("kv_start", vp), ("kv_end", vp)]
+
+
+def _load():
+    lib = load_library("decoder_stack", [_SOURCE, VEC_HEADER])
+    if lib is not None and not getattr(lib, "_typed", False):
+        lib.decoder_stack_scratch.argtypes = [ctypes.POINTER(_Stack), i64, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+        lib.decoder_stack_scratch.restype = None
+        lib.decoder_stack_run.argtypes = [ctypes.POINTER(_Stack), ctypes.POINTER(_Step), vp, vp, vp, vp, ctypes.c_int]
+        lib.decoder_stack_run.restype = ctypes.c_int
+        lib._typed = True
+    return lib
+
+
+def _addr(fn) -> int:
+    return ctypes.cast(fn, vp).value
+
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+class CpuStack:
+    def __init__(self, model, kv_caches: list[torch.Tensor], lib, window: Optional[int]) -> None:
+        cfg, first = model.config, model.layers[0]
+        attn, dtype = first.self_attn, model.embed_tokens.weight.dtype
+        sfx = _SUFFIX[dtype]
+        fused, paged = cpu_fused._load(), cpu_kernels.load()
+        self.lib, self.model, self.kv_caches, self.window = lib, model, kv_caches, window
+        self.group, self.dtype = attn.num_heads // attn.num_kv_heads, dtype
+        self._keep = []  # float32 biases the C side points at
+
+        def lin(layer) -> _Linear:
+            bias = None
+            if layer.bias is not None:
+                bias = layer.bias.detach().float().contiguous()
+                self._keep.append(bias)
+            p = layer.packed_weight
+            return _Linear(_addr(p.kernel), p.ptr, bias.data_ptr() if bias is not None else None,
+                           p.out_features, p.in_features)
+
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        layers = []
+        for layer, kv in zip(model.layers, kv_caches):
+            a = layer.self_attn
+            layers.append(_Layer(ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                                 ptr(a.q_norm.weight) if a.qk_norm else None,
+                                 ptr(a.k_norm.weight) if a.qk_norm else None,
+                                 lin(a.qkv_proj), lin(a.o_proj), lin(layer.mlp.gate_up_proj),
+                                 lin(layer.mlp.down_proj), kv.data_ptr()))
+        self._layers = (_Layer * len(layers))(*layers)
+        kv = kv_caches[0]
+        rot = attn.rotary
+        self.stack = _Stack(
+            len(layers), cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            first.mlp.down_proj.in_features, kv.shape[3], kv.shape[2] * kv.shape[3], first.input_layernorm.eps,
+            attn.scale, int(dtype == torch.bfloat16), rot.cos.data_ptr(), rot.sin.data_ptr(),
+            model.norm.weight.data_ptr(), _addr(getattr(fused, f"add_rms_norm_{sfx}")),
+            _addr(getattr(fused, f"silu_mul_{sfx}")), _addr(getattr(fused, f"rope_{sfx}")),
+            _addr(getattr(paged, f"paged_attention_{sfx}")), _addr(paged.write_kv), self._layers)
+        self._scratch: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    @classmethod
+    def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
+        dtype = model.embed_tokens.weight.dtype
+        if (dtype not in _SUFFIX or model.embed_tokens.weight.device.type != "cpu" or not kv_caches
+                or len(kv_caches) != len(model.layers) or not cpu_linear.available()
+                or cpu_fused._load() is None or cpu_kernels.load() is None):
+            return None
+        lib = _load()
+        if lib is None:
+            return None
+        first = model.layers[0].self_attn
+        windows = {layer.self_attn.window for layer in model.layers}
+        if not isinstance(first.backend, PagedAttentionBackend) or first.backend.kernel is None or len(windows) != 1:
+            return None
+        for layer, kv in zip(model.layers, kv_caches):
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
+            if (a.kv_quant is not None or a.backend is not first.backend or a.rotary is not first.rotary
+                    or a.o_proj.bias is not None or mlp.down_proj.bias is not None
+                    or kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5
+                    or kv.shape[1] != a.num_kv_heads or kv.shape[4] != a.head_dim or kv.shape != kv_caches[0].shape
+                    or any(type(lin.quant_method) is not UnquantizedLinearMethod
+                           or getattr(lin, "packed_weight", None) is None for lin in linears)
+                    or any(n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms)):
+                return None
+        rot = first.rotary
+        if rot.cos.dtype != torch.float32 or not rot.cos.is_contiguous() or not rot.sin.is_contiguous():
+            return None
+        return cls(model, kv_caches, lib, windows.pop())
+
+    def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
+        """The final-normed hidden states [T, H] of the step, or None when this step is not the stack's."""
+        if torch.is_grad_enabled() or any(layer._forward_pre_hooks or layer._forward_hooks
+                                          for layer in self.model.layers):
+            return None
+        plan = step_plan(meta, self.window, self.group, True)
+        if not (plan.dec_all and plan.use_kernel):
+            return None
+        pos, slots = meta.positions, meta.slot_mapping
+        if (pos.dtype != torch.int64 or slots.dtype != torch.int64 or not pos.is_contiguous()
+                or not slots.is_contiguous()):
+            return None
+        x = self.model.embed_tokens(input_ids).contiguous()
+        M = x.shape[0]
+        out = torch.empty_like(x)
+        act, f32 = self._scratch_for(M)
+        bt = plan.dec_block_table
+        step = _Step(M, bt.stride(0), pos.data_ptr(), slots.data_ptr(), bt.data_ptr(), plan.dec_rows.data_ptr(),
+                     plan.dec_kv_start.data_ptr(), plan.dec_kv_end.data_ptr())
+        if self.lib.decoder_stack_run(ctypes.byref(self.stack), ctypes.byref(step), x.data_ptr(), out.data_ptr(),
+                                      act.data_ptr(), f32.data_ptr() if f32 is not None else None,
+                                      torch.get_num_threads()):
+            raise IndexError(f"a KV slot is outside the cache ({self.stack.num_slots} slots per head)")
+        return out
+
+    def _scratch_for(self, M: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Scratch for M tokens: one buffer pair, grown as needed and reused (no allocation per step)."""
+        act, f32 = i64(), i64()
+        self.lib.decoder_stack_scratch(ctypes.byref(self.stack), M, ctypes.byref(act), ctypes.byref(f32))
+        if self._scratch is None or self._scratch[0].numel() < act.value:
+            self._scratch = (torch.empty(act.value, dtype=self.dtype),
+                             torch.empty(f32.value, dtype=torch.float32) if f32.value else None)
+        return self._scratch
