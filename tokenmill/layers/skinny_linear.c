@@ -16,6 +16,7 @@
  * GCC vector extensions keep it portable (AVX2/AVX-512/NEON via -march=native); FMA contraction applies to
  * every path alike because every path is the same code (the micro-kernel below, instantiated per row count).
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -174,6 +175,61 @@ static inline void NAME(const float *x, int64_t K, const WT *wp, const float *bi
     }                                                                                                      \
 }
 
+/* One or two rows against PW panels at once: a single panel gives only 2*MR independent FMA chains, too few to
+ * hide the FMA latency when the weights stream from memory (decode). Each output's sequence of operations is
+ * the one above, so results are identical to it. */
+#define DEFINE_PANEL_WIDE(NAME, MR, PW, WT, LOADW)                                                         \
+static inline void NAME(const float *x, int64_t K, const WT *wp, const float *bias, float *y, int64_t N) { \
+    v8f a[MR][2 * PW];                                                                                     \
+    for (int m = 0; m < MR; m++)                                                                           \
+        for (int j = 0; j < 2 * PW; j++) a[m][j] = (v8f){0};                                               \
+    for (int64_t k = 0; k < K; k++) {                                                                      \
+        v8f xb[MR];                                                                                        \
+        for (int m = 0; m < MR; m++) {                                                                     \
+            const float xs = x[m * K + k];                                                                 \
+            xb[m] = (v8f){xs, xs, xs, xs, xs, xs, xs, xs};                                                 \
+        }                                                                                                  \
+        for (int j = 0; j < 2 * PW; j++) {                                                                 \
+            const v8f w = LOADW(wp + (j >> 1) * K * NP + k * NP + (j & 1) * 8);                            \
+            for (int m = 0; m < MR; m++) a[m][j] += xb[m] * w;                                             \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int m = 0; m < MR; m++)                                                                           \
+        for (int j = 0; j < 2 * PW; j++) {                                                                 \
+            float out[8];                                                                                  \
+            memcpy(out, &a[m][j], sizeof out);                                                             \
+            for (int c = 0; c < 8; c++) y[m * N + j * 8 + c] = out[c] + (bias ? bias[j * 8 + c] : 0.0f);   \
+        }                                                                                                  \
+}
+
+/* M <= 2 rows: each thread takes a contiguous run of panels, PW at a time; the last, partial panel (N not a
+ * multiple of NP) goes through the plain micro-kernel, which stores only its valid columns. */
+#define DEFINE_PANEL_FEW(NAME, WT)                                                                         \
+static void NAME##_few(const float *x, const WT *wp, const float *bias, float *y, int64_t M, int64_t N,    \
+                       int64_t K, int num_threads) {                                                       \
+    const int64_t full = N / NP, npanels = (N + NP - 1) / NP;                                              \
+    _Pragma("omp parallel num_threads(num_threads)")                                                       \
+    {                                                                                                      \
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();                                \
+        const int64_t p0 = full * t / nt, p1 = full * (t + 1) / nt;                                        \
+        int64_t p = p0;                                                                                    \
+        for (; p + 4 <= p1; p += 4) {                                                                      \
+            if (M == 1) NAME##_w1x4(x, K, wp + p * K * NP, bias ? bias + p * NP : 0, y + p * NP, N);       \
+            else NAME##_w2x2(x, K, wp + p * K * NP, bias ? bias + p * NP : 0, y + p * NP, N),              \
+                 NAME##_w2x2(x, K, wp + (p + 2) * K * NP, bias ? bias + (p + 2) * NP : 0, y + (p + 2) * NP, N); \
+        }                                                                                                  \
+        for (; p < p1; p++) {                                                                              \
+            if (M == 1) NAME##_m1(x, K, wp + p * K * NP, bias ? bias + p * NP : 0, y + p * NP, N, NP);     \
+            else NAME##_m2(x, K, wp + p * K * NP, bias ? bias + p * NP : 0, y + p * NP, N, NP);            \
+        }                                                                                                  \
+        if (t == nt - 1 && npanels > full) {                                                               \
+            const int nc = (int)(N - full * NP);                                                           \
+            if (M == 1) NAME##_m1(x, K, wp + full * K * NP, bias ? bias + full * NP : 0, y + full * NP, N, nc); \
+            else NAME##_m2(x, K, wp + full * K * NP, bias ? bias + full * NP : 0, y + full * NP, N, nc);   \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+
 #define DEFINE_PANEL_LINEAR(NAME, WT, LOADW)                                                               \
 DEFINE_PANEL_MICRO(NAME##_m6, 6, WT, LOADW)                                                                \
 DEFINE_PANEL_MICRO(NAME##_m5, 5, WT, LOADW)                                                                \
@@ -181,8 +237,15 @@ DEFINE_PANEL_MICRO(NAME##_m4, 4, WT, LOADW)                                     
 DEFINE_PANEL_MICRO(NAME##_m3, 3, WT, LOADW)                                                                \
 DEFINE_PANEL_MICRO(NAME##_m2, 2, WT, LOADW)                                                                \
 DEFINE_PANEL_MICRO(NAME##_m1, 1, WT, LOADW)                                                                \
+DEFINE_PANEL_WIDE(NAME##_w1x4, 1, 4, WT, LOADW)                                                            \
+DEFINE_PANEL_WIDE(NAME##_w2x2, 2, 2, WT, LOADW)                                                            \
+DEFINE_PANEL_FEW(NAME, WT)                                                                                 \
 void NAME(const float *x, const WT *wp, const float *bias, float *y, int64_t M, int64_t N, int64_t K,       \
           int num_threads) {                                                                               \
+    if (M <= 2) {                                                                                          \
+        NAME##_few(x, wp, bias, y, M, N, K, num_threads);                                                  \
+        return;                                                                                            \
+    }                                                                                                      \
     const int64_t nchunks = (M + PMC - 1) / PMC, npanels = (N + NP - 1) / NP;                              \
     _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")                      \
     for (int64_t p = 0; p < npanels; p++) {                                                                \
