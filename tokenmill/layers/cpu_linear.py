@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.cpu_build import load_library
+from tokenmill.layers.cpu_memory import advise_huge_pages
 
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "skinny_linear.c")
@@ -73,7 +74,9 @@ def pack(weight: torch.Tensor) -> Optional[Panels]:
     N, K = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -N % NP))
     _packed_bytes += nbytes
-    data = padded.view(-1, NP, K).transpose(1, 2).contiguous()
+    data = torch.empty((padded.shape[0] // NP, K, NP), dtype=weight.dtype)
+    advise_huge_pages(data)  # before the first write, so the pages come huge (weights stream every step)
+    data.copy_(padded.view(-1, NP, K).transpose(1, 2))
     weakref.finalize(data, _unpacked, nbytes)  # a freed model gives its share of the budget back
     return Panels(data, N)
 

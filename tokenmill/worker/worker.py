@@ -11,6 +11,7 @@ from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
+from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
 from tokenmill.structured import StructuredOutputManager
 from tokenmill.worker.model_runner import ModelRunner
@@ -87,6 +88,9 @@ class Worker:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
+        if self.device == "cpu":
+            for kv in self.runner.kv_caches:
+                advise_huge_pages(kv)
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
         self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())

@@ -1,0 +1,40 @@
+"""Transparent huge pages for the large CPU tensors that kernels stream or index at random (the KV cache, the
+packed weights).
+
+With 4 KiB pages a decode step over a few GiB of KV cache touches blocks all over it and misses the TLB on
+most of them, the first write to each page faults, and the hardware prefetcher stops at every page boundary
+while streaming weights. `madvise(MADV_HUGEPAGE)` lets the kernel back the range with 2 MiB pages where the
+system allows it (transparent_hugepage = always or madvise); elsewhere it is a no-op.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+import torch
+
+logger = logging.getLogger("tokenmill")
+
+_HUGE = 2 * 2**20
+_MADV_HUGEPAGE = 14  # Linux
+_libc = None
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask for huge pages under the whole 2 MiB-aligned pages inside t's storage (CPU, Linux); True if taken."""
+    global _libc
+    if t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE:
+        return False
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except OSError:
+            _libc = False
+    if not _libc:
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
+    return hi > lo and _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
