@@ -38,9 +38,11 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
 
 /* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
  * models): each key is loaded once into registers and scored against the G query heads; values are summed
- * block by block (16 keys) with one query head's accumulators held in registers. qf is the scaled query
+ * block by block (16 keys) with one query head's accumulators held in registers, or (WIDEN: bf16 caches,
+ * where widening each value costs more than the FMA) 4 heads x 16 columns at a time, so each value is widened
+ * once per 4 heads instead of once per head (same order of additions). qf is the scaled query
  * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
-#define DEFINE_ITEM(NAME, KT, DD, LD8)                                                                     \
+#define DEFINE_ITEM(NAME, KT, DD, LD8, WIDEN)                                                              \
 static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
                  int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv) {           \
     const int64_t L = s1 - s0;                                                                              \
@@ -66,6 +68,37 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
         const float sum = exp_sum(s, L, mx);                                                                \
         inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                          \
     }                                                                                                       \
+    if (WIDEN) {                                                                                            \
+    /* values: up to 4 query heads x 16 columns of accumulators at a time, so each value vector is loaded  \
+     * (and widened) once per 4 heads rather than once per head; each output still sums keys in order */    \
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {                                                                 \
+        const int gn = G - g0 < 4 ? (int)(G - g0) : 4;                                                      \
+        for (int c0 = 0; c0 < DD / 8; c0 += 2) {                                                            \
+            v8f a[4][2];                                                                                    \
+            for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = (v8f){0};                                       \
+            for (int64_t p = s0; p < s1;) {                                                                 \
+                const int64_t off = p % block_size;                                                         \
+                int64_t n = block_size - off;                                                               \
+                if (n > s1 - p) n = s1 - p;                                                                 \
+                const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * DD + 8 * c0;         \
+                const float *w = sc + g0 * L + (p - s0);                                                    \
+                for (int64_t j = 0; j < n; j++) {                                                           \
+                    const v8f v0 = LD8(vb + j * DD), v1 = LD8(vb + j * DD + 8);                             \
+                    for (int g = 0; g < gn; g++) {                                                          \
+                        const float wj = w[g * L + j];                                                      \
+                        a[g][0] += wj * v0;                                                                 \
+                        a[g][1] += wj * v1;                                                                 \
+                    }                                                                                       \
+                }                                                                                           \
+                p += n;                                                                                     \
+            }                                                                                               \
+            for (int g = 0; g < gn; g++) {                                                                  \
+                memcpy(acc + (g0 + g) * DD + 8 * c0, &a[g][0], sizeof a[g][0]);                             \
+                memcpy(acc + (g0 + g) * DD + 8 * c0 + 8, &a[g][1], sizeof a[g][1]);                         \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    } else {                                                                                                \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         v8f a[DD / 8];                                                                                      \
         for (int c = 0; c < DD / 8; c++) a[c] = (v8f){0};                                                   \
@@ -81,12 +114,13 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
         }                                                                                                   \
         for (int c = 0; c < DD / 8; c++) memcpy(acc + g * DD + 8 * c, &a[c], sizeof a[c]);                  \
     }                                                                                                       \
+    }                                                                                                       \
 }
 
-DEFINE_ITEM(item_f32_d64, float, 64, load8)
-DEFINE_ITEM(item_f32_d128, float, 128, load8)
-DEFINE_ITEM(item_bf16_d64, uint16_t, 64, load8_bf16)
-DEFINE_ITEM(item_bf16_d128, uint16_t, 128, load8_bf16)
+DEFINE_ITEM(item_f32_d64, float, 64, load8, 0)
+DEFINE_ITEM(item_f32_d128, float, 128, load8, 0)
+DEFINE_ITEM(item_bf16_d64, uint16_t, 64, load8_bf16, 1)
+DEFINE_ITEM(item_bf16_d128, uint16_t, 128, load8_bf16, 1)
 /* no specialised item for this (KV type, D): the generic loops below */
 #define item_none_d64 0
 #define item_none_d128 0
