@@ -29,7 +29,7 @@ def _load():
 
 def usable(x: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype in _SUFFIX and not torch.is_grad_enabled()
-            and _load() is not None)
+            and available())
 
 
 def rope_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -38,7 +38,12 @@ def rope_usable(q: torch.Tensor, k: torch.Tensor) -> bool:
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (q, k)))
 
 
-def _fn(name: str, dtype: torch.dtype):
+def available() -> bool:
+    return _load() is not None
+
+
+def kernel(name: str, dtype: torch.dtype):
+    """The C function `name` (add_rms_norm, silu_mul, rope) for dtype."""
     return getattr(_load(), f"{name}_{_SUFFIX[dtype]}")
 
 
@@ -50,7 +55,7 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     res_in = residual.contiguous() if residual is not None else None
-    _fn("add_rms_norm", x.dtype)(x.data_ptr(), res_in.data_ptr() if res_in is not None else None,
+    kernel("add_rms_norm", x.dtype)(x.data_ptr(), res_in.data_ptr() if res_in is not None else None,
                                  res_out.data_ptr() if res_out is not None else None, weight.data_ptr(),
                                  out.data_ptr(), x.numel() // H, H, eps, torch.get_num_threads())
     return out, res_out
@@ -60,7 +65,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     I2 = x.shape[-1]
     x = x.contiguous()
     out = torch.empty(*x.shape[:-1], I2 // 2, dtype=x.dtype)
-    _fn("silu_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // I2, I2 // 2, torch.get_num_threads())
+    kernel("silu_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // I2, I2 // 2, torch.get_num_threads())
     return out
 
 
@@ -68,5 +73,5 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate x [T, H, D] in place (its heads dense within a row; rows may be strided, e.g. a slice of
     qkv); cos/sin: float32 [max_positions, D/2], positions int64 [T]."""
     T, H, D = x.shape
-    _fn("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+    kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          T, H, D, torch.get_num_threads())

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import batch_invariant
-from tokenmill.layers.cpu_build import load_library
+from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 from tokenmill.layers.cpu_memory import advise_huge_pages
 
 
@@ -35,7 +35,7 @@ _packed_bytes = 0
 
 
 def _load():
-    lib = load_library("skinny_linear", [_SOURCE])
+    lib = load_library("skinny_linear", [_SOURCE, VEC_HEADER])
     if lib is not None and not getattr(lib, "_typed", False):
         vp, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.skinny_linear_f32, lib.skinny_linear_bf16, lib.panel_linear_f32, lib.panel_linear_bf16):

@@ -1,7 +1,6 @@
-/* Helpers shared by tokenmill's C kernels (cpu_fused.c, attention/paged_attention.c; skinny_linear.c still
- * keeps its own copies: with this header a decode step measured ~2 ms slower twice, not yet understood):
- * 8-lane float vectors through GCC vector extensions (AVX2/AVX-512/NEON via -march=native), bf16 <-> fp32
- * with torch's rounding, a fixed-order horizontal sum and a vector exp. */
+/* Helpers shared by tokenmill's C kernels (skinny_linear.c, cpu_fused.c, attention/paged_attention.c,
+ * decoder_stack.c): 8-lane float vectors through GCC vector extensions (AVX2/AVX-512/NEON via
+ * -march=native), bf16 <-> fp32 with torch's rounding, a fixed-order horizontal sum and a vector exp. */
 #pragma once
 #include <math.h>
 #include <stdint.h>

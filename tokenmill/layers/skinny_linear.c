@@ -17,46 +17,8 @@
  * every path alike because every path is the same code (the micro-kernel below, instantiated per row count).
  */
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline v8f load8_bf16(const uint16_t *p) {
-    uint16_t h[8];
-    memcpy(h, p, sizeof h);
-    v8f v;
-    for (int i = 0; i < 8; i++) {
-        uint32_t u = (uint32_t)h[i] << 16;
-        memcpy(&v[i], &u, 4);
-    }
-    return v;
-}
-
-static inline float bf16f(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float hsum8(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "cpu_vec.h"
 
 #define MC 64 /* rows of x per chunk */
 #define NR 4  /* rows of w per block */
@@ -87,8 +49,8 @@ static inline void NAME(const T *x, const T *const *w, int64_t K, float out[][NR
 #define IDENT(x) (x)
 DEFINE_MICRO(micro3_f32, 3, float, load8, IDENT)
 DEFINE_MICRO(micro1_f32, 1, float, load8, IDENT)
-DEFINE_MICRO(micro3_bf16, 3, uint16_t, load8_bf16, bf16f)
-DEFINE_MICRO(micro1_bf16, 1, uint16_t, load8_bf16, bf16f)
+DEFINE_MICRO(micro3_bf16, 3, uint16_t, load8_bf16, bf16_to_f32)
+DEFINE_MICRO(micro1_bf16, 1, uint16_t, load8_bf16, bf16_to_f32)
 
 #define DEFINE_LINEAR(NAME, T, MICRO3, MICRO1, STORE, LOAD1)                                               \
 void NAME(const T *x, const T *w, const T *bias, T *y, int64_t M, int64_t N, int64_t K, int num_threads) { \
@@ -118,7 +80,7 @@ void NAME(const T *x, const T *w, const T *bias, T *y, int64_t M, int64_t N, int
 }
 
 DEFINE_LINEAR(skinny_linear_f32, float, micro3_f32, micro1_f32, IDENT, IDENT)
-DEFINE_LINEAR(skinny_linear_bf16, uint16_t, micro3_bf16, micro1_bf16, f2bf16, bf16f)
+DEFINE_LINEAR(skinny_linear_bf16, uint16_t, micro3_bf16, micro1_bf16, f32_to_bf16, bf16_to_f32)
 
 /* ---- Packed panels: the batch-invariant GEMM for any row count ------------------------------------------
  * With --batch-invariant every matmul must reduce each output the same way whatever the row count, so prefill
@@ -132,18 +94,6 @@ DEFINE_LINEAR(skinny_linear_bf16, uint16_t, micro3_bf16, micro1_bf16, f2bf16, bf
 #define NP 16
 #define PMR 6   /* rows per micro-kernel */
 #define PMC 48  /* rows per thread work item (x's chunk stays in L2) */
-
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-static inline v8f load8_bf16_vec(const uint16_t *p) {
-    v8u16 h;
-    memcpy(&h, p, sizeof h);
-    v8u32 u = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 /* Keeps the two weight vectors in registers: left alone, GCC folds them into every FMA as memory operands,
  * which costs MR extra loads per k and makes the loop load-bound instead of FMA-bound. */
@@ -268,4 +218,4 @@ void NAME(const float *x, const WT *wp, const float *bias, float *y, int64_t M, 
 }
 
 DEFINE_PANEL_LINEAR(panel_linear_f32, float, load8)
-DEFINE_PANEL_LINEAR(panel_linear_bf16, uint16_t, load8_bf16_vec)
+DEFINE_PANEL_LINEAR(panel_linear_bf16, uint16_t, load8_bf16)

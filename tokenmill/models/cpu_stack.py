@@ -62,16 +62,12 @@ def _addr(fn) -> int:
     return ctypes.cast(fn, vp).value
 
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
 class CpuStack:
     def __init__(self, model, kv_caches: list[torch.Tensor], lib, window: Optional[int]) -> None:
         cfg, first = model.config, model.layers[0]
         attn, dtype = first.self_attn, model.embed_tokens.weight.dtype
-        sfx = _SUFFIX[dtype]
-        fused, paged = cpu_fused._load(), cpu_kernels.load()
-        self.lib, self.model, self.kv_caches, self.window = lib, model, kv_caches, window
+        self.lib, self.model, self.window = lib, model, window
+        self.kv_caches = kv_caches  # kept alive: the C side points into them
         self.group, self.dtype = attn.num_heads // attn.num_kv_heads, dtype
         self._keep = []  # float32 biases the C side points at
 
@@ -100,17 +96,17 @@ class CpuStack:
             len(layers), cfg.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             first.mlp.down_proj.in_features, kv.shape[3], kv.shape[2] * kv.shape[3], first.input_layernorm.eps,
             attn.scale, int(dtype == torch.bfloat16), rot.cos.data_ptr(), rot.sin.data_ptr(),
-            model.norm.weight.data_ptr(), _addr(getattr(fused, f"add_rms_norm_{sfx}")),
-            _addr(getattr(fused, f"silu_mul_{sfx}")), _addr(getattr(fused, f"rope_{sfx}")),
-            _addr(getattr(paged, f"paged_attention_{sfx}")), _addr(paged.write_kv), self._layers)
+            model.norm.weight.data_ptr(), _addr(cpu_fused.kernel("add_rms_norm", dtype)),
+            _addr(cpu_fused.kernel("silu_mul", dtype)), _addr(cpu_fused.kernel("rope", dtype)),
+            _addr(cpu_kernels.kernel(dtype)), _addr(cpu_kernels.load().write_kv), self._layers)
         self._scratch: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
         dtype = model.embed_tokens.weight.dtype
-        if (dtype not in _SUFFIX or model.embed_tokens.weight.device.type != "cpu" or not kv_caches
+        if (model.embed_tokens.weight.device.type != "cpu" or not kv_caches
                 or len(kv_caches) != len(model.layers) or not cpu_linear.available()
-                or cpu_fused._load() is None or cpu_kernels.load() is None):
+                or not cpu_fused.available() or not cpu_kernels.supports(dtype)):
             return None
         lib = _load()
         if lib is None:

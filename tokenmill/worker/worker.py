@@ -88,9 +88,8 @@ class Worker:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
-        if self.device == "cpu":
-            for kv in self.runner.kv_caches:
-                advise_huge_pages(kv)
+        for kv in self.runner.kv_caches:
+            advise_huge_pages(kv)  # CPU only; before the first write, so the pages come huge
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
         self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())

@@ -38,6 +38,11 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and load() is not None
 
 
+def kernel(dtype: torch.dtype, quantized_cache: bool = False):
+    """The C paged-attention function for queries of dtype (and an 8-bit cache)."""
+    return getattr(load(), _FUNCS[(dtype, quantized_cache)])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float,
                     kv_quant=None) -> torch.Tensor:
@@ -57,7 +62,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         extra = (kv_quant.lut().data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
     else:
         extra = (None, None, None)
-    getattr(lib, _FUNCS[(q.dtype, quant)])(
+    kernel(q.dtype, quant)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), as_i32(block_table),
         block_table.stride(0), as_i32(req_of), as_i32(kv_start), as_i32(kv_end), Tq, Hq, Hkv, D,
         k_cache.stride(0), bs, scale, torch.get_num_threads(), *extra)

@@ -16,6 +16,13 @@
 
 #include "../cpu_vec.h"
 
+/* The keys from position p to the end of p's cache block, or to s1: their count, and the slot of the first. */
+static inline int64_t key_run(const int32_t *bt, int64_t p, int64_t s1, int64_t block_size, int64_t *slot) {
+    const int64_t off = p % block_size, n = block_size - off;
+    *slot = (int64_t)bt[p / block_size] * block_size + off;
+    return n < s1 - p ? n : s1 - p;
+}
+
 /* softmax numerators in place over s[0..L) (minus the max), returning their sum; fixed order for a given L */
 static inline float exp_sum(float *s, int64_t L, float mx) {
     v8f vs = (v8f){0};
@@ -46,11 +53,9 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
 static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
                  int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv) {           \
     const int64_t L = s1 - s0;                                                                              \
-    for (int64_t p = s0; p < s1;) {                                                                         \
-        const int64_t off = p % block_size;                                                                 \
-        int64_t n = block_size - off;                                                                       \
-        if (n > s1 - p) n = s1 - p;                                                                         \
-        const KT *kb = kh + ((int64_t)bt[p / block_size] * block_size + off) * DD;                          \
+    for (int64_t p = s0, n, slot; p < s1; p += n) {                                                         \
+        n = key_run(bt, p, s1, block_size, &slot);                                                          \
+        const KT *kb = kh + slot * DD;                                                                      \
         for (int64_t j = 0; j < n; j++) {                                                                   \
             v8f kv[DD / 8];                                                                                 \
             for (int c = 0; c < DD / 8; c++) kv[c] = LD8(kb + j * DD + 8 * c);                              \
@@ -60,7 +65,6 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
                 sc[g * L + (p - s0) + j] = hsum8(a);                                                        \
             }                                                                                               \
         }                                                                                                   \
-        p += n;                                                                                             \
     }                                                                                                       \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         float *s = sc + g * L, mx = -INFINITY;                                                              \
@@ -76,11 +80,9 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
         for (int c0 = 0; c0 < DD / 8; c0 += 2) {                                                            \
             v8f a[4][2];                                                                                    \
             for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = (v8f){0};                                       \
-            for (int64_t p = s0; p < s1;) {                                                                 \
-                const int64_t off = p % block_size;                                                         \
-                int64_t n = block_size - off;                                                               \
-                if (n > s1 - p) n = s1 - p;                                                                 \
-                const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * DD + 8 * c0;         \
+            for (int64_t p = s0, n, slot; p < s1; p += n) {                                                 \
+                n = key_run(bt, p, s1, block_size, &slot);                                                  \
+                const KT *vb = vh + slot * DD + 8 * c0;                                                     \
                 const float *w = sc + g0 * L + (p - s0);                                                    \
                 for (int64_t j = 0; j < n; j++) {                                                           \
                     const v8f v0 = LD8(vb + j * DD), v1 = LD8(vb + j * DD + 8);                             \
@@ -90,7 +92,6 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
                         a[g][1] += wj * v1;                                                                 \
                     }                                                                                       \
                 }                                                                                           \
-                p += n;                                                                                     \
             }                                                                                               \
             for (int g = 0; g < gn; g++) {                                                                  \
                 memcpy(acc + (g0 + g) * DD + 8 * c0, &a[g][0], sizeof a[g][0]);                             \
@@ -102,15 +103,12 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
     for (int64_t g = 0; g < G; g++) {                                                                       \
         v8f a[DD / 8];                                                                                      \
         for (int c = 0; c < DD / 8; c++) a[c] = (v8f){0};                                                   \
-        for (int64_t p = s0; p < s1;) {                                                                     \
-            const int64_t off = p % block_size;                                                             \
-            int64_t n = block_size - off;                                                                   \
-            if (n > s1 - p) n = s1 - p;                                                                     \
-            const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * DD;                      \
+        for (int64_t p = s0, n, slot; p < s1; p += n) {                                                     \
+            n = key_run(bt, p, s1, block_size, &slot);                                                      \
+            const KT *vb = vh + slot * DD;                                                                  \
             const float *w = sc + g * L + (p - s0);                                                         \
             for (int64_t j = 0; j < n; j++)                                                                 \
                 for (int c = 0; c < DD / 8; c++) a[c] += w[j] * LD8(vb + j * DD + 8 * c);                   \
-            p += n;                                                                                         \
         }                                                                                                   \
         for (int c = 0; c < DD / 8; c++) memcpy(acc + g * DD + 8 * c, &a[c], sizeof a[c]);                  \
     }                                                                                                       \
@@ -155,11 +153,9 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 goto store;                                                                                 \
             }                                                                                               \
             /* pass 1: scores, block by block */                                                            \
-            for (int64_t p = s0; p < s1;) {                                                                 \
-                const int64_t off = p % block_size;                                                         \
-                int64_t n = block_size - off;                                                               \
-                if (n > s1 - p) n = s1 - p;                                                                 \
-                const KT *kb = kh + ((int64_t)bt[p / block_size] * block_size + off) * D;                   \
+            for (int64_t p = s0, n, slot; p < s1; p += n) {                                                 \
+                n = key_run(bt, p, s1, block_size, &slot);                                                  \
+                const KT *kb = kh + slot * D;                                                               \
                 for (int64_t g = 0; g < G; g++) {                                                           \
                     const float *qg = qf + g * D;                                                           \
                     for (int64_t j = 0; j < n; j++) {                                                       \
@@ -170,7 +166,6 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                         sc[g * L + (p - s0) + j] = s;                                                       \
                     }                                                                                       \
                 }                                                                                           \
-                p += n;                                                                                     \
             }                                                                                               \
             /* softmax per query head */                                                                    \
             for (int64_t g = 0; g < G; g++) {                                                               \
@@ -180,11 +175,9 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                  \
             }                                                                                               \
             /* pass 2: weighted sum of values */                                                            \
-            for (int64_t p = s0; p < s1;) {                                                                 \
-                const int64_t off = p % block_size;                                                         \
-                int64_t n = block_size - off;                                                               \
-                if (n > s1 - p) n = s1 - p;                                                                 \
-                const KT *vb = vh + ((int64_t)bt[p / block_size] * block_size + off) * D;                   \
+            for (int64_t p = s0, n, slot; p < s1; p += n) {                                                 \
+                n = key_run(bt, p, s1, block_size, &slot);                                                  \
+                const KT *vb = vh + slot * D;                                                               \
                 for (int64_t j = 0; j < n; j++) {                                                           \
                     const KT *vj = vb + j * D;                                                              \
                     for (int64_t g = 0; g < G; g++) {                                                       \
@@ -194,7 +187,6 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                         for (int64_t d = 0; d < D; d++) ag[d] += w * LOADKV(vj[d]);                         \
                     }                                                                                       \
                 }                                                                                           \
-                p += n;                                                                                     \
             }                                                                                               \
         store:;                                                                                             \
             T *o = out + (t * num_heads + h * G) * D;                                                       \
