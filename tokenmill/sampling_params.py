@@ -1,6 +1,7 @@
 """SamplingParams: vLLM-compatible sampling fields, validated once at construction."""
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import msgspec
@@ -77,6 +78,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         def bad(field: str, msg: str) -> None:
             raise ValueError(f"{field} {msg}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):  # NaN passes every range check below
+                bad(name, f"must be a finite number, got {getattr(self, name)}.")
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be finite numbers.")
         if self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
@@ -105,6 +111,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs}.")
         if any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative token ids.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            bad("seed", f"must fit in a signed 64-bit integer, got {self.seed}.")
 
     @property
     def greedy(self) -> bool:

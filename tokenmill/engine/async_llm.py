@@ -29,6 +29,7 @@ from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.request import FinishReason, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -55,7 +56,11 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestRejectedError(ValueError):
-    """The engine refused a request (it would never fit); the message says why."""
+    """The engine refused a request (it would never fit, its grammar does not compile); the message says why."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request (and only this one: the engine keeps serving)."""
 
 
 @dataclass
@@ -87,24 +92,24 @@ class AsyncLLM:
         self.ready: Optional[EngineReady] = None
         self.dead: Optional[str] = None
         self._shutting_down = False
+        self._closing_reason: Optional[str] = None  # set when open requests were cut for shutdown
         self._closed = False
         self._output_task: Optional[asyncio.Task] = None
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._encoder = msgspec.msgpack.Encoder()
 
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-ipc-")
-        in_addr, out_addr = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
+        self.log_level = log_level
+        self.num_restarts = 0
+        self._start_timeout = 600.0
+        self._restart_task: Optional[asyncio.Task] = None
+        remove_stale_ipc_dirs()
+        self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
-        self._in.bind(in_addr)
+        self._in.bind(f"ipc://{self._ipc_dir}/input")
         self._out = self._ctx.socket(zmq.PULL)
-        self._out.bind(out_addr)
-        mp = multiprocessing.get_context("spawn")
-        self.proc = mp.Process(target=run_engine_core, name="tokenmill-engine",
-                               args=(config, in_addr, out_addr, os.getpid(), log_level))
-        with _engine_env():
-            self.proc.start()
-        logger.info("engine core process started (pid %d)", self.proc.pid)
+        self._out.bind(f"ipc://{self._ipc_dir}/output")
+        self.proc = self._spawn()
         try:
             self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
             if self.tokenizer is None:
@@ -116,8 +121,19 @@ class AsyncLLM:
         self.processor = OutputProcessor(self.tokenizer)
 
     # -- lifecycle -----------------------------------------------------------------------------
+    def _spawn(self) -> multiprocessing.Process:
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, name="tokenmill-engine",
+            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", os.getpid(),
+                  self.log_level, self._ipc_dir))
+        with _engine_env():
+            proc.start()
+        logger.info("engine core process started (pid %d)", proc.pid)
+        return proc
+
     async def start(self, timeout: float = 600.0) -> None:
         """Wait for the engine to load its model, then start the output loop."""
+        self._start_timeout = timeout
         loop = asyncio.get_running_loop()
         died = loop.create_future()
         loop.add_reader(self.proc.sentinel, lambda: died.done() or died.set_result(None))
@@ -159,8 +175,9 @@ class AsyncLLM:
             except (asyncio.TimeoutError, zmq.ZMQError):
                 pass
             await loop.run_in_executor(None, self.proc.join, timeout)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._restart_task):
+            if task is not None:
+                task.cancel()
         self._fail_all(EngineDeadError("the server is shutting down"))
         self._close()
 
@@ -211,11 +228,37 @@ class AsyncLLM:
         if self.dead is not None:
             return
         self.dead = reason
-        logger.error("engine is dead: %s; failing %d open request(s). Restart the server.",
-                     reason, len(self.streams))
-        self._fail_all(EngineDeadError(f"{reason}; restart the server"))
+        logger.error("engine is dead: %s; failing %d open request(s) and restarting it", reason, len(self.streams))
+        self._fail_all(EngineDeadError(reason))
         if self._output_task is not None and self._output_task is not asyncio.current_task():
             self._output_task.cancel()
+        if not self._shutting_down:
+            self._restart_task = asyncio.get_running_loop().create_task(self._restart(), name="tokenmill-restart")
+
+    async def _restart(self) -> None:
+        """Start a fresh engine process on the same sockets; until it is ready, requests get 503 and
+        /health reports the outage. Retries with a growing pause if the new engine fails to start too."""
+        while not self._shutting_down:
+            self.num_restarts += 1
+            await asyncio.sleep(min(2.0 ** (self.num_restarts - 1) - 1, 30.0))
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(5)
+            self.proc = self._spawn()
+            try:
+                await self.start(timeout=self._start_timeout)
+            except RuntimeError as e:
+                logger.error("engine restart %d failed: %s", self.num_restarts, e)
+                continue
+            logger.warning("engine restarted (restart %d); serving again", self.num_restarts)
+            self.dead = None
+            return
+
+    def fail_open_requests(self, reason: str) -> None:
+        """End every open request now with EngineDeadError(reason) (their streams report it) and refuse new
+        ones; the engine is about to be stopped."""
+        self._closing_reason = reason
+        self._fail_all(EngineDeadError(reason))
 
     def _fail_all(self, exc: Exception) -> None:
         for s in list(self.streams.values()):
@@ -223,6 +266,7 @@ class AsyncLLM:
         self.streams.clear()
         self.engine_to_user.clear()
         self.unscheduled.clear()
+        self.processor.clear()
 
     # -- requests ------------------------------------------------------------------------------
     @property
@@ -231,21 +275,14 @@ class AsyncLLM:
 
     def check_alive(self) -> None:
         if self.dead is not None:
-            raise EngineDeadError(f"{self.dead}; restart the server")
-        if self._shutting_down:
-            raise EngineDeadError("the server is shutting down")
+            raise EngineDeadError(f"{self.dead}; it is being restarted")
+        if self._shutting_down or self._closing_reason is not None:
+            raise EngineDeadError(self._closing_reason or "the server is shutting down")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The checks EngineCore.add_request makes, run here too so that a bad request is refused before
         anything streams. (The engine still checks, and reports a rejection if it disagrees.)"""
-        vocab = self.ready.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary of {vocab}")
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocabulary of {vocab}")
+        check_token_ids(prompt_ids, params, self.ready.vocab_size)
         Scheduler.check_fits(self._fit, len(prompt_ids), params)
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
@@ -258,6 +295,7 @@ class AsyncLLM:
         self.validate(prompt_ids, params)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
                        cache_salt, time.time())
+        payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
         stream = RequestStream(request_id, queue if queue is not None else asyncio.Queue(), ids, len(prompt_ids))
         self.processor.add_request(RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True),
@@ -266,7 +304,7 @@ class AsyncLLM:
         for eid in ids:
             self.engine_to_user[eid] = request_id
         self.unscheduled.update(ids)
-        self._in.send_multipart([ADD, self._encoder.encode(reqs)])
+        self._in.send_multipart([ADD, payload])
         return stream
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
@@ -299,6 +337,14 @@ class AsyncLLM:
         if ids and self.dead is None and not self._shutting_down:
             self._in.send_multipart([ABORT, self._encoder.encode(ids)])
 
+    def _fail_request(self, engine_id: str, reason: str, rejected: bool) -> None:
+        """One engine request failed: its whole user request (all samples) ends with the error."""
+        rid = self.engine_to_user.get(engine_id)
+        stream = self.streams.get(rid) if rid is not None else None
+        if stream is not None:
+            self.abort(rid)
+            stream.queue.put_nowait(RequestRejectedError(reason) if rejected else RequestFailedError(reason))
+
     # -- output loop ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
         try:
@@ -318,11 +364,10 @@ class AsyncLLM:
         now = time.monotonic()
         sl = self.stat_logger
         for eid, reason in msg.rejected:
-            rid = self.engine_to_user.get(eid)
-            stream = self.streams.get(rid) if rid is not None else None
-            if stream is not None:
-                self.abort(rid)
-                stream.queue.put_nowait(RequestRejectedError(reason))
+            self._fail_request(eid, reason, rejected=True)
+        for out in msg.outputs:
+            if out.error is not None:
+                self._fail_request(out.request_id, out.error, out.finish_reason == FinishReason.REJECTED)
         for eid, t in msg.scheduled:
             self.unscheduled.discard(eid)
             rid = self.engine_to_user.get(eid)
@@ -405,3 +450,27 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if a.prompt_logprobs is None:
         a.prompt_logprobs = b.prompt_logprobs
     return a
+
+
+IPC_PREFIX = "tokenmill-ipc-"
+
+
+def remove_stale_ipc_dirs() -> None:
+    """Socket folders of API processes that died without cleaning up (kill -9): tokenmill-ipc-<pid>-*."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if not name.startswith(IPC_PREFIX):
+            continue
+        pid = name[len(IPC_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

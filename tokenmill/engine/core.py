@@ -6,12 +6,13 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.base import Executor
 from tokenmill.kv_transfer import make_scheduler_connector
 
 logger = logging.getLogger("tokenmill")
+MAX_FAILED_STEPS = 32  # consecutive failed steps after which the engine gives up (and is restarted)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class EngineCore:
                         if cc.kv_offloading_disk_dir else "")
         self.scheduler = Scheduler(config, num_blocks, connector)
         self.vocab_size = config.model.hf_config.vocab_size
-        self._pending: list[EngineCoreOutput] = []  # abort notices not yet returned by step()
+        self.num_failed_steps = 0  # in a row; past MAX_FAILED_STEPS the engine itself is broken
         self.step_stats = None
         if config.log_step_stats:
             from tokenmill.plan.roofline import StepStatsLogger
@@ -66,35 +67,44 @@ class EngineCore:
         """Raises ValueError (nothing queued) for a request that could never run."""
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range for the vocabulary of {self.vocab_size}")
-        if req.sampling_params.logit_bias:
-            bad = [t for t in req.sampling_params.logit_bias if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias token id {bad[0]} is out of range for the vocabulary of {self.vocab_size}")
+        check_token_ids(req.prompt_token_ids, req.sampling_params, self.vocab_size)
         self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
         self.scheduler.add_request(Request(req, self.config.model.max_model_len))
 
     def abort_requests(self, request_ids) -> None:
-        self._pending.extend(self.scheduler.abort_requests(request_ids))
+        self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
-        outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if not sched.needs_worker:
-            return outputs
+            return self.scheduler.take_pending()
         # With nothing scheduled the worker still drops finished requests' state and runs KV transfers.
         t_exec = time.perf_counter()
-        result = self.executor.execute_model(sched)
-        outputs += self.scheduler.update(sched, result, time.perf_counter() - t_exec)
+        result = self._execute(sched)
+        outputs = self.scheduler.update(sched, result, time.perf_counter() - t_exec) if result is not None else []
         if self.step_stats is not None and not sched.empty:
             self.step_stats.log(sched, time.perf_counter() - t0)
-        return outputs
+        return self.scheduler.take_pending() + outputs
+
+    def _execute(self, sched):
+        """The worker's result, or None when it raised: the step's requests are rolled back and run alone
+        until the culprit is found (Scheduler.roll_back), and the others keep going."""
+        try:
+            result = self.executor.execute_model(sched)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine for all
+            self.num_failed_steps += 1
+            if self.num_failed_steps > MAX_FAILED_STEPS or not sched.scheduled:
+                raise
+            logger.exception("step failed for request(s) %s; isolating the cause",
+                             ", ".join(s.request_id for s in sched.scheduled[:8]))
+            self.scheduler.roll_back(sched, f"the engine failed to run this request: {type(e).__name__}: {e}")
+            return None
+        self.num_failed_steps = 0
+        return result
 
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv

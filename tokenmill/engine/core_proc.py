@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -47,8 +48,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     fatal: Optional[str] = None               # the engine is about to exit
 
 
-def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int) -> None:
-    """Process entry point (multiprocessing spawn target)."""
+def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
+                    ipc_dir: Optional[str] = None) -> None:
+    """Process entry point (multiprocessing spawn target). ipc_dir: the API process's socket folder, removed
+    here if that process died without doing so (kill -9)."""
     # The API process owns shutdown (SIGTERM drain, Ctrl-C): the engine keeps serving until told to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -81,8 +84,10 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
         code = 1
     finally:
         inp.close(linger=0)
-        out.close()
+        out.close(linger=0 if os.getppid() != parent_pid else 5000)
         ctx.term()
+        if ipc_dir is not None and os.getppid() != parent_pid:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     sys.exit(code)
 
 

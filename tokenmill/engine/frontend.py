@@ -56,6 +56,8 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos:
     salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
     reqs = []
     for i in range(params.n):
-        child = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+        # seed + i, wrapped to stay a signed 64-bit integer
+        seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+        child = params.clone(n=1, seed=seed)
         reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos, arrival_time, salt))
     return reqs

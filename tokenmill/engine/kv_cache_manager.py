@@ -74,6 +74,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
+    def unregister(self, block: Block) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
@@ -158,9 +163,16 @@ class KVCacheManager:
                 self.pool.register(blocks[i], req.block_hashes[i])
         return True
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, uncache_from: Optional[int] = None) -> None:
+        """uncache_from: blocks holding tokens from this position on lose their prefix-cache entry (a step
+        that failed before writing their KV registered them)."""
+        blocks = self.req_blocks.pop(req.request_id, [])
+        if uncache_from is not None:
+            for b in blocks[uncache_from // self.block_size:]:
+                self.pool.unregister(b)
+            del req.block_hashes[uncache_from // self.block_size:]
         # Tail blocks go to the free queue first, so they are evicted before the shared prefix.
-        for b in reversed(self.req_blocks.pop(req.request_id, [])):
+        for b in reversed(blocks):
             self.pool.release(b)
         if not self.enable_caching:
             req.block_hashes.clear()

@@ -66,6 +66,9 @@ class RequestState:
         self.tok = tokenizer
         self.delta = delta
         self.samples: list[_SampleState] = []
+        self.num_unfinished = 0
+        # Samples with news since the last make_output: the per-output work is O(samples touched), not O(n).
+        self.dirty: dict[int, _SampleState] = {}
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.sent_prompt_logprobs = False
         self.num_cached_tokens = 0
@@ -80,10 +83,11 @@ class RequestState:
             s.detok = IncrementalDetokenizer(self.tok, self.prompt_ids, self.params.skip_special_tokens,
                                              self.params.spaces_between_special_tokens)
         self.samples.append(s)
+        self.num_unfinished += 1
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.num_unfinished == 0
 
     def _decoded(self, token_id: int) -> Optional[str]:
         return self.tok.decode([token_id]) if self.tok is not None else None
@@ -103,6 +107,7 @@ class RequestState:
             self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
         if s.finish_reason is not None:
             return False
+        self.dirty[s.index] = s
         stopped = False
         for i, t in enumerate(out.new_token_ids):
             if self.first_token_time is None:
@@ -119,6 +124,8 @@ class RequestState:
         if not stopped and out.finish_reason is not None:
             s.finish_reason = str(FinishReason(out.finish_reason))
             s.stop_reason = out.stop_reason
+        if s.finish_reason is not None:
+            self.num_unfinished -= 1
         return stopped
 
     def _add_text(self, s: _SampleState, token_id: int) -> bool:
@@ -138,12 +145,14 @@ class RequestState:
 
     def make_output(self) -> Optional[RequestOutput]:
         """Delta mode: what is new since the last call (None if nothing). Otherwise the cumulative state."""
+        if not self.delta:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
+                                 [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob, s.logprobs,
+                                                   s.finish_reason, s.stop_reason) for s in self.samples],
+                                 self.finished, self.prompt_logprobs, self.num_cached_tokens)
         outs = []
-        for s in self.samples:
-            if not self.delta:
-                outs.append(CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob,
-                                             s.logprobs, s.finish_reason, s.stop_reason))
-                continue
+        touched, self.dirty = sorted(self.dirty.items()), {}
+        for _, s in touched:
             # Hold back a possible partial stop string until the sample finishes.
             hold = 0 if s.finish_reason is not None else max(self.params.max_stop_len - 1, 0)
             text_end = max(len(s.text) - hold, s.sent_text)
@@ -163,14 +172,11 @@ class RequestState:
         # logprobs come one prefill chunk at a time).
         plp_ready = (self.prompt_logprobs is not None and not self.sent_prompt_logprobs
                      and len(self.prompt_logprobs) >= len(self.prompt_ids))
-        if self.delta and not outs and not plp_ready:
+        if not outs and not plp_ready:
             return None
-        plp = self.prompt_logprobs
-        if self.delta:
-            plp = plp if plp_ready else None
-            self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp_ready
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished, plp,
-                             self.num_cached_tokens)
+        self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp_ready
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
+                             self.prompt_logprobs if plp_ready else None, self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -203,12 +209,19 @@ class OutputProcessor:
             touched[state.request_id] = state
         results = []
         for rid, state in touched.items():
+            if not (state.delta or state.finished):  # cumulative mode reports once, at the end
+                continue
             ro = state.make_output()
             if state.finished:
                 del self.requests[rid]
-            if ro is not None and (state.delta or state.finished):
+            if ro is not None:
                 results.append(ro)
         return results, to_abort
+
+    def clear(self) -> None:
+        """Forget every request (the engine that ran them is gone)."""
+        self.requests.clear()
+        self.engine_ids.clear()
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a user request; returns the engine ids the engine must abort."""

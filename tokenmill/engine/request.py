@@ -14,9 +14,11 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    REJECTED = 3  # the request's own data failed in the engine (a grammar that does not compile): a 400
+    ERROR = 4     # running the request failed in the engine (the engine itself keeps serving): a 500
 
     def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
+        return ("stop", "length", "abort", "rejected", "error")[self.value]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -28,6 +30,16 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     # Requests with the same cache_salt may share prefix-cache blocks; others never do.
     cache_salt: Optional[str] = None
+
+
+def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
+    """Raise ValueError naming the first token id (prompt, logit_bias, stop_token_ids) outside the
+    vocabulary: each would index past the logits somewhere in the step."""
+    for what, ids in (("token id", prompt_token_ids), ("logit_bias token id", sp.logit_bias or ()),
+                      ("stop_token_ids entry", sp.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad} is out of range for the vocabulary of {vocab_size}")
 
 
 # One top-logprob entry per position: (token ids, logprobs, rank of the first id). First id is the
@@ -44,6 +56,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: Optional[int] = None
     stop_reason: Optional[int] = None  # the stop token id that ended it
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # why, with finish_reason REJECTED or ERROR
 
     @property
     def finished(self) -> bool:

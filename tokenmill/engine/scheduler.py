@@ -12,6 +12,15 @@ KV-keeping drafter writes ahead), but only verified tokens ever enter the prefix
 accepted tokens are appended one by one (a stop token or max_tokens ends the request there) and the
 rejected drafts' slots are rolled back by lowering num_computed_tokens: their KV is simply overwritten later.
 
+Structured output: a constrained request waits in `compiling` (others run) until its grammar is compiled in
+the background, then joins the waiting queue; one that does not compile fails alone (REJECTED). Each of its
+sampled rows carries the grammar's token bitmask, and update() advances its matcher.
+
+Failure isolation: when the worker raises on a step, the engine core calls roll_back(): the step's requests
+go back to the head of the waiting queue (their blocks freed, uncomputed blocks dropped from the prefix
+cache) and into `quarantine`, where they run one at a time until each has sampled a token; one that fails
+alone is finished with ERROR. No request's data can end the engine for the others.
+
 KV tiers (a KV connector, tokenmill/kv_transfer): after the device prefix hit, the connector is asked how many
 more leading tokens it holds. Those get device blocks like new tokens, but count as computed: the worker
 copies them in before the forward pass. When they must first come from a slow tier (disk), the request
@@ -30,6 +39,7 @@ from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, Re
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController
+from tokenmill.structured import StructuredOutputManager
 
 logger = logging.getLogger("tokenmill")
 
@@ -54,6 +64,7 @@ class ScheduledRequest:
     next_token: Optional[int] = None  # a mid-prompt chunk's following prompt token (drafters shift by one)
     new: bool = False              # first step since (re)admission: drafters forget per-request state
     history: Optional[list[int]] = None  # with `new`, for history drafters: all tokens before start_pos
+    token_bitmask: Optional[Any] = None  # structured output: [ceil(V/32)] int32 allowed-token bits to sample with
 
 
 @dataclass
@@ -87,6 +98,10 @@ class Scheduler:
                                  connector.on_evict if connector is not None else None)
         self.waiting: deque[Request] = deque()
         self.loading: list[Request] = []  # waiting for a KV connector's background transfers
+        self.compiling: list[Request] = []  # waiting for their grammar to compile
+        self.structured = StructuredOutputManager(config.model.tokenizer, config.model.hf_config.vocab_size)
+        self.pending: list[EngineCoreOutput] = []  # requests finished between steps (aborts, failures)
+        self.quarantine: list[str] = []  # requests of a failed step, run alone until each samples a token
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
@@ -116,38 +131,93 @@ class Scheduler:
                              "raise --kv-cache-memory-bytes or lower max_tokens")
 
     def add_request(self, request: Request) -> None:
+        """Raises ValueError (nothing queued) if the request's grammar cannot even start compiling."""
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            self.structured.submit(so)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        (self.compiling if so is not None else self.waiting).append(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        outs = []
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None:
-                continue
-            req.finish_reason = FinishReason.ABORT
-            outs.append(self._finish(req))
-        return outs
+            if req is not None:
+                self.fail(req, FinishReason.ABORT)
+
+    def fail(self, req: Request, reason: FinishReason, error: Optional[str] = None) -> None:
+        """Finish req between steps (abort, rejection, error); its notice is in take_pending()."""
+        req.finish_reason = reason
+        out = self._finish(req)
+        out.error = error
+        self.pending.append(out)
+
+    def take_pending(self) -> list[EngineCoreOutput]:
+        out, self.pending = self.pending, []
+        return out
 
     def _finish(self, req: Request) -> EngineCoreOutput:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        elif req in self.loading:
-            self.loading.remove(req)
+        else:
+            for queue in (self.waiting, self.loading, self.compiling):
+                if req in queue:
+                    queue.remove(req)
+                    break
         req.status = RequestStatus.FINISHED
         self.kv.free(req)
         if self.connector is not None:
             self.connector.release(req)
         self.drafts.pop(req.request_id, None)
+        self.structured.free(req.request_id)
+        if req.request_id in self.quarantine:
+            self.quarantine.remove(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         return EngineCoreOutput(req.request_id, [], finish_reason=int(req.finish_reason),
                                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0))
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.pending)
+
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose grammar is ready join the waiting queue; those whose grammar failed
+        to compile finish alone (REJECTED). With nothing else to run, wait a moment for a compile."""
+        if not (self.running or self.waiting or self.loading):
+            self.structured.wait(0.05)
+        for req in list(self.compiling):
+            try:
+                ready = self.structured.ready(req.sampling_params.structured_outputs)
+            except ValueError as e:
+                self.fail(req, FinishReason.REJECTED, str(e))
+                continue
+            if ready:
+                self.compiling.remove(req)
+                self.waiting.append(req)
+
+    # -- failure isolation --------------------------------------------------------------------
+    def roll_back(self, sched: SchedulerOutput, error: str) -> None:
+        """The worker raised on `sched`. A request that ran alone is the culprit: it finishes with ERROR.
+        Otherwise every request of the step goes back to the head of the waiting queue, to be run alone
+        (quarantine). Blocks allocated for the step are freed and those it would have filled are dropped
+        from the prefix cache: their KV was never (fully) written."""
+        if len(sched.scheduled) == 1:
+            req = self.requests.get(sched.scheduled[0].request_id)
+            if req is not None:
+                self.fail(req, FinishReason.ERROR, error)
+            return
+        for s in reversed(sched.scheduled):
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            self.kv.free(req, uncache_from=s.start_pos)
+            self.drafts.pop(req.request_id, None)
+            self.running.remove(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_prompt_logprobs_done = min(req.num_prompt_logprobs_done, s.prompt_logprobs_from)
+            self.waiting.appendleft(req)
+            if req.request_id not in self.quarantine:
+                self.quarantine.insert(0, req.request_id)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -155,6 +225,9 @@ class Scheduler:
         self._finished_ids = []
         if self.loading:
             self._resume_loaded()
+        if self.compiling:
+            self._admit_compiled()
+        suspect = self.quarantine[0] if self.quarantine else None  # run alone: only it is scheduled
         budget = self.max_num_batched_tokens
         if self.spec is not None:  # the batch this step will (about) have
             batch = len(self.running) + min(len(self.waiting), max(self.max_num_seqs - len(self.running), 0))
@@ -168,6 +241,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if suspect is not None and req.request_id != suspect:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(req, n, budget, k)
             lookahead = self._lookahead(req, req.num_computed_tokens + n, k)
@@ -189,8 +265,15 @@ class Scheduler:
             budget -= n + len(drafts)
             i += 1
 
+        if suspect is not None and not chosen:  # a suspect waiting anywhere goes first
+            req = self.requests[suspect]
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self.waiting.appendleft(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if suspect is not None and (req.request_id != suspect or chosen):
+                break
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_ext = 0  # tokens after the device hit that a lower tier supplies
             if self.connector is not None and self.kv.reuses_cache(req):
@@ -243,6 +326,8 @@ class Scheduler:
                 next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
                 new=new,
                 history=req.all_token_ids[:start] if (new and self.spec_history) else None,
+                token_bitmask=self.structured.bitmask(req.request_id, sp.structured_outputs)
+                if (sample and sp.structured_outputs is not None) else None,
             ))
             if sp.prompt_logprobs is not None:
                 req.num_prompt_logprobs_done = max(req.num_prompt_logprobs_done,
@@ -315,6 +400,10 @@ class Scheduler:
                 accepted = len(tokens) - 1
                 req.num_computed_tokens -= s.num_spec - accepted  # the rejected drafts' KV is stale
                 self.spec.observe_round(s.num_spec, accepted)
+            if s.token_bitmask is not None:
+                self.structured.accept(req.request_id, tokens)
+            if self.quarantine and self.quarantine[0] == req.request_id:
+                self.quarantine.pop(0)  # it ran alone and sampled: it is not the culprit
             lps = result.logprobs.get(s.request_id)
             done = False
             emitted = 0
@@ -346,4 +435,4 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.loading)
+        return len(self.waiting) + len(self.loading) + len(self.compiling)

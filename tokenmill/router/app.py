@@ -110,12 +110,12 @@ def serve_router(config: RouterConfig, sock: socket.socket, api_key: Optional[st
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
 
-    from tokenmill.serve.api_server import _Server
+    from tokenmill.serve.api_server import DrainingServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
     uv = uvicorn.Config(build_router_app(Router(config), api_key), log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
-    server = _Server.make(uv)
+    server = DrainingServer.make(uv)
     server.run(sockets=[sock])
     if not server.started:
         logger.error("router failed to start (see above)")

@@ -26,7 +26,8 @@ from starlette.responses import Response
 
 import tokenmill
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
-from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
+                                     TokenizeRequest)
 
 logger = logging.getLogger("tokenmill")
 
@@ -50,6 +51,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the engine process to load the model")
     g.add_argument("--install-default-model", action="store_true",
                    help="pip-install the built-in default model if it is missing")
+    lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
+    lim.add_argument("--max-n", type=int, default=d.max_n,
+                     help="largest n (and best_of) of one request; never more than --max-num-seqs")
+    lim.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                     help="largest request body; larger ones get 413")
+    lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                     help="most stop strings (and stop_token_ids) one request may list")
+    lim.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
+                     help="longest stop string, in characters")
+    lim.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="most logit_bias entries")
+    lim.add_argument("--max-json-schema-bytes", type=int, default=d.max_json_schema_bytes,
+                     help="largest JSON schema, regex or grammar for structured output")
+    lim.add_argument("--max-json-schema-depth", type=int, default=d.max_json_schema_depth,
+                     help="deepest nesting of a JSON schema for structured output")
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(max_n=min(args.max_n, args.max_num_seqs), max_stop_strings=args.max_stop_strings,
+                         max_stop_string_length=args.max_stop_string_length, max_logit_bias=args.max_logit_bias,
+                         max_json_schema_bytes=args.max_json_schema_bytes,
+                         max_json_schema_depth=args.max_json_schema_depth)
 
 
 @dataclass
@@ -61,6 +83,7 @@ class ServerState:
     metrics: Any                    # ServerMetrics
     model_name: str
     chat_template: Optional[str] = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, name: Optional[str]) -> None:
@@ -69,6 +92,9 @@ class ServerState:
 
 
 # -- middleware and error handlers -----------------------------------------------------------------
+PROTECTED = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards: everything that touches the model
+
+
 class APIKeyMiddleware:
     """Plain ASGI (no per-request task like BaseHTTPMiddleware, so streaming stays cheap)."""
 
@@ -77,7 +103,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
             auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not secrets.compare_digest(auth, self.expected):
                 err = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
@@ -85,6 +111,51 @@ class APIKeyMiddleware:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over --max-request-body-bytes, by its Content-Length or, for a chunked body, as
+    soon as the bytes received pass the limit: the body is read here (never more than the limit) and handed
+    on whole."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    def _too_large(self) -> Response:
+        return APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes "
+                             "(--max-request-body-bytes).", code="request_too_large").response()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._too_large()(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client gone
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only the disconnect notice
+
+        await self.app(scope, replay, send)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -130,7 +201,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def health() -> Response:
         engine = state.engine
         if engine.dead is not None:
-            return APIError(503, f"The engine is not available: {engine.dead}", code="engine_dead").response()
+            return APIError(503, f"The engine is not available: {engine.dead}; it is being restarted",
+                            code="engine_unavailable", headers={"Retry-After": "5"}).response()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -169,47 +241,49 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        from tokenmill.serve.chat import render_chat
-        from tokenmill.serve.serving import json_response
+        from tokenmill.serve.chat import render_request_chat
+        from tokenmill.serve.serving import json_response, tokenize_text
 
         state.check_model(req.model)
         tok = state.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.prompt is not None:
-            ids = tok(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            ids = await tokenize_text(state, req.prompt, req.add_special_tokens)
         else:
-            ids = render_chat(tok, req.messages, chat_template=req.chat_template or state.chat_template,
-                              add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message,
-                              template_kwargs=req.chat_template_kwargs).token_ids
+            ids = (await render_request_chat(state, req)).token_ids
         body = {"count": len(ids), "max_model_len": state.config.model.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
         return json_response(body)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
-        from tokenmill.serve.serving import json_response
+        from tokenmill.serve.serving import json_response, off_loop
 
         state.check_model(req.model)
         vocab = state.config.model.hf_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens")
-        return json_response({"prompt": state.tokenizer.decode(req.tokens)})
+        return json_response({"prompt": await off_loop(state.tokenizer.decode, req.tokens)})
 
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)  # outermost: first to run
     return app
 
 
 # -- process entry -------------------------------------------------------------------------------------
-class _Server:
+class DrainingServer:
     """uvicorn.Server whose signal handling drains and then returns (uvicorn re-raises the signal after
-    a graceful shutdown, which would make the exit status -SIGTERM instead of 0)."""
+    a graceful shutdown, which would make the exit status -SIGTERM instead of 0). `on_deadline` runs a
+    second before the graceful period ends, so open streams can still end with an error event and [DONE]
+    instead of being cut."""
 
     @staticmethod
-    def make(config):
+    def make(config, on_deadline=None):
+        import asyncio
+
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -227,8 +301,12 @@ class _Server:
 
             def handle_exit(self, sig, frame) -> None:
                 if not self.should_exit:
+                    timeout = self.config.timeout_graceful_shutdown
                     logger.info("received %s: draining in-flight requests (up to %.0fs)",
-                                signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+                                signal.Signals(sig).name, timeout)
+                    if on_deadline is not None and timeout is not None:
+                        loop = asyncio.get_event_loop()
+                        loop.call_soon_threadsafe(loop.call_later, max(timeout - 1.0, 0.0), on_deadline)
                 super().handle_exit(sig, frame)
 
         return Server(config)
@@ -282,11 +360,12 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
-                        chat_template)
+                        chat_template, request_limits(args))
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
-        server = _Server.make(uv)
+        server = DrainingServer.make(uv, on_deadline=lambda: engine.fail_open_requests(
+            "the server is shutting down (--shutdown-timeout passed)"))
         server.run(sockets=[sock])
         if not server.started:
             logger.error("server failed to start (see above)")

@@ -11,8 +11,8 @@ from tokenmill.outputs import Logprob
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
-from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response)
+from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
+                                     off_loop, random_id, sse, stream_response)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -69,6 +69,21 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
     return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
 
 
+async def render_request_chat(state: "ServerState", req) -> Prompt:
+    """render_chat for a request (chat completion or /tokenize), in a worker thread: templates and
+    tokenization of long conversations take seconds that the event loop must not lose."""
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            check_text_length(state, m.content, f"messages[{i}].content")
+    prompt = await off_loop(render_chat, state.tokenizer, req.messages,
+                            chat_template=req.chat_template or state.chat_template,
+                            add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            template_kwargs=req.chat_template_kwargs)
+    check_text_length(state, prompt.text, "messages")
+    return prompt
+
+
 def _lp_entry(token: str, lp: Logprob) -> dict:
     return {"token": token, "logprob": max(lp.logprob, -9999.0), "bytes": list(token.encode("utf-8", "replace"))}
 
@@ -88,11 +103,8 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logp
 
 async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
-    params = req.to_sampling_params()
-    prompt = render_chat(state.tokenizer, req.messages, chat_template=req.chat_template or state.chat_template,
-                         add_generation_prompt=req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message,
-                         template_kwargs=req.chat_template_kwargs)
+    params = req.to_sampling_params(state.limits)
+    prompt = await render_request_chat(state, req)
     rid = random_id("chatcmpl")
     gen = Generation(state, rid, [prompt], params, req.cache_salt)
     top_n = req.top_logprobs or 0

@@ -11,7 +11,7 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import CompletionRequest
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response)
+                                     stream_response, tokenize_text)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -48,11 +48,11 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[Optional
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]:
+async def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]:
     out = []
     for i, p in enumerate(req.prompts()):
         if isinstance(p, str):
-            out.append(Prompt(p, state.tokenizer(p).input_ids))
+            out.append(Prompt(p, await tokenize_text(state, p)))
         else:
             if not p:
                 raise bad_request(f"prompt {i} is an empty list of token ids", "prompt")
@@ -62,9 +62,9 @@ def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]:
 
 async def create_completion(state: "ServerState", req: CompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
-    prompts = _prompts(state, req)
+    prompts = await _prompts(state, req)
     want_lp = req.logprobs is not None
-    params = req.to_sampling_params(echo_logprobs=req.echo and want_lp)
+    params = req.to_sampling_params(state.limits, echo_logprobs=req.echo and want_lp)
     rid = random_id("cmpl")
     gen = Generation(state, rid, prompts, params, req.cache_salt)
     if req.stream:

@@ -8,7 +8,8 @@ msgspec (streaming sends one chunk per token per request: pydantic there costs ~
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,8 +23,54 @@ _SP_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty
               "seed", "logit_bias")
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # token counts, top_k, logprobs
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds the server enforces (its --max-* flags): each one, exceeded, is a 400 naming it.
+    The defaults are what `tokenmill serve` starts with."""
+    max_n: int = 128                    # OpenAI's own bound on n; never more than --max-num-seqs either
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1000
+    max_logit_bias: int = 1024
+    max_json_schema_bytes: int = 65536
+    max_json_schema_depth: int = 32
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse strings that cannot be UTF-8 (a lone surrogate such as "\\ud800" is legal JSON): the tokenizer
+    and the wire format would fail on them far from here."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'the request'} contains a lone UTF-16 surrogate; send valid UTF-8 "
+                             "text") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
+
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    # Non-finite floats (NaN, Infinity, 1e309) are refused for every float field.
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
+
+
+class RequestBody(OpenAIModel):
+    """A top-level request body: its strings are checked once, here."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, data: Any) -> Any:
+        _check_text(data, "")
+        return data
 
 
 class StreamOptions(OpenAIModel):
@@ -43,14 +90,14 @@ class ResponseFormat(OpenAIModel):
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: Optional[str] = None
-    n: int = 1
+    n: Int64 = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[Int64] = None
     presence_penalty: Optional[float] = 0.0
     frequency_penalty: Optional[float] = 0.0
     logit_bias: Optional[dict[str, float]] = None
@@ -59,23 +106,23 @@ class SamplingRequest(OpenAIModel):
     stream_options: Optional[StreamOptions] = None
     response_format: Optional[ResponseFormat] = None
     # vLLM extensions
-    top_k: Optional[int] = None
+    top_k: Optional[Annotated[int, Field(ge=-1, le=INT64_MAX)]] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    min_tokens: int = 0
+    min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[Count]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Count] = None
     guided_json: Optional[Union[str, dict[str, Any]]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     cache_salt: Optional[str] = None
 
-    def _structured(self) -> Optional[StructuredOutputsParams]:
+    def _structured(self, limits: RequestLimits) -> Optional[StructuredOutputsParams]:
         rf = self.response_format
         chosen = []
         if rf is not None and rf.type == "json_object":
@@ -103,15 +150,35 @@ class SamplingRequest(OpenAIModel):
         name, so = chosen[0]
         from tokenmill.structured import validate
 
+        _check_grammar_size(so, limits, name)
         try:
             validate(so)
         except ValueError as e:
             raise bad_request(str(e), name) from None
         return so
 
-    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], **extra: Any) -> SamplingParams:
+    def _check_limits(self, limits: RequestLimits) -> None:
+        if self.n > limits.max_n:
+            raise bad_request(f"n must be at most {limits.max_n} (this server's --max-n), got {self.n}", "n")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > limits.max_stop_strings:
+            raise bad_request(f"stop may list at most {limits.max_stop_strings} strings (--max-stop-strings), "
+                              f"got {len(stops)}", "stop")
+        if any(len(x) > limits.max_stop_string_length for x in stops):
+            raise bad_request(f"each stop string may be at most {limits.max_stop_string_length} characters "
+                              "(--max-stop-string-length)", "stop")
+        if len(self.stop_token_ids or ()) > limits.max_stop_strings:
+            raise bad_request(f"stop_token_ids may list at most {limits.max_stop_strings} ids "
+                              "(--max-stop-strings)", "stop_token_ids")
+        if len(self.logit_bias or ()) > limits.max_logit_bias:
+            raise bad_request(f"logit_bias may have at most {limits.max_logit_bias} entries (--max-logit-bias), "
+                              f"got {len(self.logit_bias)}", "logit_bias")
+
+    def _sampling_params(self, limits: RequestLimits, max_tokens: Optional[int], logprobs: Optional[int],
+                         **extra: Any) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        self._check_limits(limits)
         try:
             logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
@@ -125,7 +192,8 @@ class SamplingRequest(OpenAIModel):
         kw = dict(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, repetition_penalty=self.repetition_penalty or 1.0,
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output, ignore_eos=self.ignore_eos,
@@ -133,7 +201,7 @@ class SamplingRequest(OpenAIModel):
             prompt_logprobs=self.prompt_logprobs, logit_bias=logit_bias,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=self._structured())
+            structured_outputs=self._structured(limits))
         kw.update(extra)
         try:
             return SamplingParams(**kw)
@@ -141,13 +209,52 @@ class SamplingRequest(OpenAIModel):
             raise bad_request(str(e), param_of(str(e), _SP_FIELDS)) from None
 
 
+def _json_depth(value: Any, limit: int, depth: int = 1) -> int:
+    """Nesting depth of a parsed JSON value, counting no further than limit + 1."""
+    if depth > limit or not isinstance(value, (dict, list)):
+        return depth
+    children = value.values() if isinstance(value, dict) else value
+    return max((_json_depth(c, limit, depth + 1) for c in children), default=depth)
+
+
+def _nonlocal_refs(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        own = [v for k, v in value.items() if k == "$ref" and not (isinstance(v, str) and v.startswith("#"))]
+        return own + [r for v in value.values() for r in _nonlocal_refs(v)]
+    if isinstance(value, list):
+        return [r for v in value for r in _nonlocal_refs(v)]
+    return []
+
+
+def _check_grammar_size(so: StructuredOutputsParams, limits: RequestLimits, param: str) -> None:
+    """Bound what the grammar compiler is given; a JSON schema may only reference itself ($ref "#/..."):
+    a file:// or http:// reference is refused, never fetched."""
+    _, spec = so.key
+    if len(spec.encode()) > limits.max_json_schema_bytes:
+        raise bad_request(f"the grammar/schema is {len(spec.encode())} bytes; at most "
+                          f"{limits.max_json_schema_bytes} are allowed (--max-json-schema-bytes)", param)
+    if so.json is None:
+        return
+    try:
+        schema = json.loads(so.json)
+    except ValueError as e:
+        raise bad_request(f"the JSON schema is not valid JSON: {e}", param) from None
+    if _json_depth(schema, limits.max_json_schema_depth) > limits.max_json_schema_depth:
+        raise bad_request(f"the JSON schema nests deeper than {limits.max_json_schema_depth} levels "
+                          "(--max-json-schema-depth)", param)
+    refs = _nonlocal_refs(schema)
+    if refs:
+        raise bad_request(f"the JSON schema references {str(refs[0])[:100]!r}; only references within the "
+                          "schema ('#/...') are allowed", param)
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[Int64] = 16
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[Int64] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int64] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
@@ -159,15 +266,18 @@ class CompletionRequest(SamplingRequest):
             return [p]
         return list(p)
 
-    def to_sampling_params(self, echo_logprobs: bool) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits, echo_logprobs: bool) -> SamplingParams:
         if self.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of > limits.max_n:
+            raise bad_request(f"best_of must be at most {limits.max_n} (this server's --max-n), got "
+                              f"{self.best_of}", "best_of")
         if self.best_of is not None and self.best_of != self.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
         extra = {}
         if echo_logprobs:  # echo with logprobs reports the prompt's logprobs too
             extra["prompt_logprobs"] = self.logprobs
-        return self._sampling_params(self.max_tokens, self.logprobs, **extra)
+        return self._sampling_params(limits, self.max_tokens, self.logprobs, **extra)
 
 
 class ChatMessage(OpenAIModel):
@@ -178,10 +288,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int64] = None
+    max_completion_tokens: Optional[Int64] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int64] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: Optional[str] = None
@@ -197,16 +307,18 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         return self
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
         if self.tools and self.tool_choice != "none":
             raise bad_request("tool calling is not supported by this server; send tools only with "
                               "tool_choice 'none'", "tools")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(limits, max_tokens, logprobs)
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -218,6 +330,6 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: list[int]

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Optional
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from tokenmill.engine.async_llm import EngineDeadError, RequestRejectedError, next_outputs
+from tokenmill.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError, next_outputs
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.errors import APIError, bad_request
@@ -46,8 +46,11 @@ SSE_DONE = b"data: [DONE]\n\n"
 def engine_error(e: Exception) -> APIError:
     if isinstance(e, RequestRejectedError):
         return bad_request(str(e))
-    if isinstance(e, EngineDeadError):
-        return APIError(500, f"The engine is not available: {e}", code="engine_dead")
+    if isinstance(e, EngineDeadError):  # restarting (or shutting down): a client may retry
+        return APIError(503, f"The engine is not available: {e}", code="engine_unavailable",
+                        headers={"Retry-After": "5"})
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
     return APIError(500, f"Internal error: {type(e).__name__}: {e}")
 
 
@@ -55,6 +58,30 @@ def engine_error(e: Exception) -> APIError:
 class Prompt:
     text: Optional[str]
     token_ids: list[int]
+
+
+# No tokenizer packs more characters than this into a token on average, so a longer text cannot fit the
+# context: it is refused before tokenizing (megabytes of text cost seconds of tokenizer CPU).
+MAX_CHARS_PER_TOKEN = 64
+
+
+def check_text_length(state: "ServerState", text: str, param: str = "prompt") -> None:
+    limit = state.config.model.max_model_len * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise bad_request(f"the {param} has {len(text)} characters; a model with a context of "
+                          f"{state.config.model.max_model_len} tokens accepts at most {limit}", param)
+
+
+async def off_loop(fn, *args, **kwargs):
+    """Run tokenization, template rendering and other heavy per-request work in a worker thread, so one large
+    request never stalls the event loop that serves every other stream (tokenizers release the GIL)."""
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def tokenize_text(state: "ServerState", text: str, add_special_tokens: bool = True,
+                        param: str = "prompt") -> list[int]:
+    check_text_length(state, text, param)
+    return await off_loop(lambda: state.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
 class Generation:
@@ -89,7 +116,8 @@ class Generation:
         except ValueError as e:
             self.close()
             msg = str(e)
-            raise bad_request(msg, "max_tokens" if "max_tokens" in msg else "prompt") from None
+            raise bad_request(msg, next((p for p in ("max_tokens", "logit_bias", "stop_token_ids") if p in msg),
+                                        "prompt")) from None
         except EngineDeadError as e:
             self.close()
             raise engine_error(e) from None
@@ -98,7 +126,7 @@ class Generation:
         while self.open:
             try:
                 outs = await next_outputs(self.queue)
-            except (EngineDeadError, RequestRejectedError) as e:
+            except (EngineDeadError, RequestRejectedError, RequestFailedError) as e:
                 self.close()
                 raise engine_error(e) from None
             for ro in outs:

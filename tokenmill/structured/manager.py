@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Optional
 
 import torch
@@ -63,20 +65,49 @@ def validate(so: StructuredOutputsParams) -> None:
 
 
 class StructuredOutputManager:
-    """Engine-side state. Nothing is loaded until the first constrained request arrives."""
+    """Engine-side, owned by the scheduler. Compiles each new grammar in a background thread (xgrammar
+    releases the GIL), so a new schema never stalls the requests already running; keeps one matcher per
+    constrained request; gives each sampled row its allowed-token bitmask and advances the matcher with the
+    sampled token. Nothing is loaded until the first constrained request arrives."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer_path: Optional[str], vocab_size: int) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self._compiler = None
-        self._grammars: dict[tuple[str, str], object] = {}
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._grammars: dict[tuple[str, str], Future] = {}
         self._matchers: dict[str, object] = {}
 
+    def submit(self, so: StructuredOutputsParams) -> None:
+        """Start compiling so's grammar (once per distinct grammar). Raises ValueError when structured output
+        cannot work at all here."""
+        if self.tokenizer_path is None:
+            raise ValueError("structured output needs the model's tokenizer (the engine runs without one)")
+        _xgr()
+        if so.key not in self._grammars:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
+            self._grammars[so.key] = self._pool.submit(self._compile, so)
+
+    def ready(self, so: StructuredOutputsParams) -> bool:
+        """Whether so's grammar is compiled; raises ValueError (the compiler's message) if it failed."""
+        future = self._grammars[so.key]
+        if not future.done():
+            return False
+        error = future.exception()
+        if error is not None:
+            del self._grammars[so.key]  # a later identical request gets the same error, compiled afresh
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(f"cannot compile the {so.key[0]} grammar: {first}")
+        return True
+
+    def wait(self, timeout: float) -> None:
+        """Block until some grammar in flight finishes or timeout passes (when nothing else can run)."""
+        pending = [f for f in self._grammars.values() if not f.done()]
+        if pending:
+            futures_wait(pending, timeout, return_when=FIRST_COMPLETED)
+
     def _compile(self, so: StructuredOutputsParams):
-        key = so.key
-        compiled = self._grammars.get(key)
-        if compiled is not None:
-            return compiled
         xgr = _xgr()
         if self._compiler is None:
             from transformers import AutoTokenizer
@@ -85,7 +116,7 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         t0 = time.perf_counter()
-        kind, spec = key
+        kind, spec = so.key
         if kind == "json":
             compiled = self._compiler.compile_grammar(_json_schema_ebnf(spec))
         elif kind == "json_object":  # OpenAI's JSON mode: any JSON object
@@ -97,30 +128,26 @@ class StructuredOutputManager:
         else:
             compiled = self._compiler.compile_grammar(spec)
         logger.debug("compiled %s grammar in %.1f ms", kind, (time.perf_counter() - t0) * 1e3)
-        self._grammars[key] = compiled
         return compiled
 
-    def bitmask(self, reqs) -> Optional[torch.Tensor]:
-        """[B, ceil(V/32)] int32 allowed-token bits for one step's sampling rows; rows of unconstrained
-        requests allow everything. None when no row is constrained."""
-        rows = [(i, r) for i, r in enumerate(reqs) if r.sampling_params.structured_outputs is not None]
-        if not rows:
-            return None
+    def bitmask(self, request_id: str, so: StructuredOutputsParams) -> Optional[torch.Tensor]:
+        """[ceil(V/32)] int32 allowed-token bits for the request's next sampled token (its grammar is ready);
+        None once the grammar has terminated (e.g. ignore_eos): nothing is left to constrain."""
         xgr = _xgr()
-        mask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)  # all ones
-        for i, r in rows:
-            m = self._matchers.get(r.request_id)
-            if m is None:
-                m = self._matchers[r.request_id] = xgr.GrammarMatcher(self._compile(r.sampling_params.structured_outputs))
-            if not m.is_terminated():  # finished grammar (e.g. ignore_eos): nothing left to constrain
-                m.fill_next_token_bitmask(mask, i)
-        return mask
+        m = self._matchers.get(request_id)
+        if m is None:
+            m = self._matchers[request_id] = xgr.GrammarMatcher(self._grammars[so.key].result())
+        if m.is_terminated():
+            return None
+        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        m.fill_next_token_bitmask(mask, 0)
+        return mask[0]
 
-    def accept(self, reqs, tokens: list[int]) -> None:
-        for r, t in zip(reqs, tokens):
-            m = self._matchers.get(r.request_id)
+    def accept(self, request_id: str, tokens: list[int]) -> None:
+        m = self._matchers.get(request_id)
+        for t in tokens:
             if m is not None and not m.is_terminated() and not m.accept_token(t):
-                logger.warning("request %s: sampled token %d is outside its grammar", r.request_id, t)
+                logger.warning("request %s: sampled token %d is outside its grammar", request_id, t)
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

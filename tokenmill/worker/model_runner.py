@@ -41,7 +41,6 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
-        self.structured = None  # StructuredOutputManager, set by the worker
         self.drafter = drafter
         self._aux: list[torch.Tensor] = []
         if drafter is not None:
@@ -122,9 +121,14 @@ class ModelRunner:
                     md.logit_bias.append((row + j, ids, [float(v) for v in sp.logit_bias.values()]))
             row += count
         md.max_num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
-        if self.structured is not None and rows is None:
-            md.token_bitmask = self.structured.bitmask(reqs)
+        if rows is None and any(r.token_bitmask is not None for r in reqs):  # the scheduler's grammar masks
+            md.token_bitmask = torch.stack([r.token_bitmask if r.token_bitmask is not None else self._allow_all
+                                            for r in reqs])
         return md
+
+    @property
+    def _allow_all(self) -> torch.Tensor:
+        return torch.full(((self.vocab_size + 31) // 32,), -1, dtype=torch.int32)
 
     def _pad(self, seqs: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(s) for s in seqs))
@@ -138,8 +142,6 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.request_generators.pop(rid, None)
-            if self.structured is not None:
-                self.structured.free(rid)
         if self.drafter is not None and so.finished_req_ids:
             self.drafter.free(so.finished_req_ids)
         out = ModelRunnerOutput()
@@ -176,8 +178,6 @@ class ModelRunner:
         md = self._sampling_metadata(sreqs)
         result = sample(logits, md, self.generator)
         tokens = result.token_ids.tolist()
-        if md.token_bitmask is not None:
-            self.structured.accept(sreqs, tokens)
         for r, t in zip(sreqs, tokens):
             out.sampled[r.request_id] = [t]
         if result.logprobs is not None:

@@ -13,7 +13,6 @@ from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
-from tokenmill.structured import StructuredOutputManager
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -41,8 +40,6 @@ class Worker:
             self.drafter = make_proposer(config, self.model, self.backend)
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
                                   mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len)
-        if mc.tokenizer is not None:
-            self.runner.structured = StructuredOutputManager(mc.tokenizer, mc.hf_config.vocab_size)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         if self.kv_dtype.itemsize == 1:  # fp8/int8 cache: each attention layer quantizes on write

@@ -1,0 +1,278 @@
+"""Issue 15's defects, each reproduced against a real `tokenmill serve` (tiny random Llama) as a hostile
+client would send it: one request must never take the server down, leak an admission slot or stall
+the event loop. Every bad request gets an OpenAI-shaped 4xx, and the server keeps serving after it."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+import pytest
+
+from models import tiny_model
+from server_utils import API_KEY, ROOT, ServerProc, shared_server, sse_events
+
+MODEL = "tiny"
+MAX_NUM_SEQS = 32  # so --max-n's effective bound is 32
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    return shared_server(request.config, tiny_model("llama"), "--served-model-name", MODEL, "--max-waiting-requests",
+                         "3", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-request-body-bytes", str(1 << 20),
+                         api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def _post_raw(http, path: str, text: str) -> httpx.Response:
+    """A body as raw JSON text: NaN, Infinity and lone surrogates are legal to Python's json but not to us."""
+    return http.post(path, content=text.encode(), headers={"Content-Type": "application/json"})
+
+
+def _error(r: httpx.Response, status: int, param=None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def _healthy(http) -> None:
+    assert http.get("/health", timeout=5).status_code == 200
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+# -- 1: n ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body,param", [
+    ({"n": 1000000}, "n"), ({"n": MAX_NUM_SEQS + 1}, "n"), ({"n": 200, "best_of": 200}, "best_of"),
+    ({"best_of": 1000}, "best_of")])
+def test_n_and_best_of_are_bounded(http, body, param):
+    t0 = time.monotonic()
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1, **body})
+    err = _error(r, 400, param)
+    assert str(MAX_NUM_SEQS) in err["message"], err  # names the limit
+    assert time.monotonic() - t0 < 5
+    _healthy(http)
+
+
+def test_largest_n_allowed_streams_every_sample(http):
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                        "n": MAX_NUM_SEQS, "stream": True, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    finished = {c["index"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]}
+    assert finished == set(range(MAX_NUM_SEQS))
+
+
+# -- 1b/1c: numbers out of range, non-finite floats, token ids past the vocabulary ------------------------
+BAD_COMPLETIONS = [
+    ('{"top_k": 9223372036854775808}', "top_k"), ('{"top_k": 1000000000000000000000000000000}', "top_k"),
+    ('{"seed": 18446744073709551616}', "seed"), ('{"seed": -9223372036854775809}', "seed"),
+    ('{"stop_token_ids": [1180591620717411303424]}', "stop_token_ids"),
+    ('{"min_tokens": 2, "stop_token_ids": [49152]}', "stop_token_ids"),
+    ('{"min_tokens": 2, "stop_token_ids": [1000000000]}', "stop_token_ids"),
+    ('{"temperature": NaN}', "temperature"), ('{"temperature": Infinity}', "temperature"),
+    ('{"temperature": 1e309}', "temperature"), ('{"repetition_penalty": NaN}', "repetition_penalty"),
+    ('{"repetition_penalty": Infinity}', "repetition_penalty"), ('{"repetition_penalty": 0}', "repetition_penalty"),
+    ('{"logit_bias": {"5": NaN}}', "logit_bias"), ('{"max_tokens": 99999999999999999999999}', "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_COMPLETIONS)
+def test_out_of_range_fields_are_400_and_leak_nothing(http, extra, param):
+    body = '{"model": "%s", "prompt": "Hello", "max_tokens": 4, %s' % (MODEL, extra[1:])
+    err = _error(_post_raw(http, "/v1/completions", body), 400)
+    assert param in (err["param"] or "") + err["message"], err
+    # 3 waiting slots (--max-waiting-requests 3): a leaked one per bad request would 503 this after 3.
+    _healthy(http)
+
+
+def test_top_k_overflow_on_chat_does_not_kill_the_engine(http):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 "top_k": 9223372036854775808})
+    _error(r, 400, "top_k")
+    _healthy(http)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{"model": "%s", "prompt": "\\ud800 hi"}' % MODEL),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}]}' % MODEL),
+    ("/tokenize", '{"prompt": "\\ud800 hi"}'),
+    ("/v1/completions", '{"model": "%s", "prompt": "hi", "stop": ["\\udfff"]}' % MODEL)])
+def test_lone_surrogates_are_400(http, path, body):
+    err = _error(_post_raw(http, path, body), 400)
+    assert "surrogate" in err["message"]
+    _healthy(http)
+
+
+def test_tool_choice_required_without_tools_is_400(http):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 "tool_choice": "required"})
+    _error(r, 400, "tool_choice")
+
+
+@pytest.mark.parametrize("scheme", ["file", "http"])
+def test_json_schema_remote_refs_are_refused_never_fetched(http, scheme):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    ref = f"http://127.0.0.1:{port}/schema.json" if scheme == "http" else "file:///etc/passwd"
+    schema = {"type": "object", "properties": {"a": {"$ref": ref}}}
+    try:
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+        err = _error(r, 400, "response_format")
+        assert "reference" in err["message"]
+        with pytest.raises(socket.timeout):
+            listener.accept()  # nobody came to fetch it
+    finally:
+        listener.close()
+
+
+def test_request_limits(http):
+    base = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    _error(http.post("/v1/completions", json={**base, "stop": ["x"] * 65}), 400, "stop")
+    _error(http.post("/v1/completions", json={**base, "stop": ["x" * 1001]}), 400, "stop")
+    _error(http.post("/v1/completions", json={**base, "logit_bias": {str(i): 1 for i in range(1025)}}), 400,
+           "logit_bias")
+    deep = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    _error(http.post("/v1/completions", json={**base, "guided_json": deep}), 400, "guided_json")
+    _error(http.post("/v1/completions", json={**base, "guided_regex": "a" * 70000}), 400, "guided_regex")
+    _healthy(http)
+
+
+# -- 1d: large bodies and prompts never freeze the event loop ----------------------------------------------
+def test_body_over_the_limit_is_413(http):
+    prompt = "word " * 300000  # 1.5 MB > --max-request-body-bytes 1 MiB
+    err = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 413)
+    assert "--max-request-body-bytes" in err["message"]
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 65536
+    r = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    _error(r, 413)  # chunked (no Content-Length): cut as soon as the limit passes
+    _healthy(http)
+
+
+def test_long_prompt_is_400_and_health_stays_responsive(server, http):
+    prompt = "word " * 200000  # 1 MB, under the body limit; the tiny model's context is 1024 tokens
+    latencies = []
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            httpx.get(server.url + "/health", timeout=5)
+            latencies.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        for path, body in (("/v1/completions", {"prompt": prompt}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}),
+                           ("/tokenize", {"prompt": prompt})):
+            _error(http.post(path, json={"model": MODEL, **body}), 400)
+    finally:
+        stop.set()
+        t.join()
+    assert latencies and max(latencies) < 1.0, max(latencies)
+
+
+def test_tokenize_and_detokenize_need_the_api_key(server):
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        _error(httpx.post(server.url + path, json=body, timeout=10), 401)
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=10)
+        assert r.status_code == 200, r.text
+
+
+# -- 1e: the engine dies; the API process dies ----------------------------------------------------------
+def test_api_process_kill9_leaves_no_ipc_folder():
+    s = ServerProc(tiny_model("llama"))
+    try:
+        pid = s.proc.pid
+        folders = glob.glob(os.path.join(tempfile.gettempdir(), f"tokenmill-ipc-{pid}-*"))
+        assert len(folders) == 1, folders
+        engine = s.engine_pid()
+        os.kill(pid, signal.SIGKILL)
+        s.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (os.path.exists(folders[0]) or _alive(engine)):
+            time.sleep(0.1)
+        assert not os.path.exists(folders[0])
+        assert not _alive(engine)
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def test_stale_ipc_folders_of_dead_processes_are_removed_at_start():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"tokenmill-ipc-{dead.pid}-")
+    live = tempfile.mkdtemp(prefix=f"tokenmill-ipc-{os.getpid()}-")
+    try:
+        from tokenmill.engine.async_llm import remove_stale_ipc_dirs
+
+        remove_stale_ipc_dirs()
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        os.rmdir(live)
+
+
+def test_shutdown_timeout_ends_open_streams_with_an_error_event():
+    s = ServerProc(tiny_model("llama"), "--shutdown-timeout", "2")
+    try:
+        events = []
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "Hello", "max_tokens": 1000, "ignore_eos": True,
+                                                           "stream": True, "min_tokens": 1000}) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                t0 = time.monotonic()
+                s.proc.send_signal(signal.SIGTERM)
+                events = sse_events(lines)
+        assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+        assert "shutting down" in events[-2]["error"]["message"]
+        assert s.proc.wait(15) == 0
+        assert time.monotonic() - t0 < 2 + 8
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_readme_mentions_no_private_paths():
+    """The server's own docs travel with a clone (docs/architecture.md), not only shared/."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert os.path.exists(os.path.join(ROOT, "docs", "architecture.md"))
+    assert "shared/DESIGN.md" not in readme
