@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from tokenmill import LLM
 from tokenmill.bench.offline import load_average, random_workload, run_single_stream, run_tokenmill
@@ -22,6 +23,7 @@ def measure(batch_invariant: bool, args, workload) -> dict:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="auto")

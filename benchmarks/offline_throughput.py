@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from tokenmill.bench.offline import add_offline_args, run_offline, summary_line
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: built-in default model)")
     add_offline_args(ap, compare_transformers=True)

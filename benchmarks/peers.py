@@ -249,6 +249,7 @@ def table(engines: dict[str, dict]) -> str:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="W1 with 64 requests")
     ap.add_argument("--num-requests", type=int, default=256)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 
@@ -60,6 +61,7 @@ def _where(llm: LLM) -> dict[str, int]:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--suffix-tokens", type=int, default=32)

@@ -184,6 +184,7 @@ def run_server(args, workload) -> dict:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default: built-in default model)")
     ap.add_argument("--dtype", default="auto")

@@ -313,6 +313,7 @@ def real_weights(args) -> dict:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--draft-layers", type=int, default=2)

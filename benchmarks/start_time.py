@@ -27,6 +27,7 @@ def first_token_seconds(env: dict) -> float:
 
 
 def main() -> None:
+    os.environ.setdefault("TOKENMILL_REQUIRE_KERNELS", "1")  # no figure from a slow path (kernels_report.py)
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TOKENMILL_CACHE_DIR=cache)
         cold = first_token_seconds(env)

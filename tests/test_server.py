@@ -73,7 +73,12 @@ def test_models_health_version(client, http):
     card = raw["data"][0]
     assert card["object"] == "model" and card["owned_by"] == "tokenmill" and card["max_model_len"] == 1024
     assert http.get("/health").status_code == 200
-    assert http.get("/version").json() == {"version": tokenmill.__version__, "batch_invariant": False}
+    version = http.get("/version").json()
+    assert version == {"version": tokenmill.__version__, "batch_invariant": False, "kernels": version["kernels"]}
+    compiled = shutil.which("cc") or shutil.which("gcc")  # the engine process's kernels report (kernels_report.py)
+    assert version["kernels"]["attention"] == ("cpu-paged-c" if compiled else "sdpa-gathered")
+    assert version["kernels"]["decoder_stack"] == ("on" if compiled else "off: C kernel libraries unavailable: "
+                                                   "skinny_linear, cpu_fused, paged_attention, decoder_stack")
 
 
 def test_tokenize_detokenize(http, tok):

@@ -5,7 +5,8 @@ Each library is compiled once per machine with the system C compiler (`-O3 -marc
 only loads the shared object (milliseconds). Libraries link libgomp by its soname, so inside a process that has
 imported torch they share torch's OpenMP runtime and thread pool instead of starting a second one that would
 spin against it. Without a compiler, or with TOKENMILL_CPU_KERNELS=0, `load_library` returns None (logged once)
-and callers use their pure-torch path.
+and callers use their pure-torch path; `library_status` says which libraries loaded and why the others did not
+(the engine's kernels report, layers/kernels_report.py).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ logger = logging.getLogger("tokenmill")
 VEC_HEADER = os.path.join(os.path.dirname(__file__), "cpu_vec.h")  # shared by the kernels
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
+_status: dict[str, str] = {}  # name -> "loaded" or "unavailable: <one-line reason>"
 
 
 def _cpu_flags() -> str:
@@ -68,10 +70,25 @@ def load_library(name: str, sources: list[str]) -> Optional[ctypes.CDLL]:
     if name in _loaded:
         return _loaded[name]
     lib = None
-    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0":
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        _status[name] = "unavailable: disabled by TOKENMILL_CPU_KERNELS=0"
+    else:
         try:
             lib = ctypes.CDLL(_build(name, sources))
+            _status[name] = "loaded"
         except Exception as e:  # noqa: BLE001 - any build/load failure means: use the torch path
             logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, e)
+            _status[name] = f"unavailable: {_one_line(str(e))}"
     _loaded[name] = lib
     return lib
+
+
+def library_status() -> dict[str, str]:
+    """Every library this process tried to load: name -> "loaded" or "unavailable: <reason>"."""
+    return dict(_status)
+
+
+def _one_line(message: str) -> str:
+    """The telling line of a (compiler) error: its first line that names an error, else its first line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()] or ["unknown error"]
+    return next((line for line in lines if "error" in line.lower()), lines[0])[:300]

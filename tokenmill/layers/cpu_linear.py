@@ -8,9 +8,10 @@
   weights and 110-160 for F.linear; bf16 about 120 vs 20 for F.linear.
 - Its reduction order per output element is fixed (k in order, then the bias), whatever the row count, the
   row's position or the tiling, so batch-invariant mode needs nothing else from matmuls.
-- Without a packed copy (no C compiler, or the copy would exceed PACK_BUDGET_FRACTION of RAM: it doubles a
-  layer's weight memory): the unpacked streaming kernel for a few rows (or every row count in batch-invariant
-  mode, where it also has a fixed order), else F.linear.
+- Without a packed copy (no C compiler, or the copy would exceed the packing budget, PACK_BUDGET_FRACTION of
+  RAM or $TOKENMILL_PACK_BUDGET_FRACTION: it doubles a layer's weight memory): the unpacked streaming kernel
+  for a few rows (or every row count in batch-invariant mode, where it also has a fixed order), else F.linear.
+  The engine's kernels report (kernels_report.py) names the layers left unpacked.
 """
 from __future__ import annotations
 
@@ -63,13 +64,32 @@ class Panels:
         self.ptr = data.data_ptr()
 
 
+def pack_budget_fraction() -> float:
+    """The share of RAM packed weights may take in this process (all models together)."""
+    text = os.environ.get("TOKENMILL_PACK_BUDGET_FRACTION")
+    try:
+        fraction = PACK_BUDGET_FRACTION if text is None else float(text)
+    except ValueError:
+        fraction = -1.0
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"TOKENMILL_PACK_BUDGET_FRACTION must be a fraction of RAM in [0, 1], not {text!r}")
+    return fraction
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether this weight has a panel kernel here (a CPU float32/bfloat16 weight, the C library built); `pack`
+    then packs it if the budget has room."""
+    return weight.device.type == "cpu" and weight.dtype in _PANEL_KERNELS and _load() is not None
+
+
 def pack(weight: torch.Tensor) -> Optional[Panels]:
-    """The panel-packed copy of a CPU float32/bfloat16 [N, K] weight, or None where it does not apply."""
+    """The panel-packed copy of a CPU float32/bfloat16 [N, K] weight, or None where it does not apply (no
+    kernel for it, or no room left in the packing budget)."""
     global _packed_bytes
-    if weight.device.type != "cpu" or weight.dtype not in _PANEL_KERNELS or _load() is None:
+    if not packable(weight):
         return None
     nbytes = weight.numel() * weight.element_size()
-    if _packed_bytes + nbytes > PACK_BUDGET_FRACTION * _ram_bytes():
+    if _packed_bytes + nbytes > pack_budget_fraction() * _ram_bytes():
         return None
     N, K = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -N % NP))

@@ -4,8 +4,9 @@ Python code, minus its per-layer glue, which costs as much as the matmuls in a s
 small model.
 
 `CpuStack.build` returns None where the stack does not apply as a whole (quantized or unpacked linears, an
-8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler); `run` returns None for a step
-it does not take (a prefill, hooks on the layers); the caller then runs the Python layers.
+8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler; `unavailable` says which);
+`run` returns None for a step it does not take (a prefill, hooks on the layers); the caller then runs the
+Python layers. `status` is the engine's kernels-report line for it.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def _load():
     return lib
 
 
+def available() -> bool:
+    return _load() is not None
+
+
 def _addr(fn) -> int:
     return ctypes.cast(fn, vp).value
 
@@ -103,39 +108,13 @@ class CpuStack:
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
-        dtype = model.embed_tokens.weight.dtype
-        if (model.embed_tokens.weight.device.type != "cpu" or not kv_caches
-                or len(kv_caches) != len(model.layers) or not cpu_linear.available()
-                or not cpu_fused.available() or not cpu_kernels.supports(dtype)):
+        if unavailable(model, kv_caches) is not None:
             return None
-        lib = _load()
-        if lib is None:
-            return None
-        first = model.layers[0].self_attn
-        windows = {layer.self_attn.window for layer in model.layers}
-        if not isinstance(first.backend, PagedAttentionBackend) or first.backend.kernel is None or len(windows) != 1:
-            return None
-        for layer, kv in zip(model.layers, kv_caches):
-            a, mlp = layer.self_attn, layer.mlp
-            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
-            if (a.kv_quant is not None or a.backend is not first.backend or a.rotary is not first.rotary
-                    or a.o_proj.bias is not None or mlp.down_proj.bias is not None
-                    or kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5
-                    or kv.shape[1] != a.num_kv_heads or kv.shape[4] != a.head_dim or kv.shape != kv_caches[0].shape
-                    or any(type(lin.quant_method) is not UnquantizedLinearMethod
-                           or getattr(lin, "packed_weight", None) is None for lin in linears)
-                    or any(n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms)):
-                return None
-        rot = first.rotary
-        if rot.cos.dtype != torch.float32 or not rot.cos.is_contiguous() or not rot.sin.is_contiguous():
-            return None
-        return cls(model, kv_caches, lib, windows.pop())
+        return cls(model, kv_caches, _load(), model.layers[0].self_attn.window)
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """The final-normed hidden states [T, H] of the step, or None when this step is not the stack's."""
-        if torch.is_grad_enabled() or any(layer._forward_pre_hooks or layer._forward_hooks
-                                          for layer in self.model.layers):
+        if torch.is_grad_enabled() or _hooked(self.model):
             return None
         plan = step_plan(meta, self.window, self.group, True)
         if not (plan.dec_all and plan.use_kernel):
@@ -165,3 +144,85 @@ class CpuStack:
             self._scratch = (torch.empty(act.value, dtype=self.dtype),
                              torch.empty(f32.value, dtype=torch.float32) if f32.value else None)
         return self._scratch
+
+
+def _hooked(model) -> bool:
+    return any(layer._forward_pre_hooks or layer._forward_hooks for layer in model.layers)
+
+
+def _linears(layer) -> tuple:
+    a, mlp = layer.self_attn, layer.mlp
+    return a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, bool]]:
+    """Why the stack cannot run `model` on these caches, or None if it can: (reason, fallback), fallback being
+    True where the cause is a missing kernel or the packing budget (a slower path than this machine should
+    take) rather than the model's own features."""
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
+        return "not on CPU", False
+    if weight.dtype not in cpu_kernels.DTYPES:
+        return f"no C kernels for {weight.dtype}", False
+    libraries = {"skinny_linear": cpu_linear.available, "cpu_fused": cpu_fused.available,
+                 "paged_attention": lambda: cpu_kernels.load() is not None, "decoder_stack": available}
+    missing = [name for name, ok in libraries.items() if not ok()]
+    if missing:
+        return f"C kernel libraries unavailable: {', '.join(missing)}", True
+    feature = _model_mismatch(model, kv_caches)
+    if feature is not None:
+        return feature, False
+    if any(getattr(lin, "packed_weight", None) is None for layer in model.layers for lin in _linears(layer)):
+        return "linear weights left unpacked (packed-weight budget exhausted)", True
+    return None
+
+
+def _model_mismatch(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
+    """The model feature (or cache layout) the stack does not implement, or None."""
+    if not kv_caches or len(kv_caches) != len(model.layers):
+        return "no KV cache per layer"
+    first = model.layers[0].self_attn
+    if not isinstance(first.backend, PagedAttentionBackend) or first.backend.kernel is None:
+        return f"attention backend {first.backend.name} has no paged C kernel"
+    if len({layer.self_attn.window for layer in model.layers}) != 1:
+        return "per-layer sliding windows"
+    rot = first.rotary
+    if rot.cos.dtype != torch.float32 or not rot.cos.is_contiguous() or not rot.sin.is_contiguous():
+        return "rotary tables not float32 contiguous"
+    for layer, kv in zip(model.layers, kv_caches):
+        reason = _layer_mismatch(model, layer, kv, kv_caches[0])
+        if reason is not None:
+            return reason
+    return None
+
+
+def _layer_mismatch(model, layer, kv: torch.Tensor, kv0: torch.Tensor) -> Optional[str]:
+    a, first, dtype = layer.self_attn, model.layers[0].self_attn, model.embed_tokens.weight.dtype
+    norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
+    if a.kv_quant is not None:
+        return "8-bit KV cache"
+    if a.backend is not first.backend or a.rotary is not first.rotary:
+        return "layers differ in attention backend or rotary tables"
+    if a.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
+        return "biases on o_proj/down_proj"
+    if (kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[1] != a.num_kv_heads
+            or kv.shape[4] != a.head_dim or kv.shape != kv0.shape):
+        return "KV cache dtype or layout"
+    if any(type(lin.quant_method) is not UnquantizedLinearMethod for lin in _linears(layer)):
+        return "quantized linear layers"
+    if any(n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms):
+        return "norms differ in dtype or eps"
+    return None
+
+
+def status(model, kv_caches: list[torch.Tensor]) -> tuple[str, Optional[str]]:
+    """The kernels report's entry: ("on", None), or ("off: <reason>", the reason where it is a fallback)."""
+    if not getattr(model, "use_cpu_stack", False):
+        return "off: turned off on the model (use_cpu_stack)", None
+    if _hooked(model):
+        return "off: forward hooks on the layers (a drafter reading hidden states)", None
+    why = unavailable(model, kv_caches)
+    if why is None:
+        return "on", None
+    reason, fallback = why
+    return f"off: {reason}", reason if fallback else None

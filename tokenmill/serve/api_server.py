@@ -210,7 +210,8 @@ def build_app(state: ServerState) -> FastAPI:
         from tokenmill.serve.serving import json_response
 
         return json_response({"version": tokenmill.__version__,
-                              "batch_invariant": bool(state.config.batch_invariant)})
+                              "batch_invariant": bool(state.config.batch_invariant),
+                              "kernels": state.engine.ready.kernels})
 
     @app.get("/metrics")
     async def metrics() -> Response:

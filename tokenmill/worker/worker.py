@@ -7,7 +7,7 @@ import torch
 
 from tokenmill.config import EngineConfig, kv_cache_torch_dtype
 from tokenmill.kv_transfer import make_worker_connector
-from tokenmill.layers import batch_invariant, cpu_linear
+from tokenmill.layers import batch_invariant, cpu_linear, kernels_report
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
@@ -42,6 +42,7 @@ class Worker:
                                   mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
+        self.kernels: dict = {}  # kernels_report.report, once the KV cache exists
         if self.kv_dtype.itemsize == 1:  # fp8/int8 cache: each attention layer quantizes on write
             for module in self.model.modules():
                 if hasattr(module, "kv_quant"):
@@ -89,6 +90,8 @@ class Worker:
             advise_huge_pages(kv)  # CPU only; before the first write, so the pages come huge
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
+        self.kernels = kernels_report.report(self.model, self.runner.kv_caches, self.device)
+        kernels_report.announce(self.kernels)  # raises under TOKENMILL_REQUIRE_KERNELS=1 on any fallback
         self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())
         if self.kv_connector is not None:  # a block moves with its draft KV too: the drafter's cache shares ids
             self.kv_connector.register_kv_caches(self.runner.kv_caches + list(getattr(self.drafter, "kv_caches", [])))

@@ -1,0 +1,143 @@
+"""Which kernels an engine runs and which slower paths it fell back to, with the reasons.
+
+`report(model, kv_caches, device)` is the one source of these facts: the worker logs it once at startup
+(`announce`), the engine process sends it to the API process (EngineReady.kernels, shown by /version), and
+with TOKENMILL_REQUIRE_KERNELS=1 any fallback is an error at startup, so that no benchmark figure is taken on
+a slow path by accident. A fallback is a slower path this machine should not need: a C kernel library that
+did not build, linear weights left unpacked by the packing budget, the one-call decoder stack off for such a
+reason, CUDA without Triton. Paths the model or its settings choose (a quantized checkpoint, float16 on CPU,
+an 8-bit KV cache turning the decoder stack off) are reported but are not fallbacks.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from tokenmill.layers import cpu_build, cpu_fused, cpu_linear
+
+logger = logging.getLogger("tokenmill")
+
+REQUIRE_ENV = "TOKENMILL_REQUIRE_KERNELS"
+_QFMT_NAMES = {0: "int8", 1: "fp8", 2: "mxfp4", 3: "nvfp4"}  # quantization/kernels.py QFMT_*
+UNPACKED = "unpacked-skinny-c/torch"  # a panel kernel exists but the packing budget had no room
+
+
+def load_all_libraries() -> dict[str, str]:
+    """Build and load every C kernel library (what an install must be able to do): name -> status."""
+    from tokenmill.layers.attention import cpu_kernels
+    from tokenmill.layers.quantization import kernels
+    from tokenmill.models import cpu_stack
+
+    loaders = (cpu_fused.available, cpu_linear.available, cpu_kernels.load, kernels.load, cpu_stack.available)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one compiler process per library, side by side
+        list(pool.map(lambda load: load(), loaders))
+    return cpu_build.library_status()
+
+
+def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
+    """{"attention", "linear", "norm_act_rope", "decoder_stack", "libraries", "fallbacks"} for this engine."""
+    from tokenmill.models import cpu_stack
+
+    dtype = model.embed_tokens.weight.dtype
+    stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
+    libraries = cpu_build.library_status()
+    fallbacks = _library_fallbacks(libraries)
+    kernels = {"attention": _attention(model.layers[0].self_attn.backend, device, dtype, fallbacks),
+               "linear": _linear(model, fallbacks), "norm_act_rope": _fused(device, dtype),
+               "decoder_stack": stack, "libraries": libraries, "fallbacks": fallbacks}
+    if stack_fallback is not None:
+        fallbacks.append(f"decoder stack off: {stack_fallback}")
+    return kernels
+
+
+def _library_fallbacks(libraries: dict[str, str]) -> list[str]:
+    """One line per distinct failure, naming every library it hit."""
+    by_state: dict[str, list[str]] = {}
+    for name, state in sorted(libraries.items()):
+        if state != "loaded":
+            by_state.setdefault(state, []).append(name)
+    return [f"C kernel {'libraries' if len(names) > 1 else 'library'} {', '.join(names)} {state}"
+            for state, names in by_state.items()]
+
+
+def _fused(device: str, dtype: torch.dtype) -> str:
+    """RMSNorm (+ residual), SiLU-and-multiply and rotary embedding (layers/cpu_fused.py or torch)."""
+    usable = device == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_fused.available()
+    return "cpu-fused-c" if usable else "torch"
+
+
+def _attention(backend, device: str, dtype: torch.dtype, fallbacks: list[str]) -> str:
+    """The decode attention path (prefills always run torch SDPA)."""
+    if backend.kernel is not None and dtype in backend.kernel_dtypes:
+        return {"cpu_paged": "cpu-paged-c", "triton_paged": "triton-paged"}.get(backend.name, backend.name)
+    if device == "cuda" and backend.kernel is None:
+        fallbacks.append("CUDA without Triton: decode attention runs gathered SDPA (install triton)")
+    return "sdpa-gathered"
+
+
+def _linear(model, fallbacks: list[str]) -> str:
+    """The matmul paths of the model's linear layers, e.g. "panel-gemm-bf16" or "qlinear-c-int8 x14, ..."."""
+    from tokenmill.layers.linear import LinearBase
+
+    paths = Counter(_linear_path(layer) for layer in model.modules() if isinstance(layer, LinearBase))
+    unpacked = paths.get(UNPACKED, 0)
+    if unpacked:
+        fallbacks.append(f"packed-weight budget ({cpu_linear.pack_budget_fraction() * 100:.3g}% of RAM, "
+                         f"TOKENMILL_PACK_BUDGET_FRACTION) exhausted: {unpacked} of {sum(paths.values())} linear "
+                         f"layers run unpacked")
+    if len(paths) == 1:
+        return next(iter(paths))
+    return ", ".join(f"{path} x{count}" for path, count in paths.most_common())
+
+
+def _linear_path(layer) -> str:
+    method, weight = layer.quant_method, layer.weight
+    if hasattr(method, "fmt"):  # quantization/base.py PackedLinearMethod
+        if getattr(method, "run", None) is None or weight.device.type != "cpu":
+            return "torch-dequant"
+        name = "w8a8" if getattr(method, "activations", False) else _QFMT_NAMES.get(method.fmt, str(method.fmt))
+        return f"qlinear-c-{name}"
+    if weight.device.type != "cpu":
+        return "torch"
+    if getattr(layer, "packed_weight", None) is not None:
+        return "panel-gemm-" + ("bf16" if weight.dtype == torch.bfloat16 else "f32")
+    if cpu_linear.packable(weight):
+        return UNPACKED
+    return "torch"
+
+
+def require_kernels() -> bool:
+    value = os.environ.get(REQUIRE_ENV, "0")
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{REQUIRE_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
+@contextlib.contextmanager
+def kernels_required():
+    """Engines started inside this block run with TOKENMILL_REQUIRE_KERNELS=1 unless the environment says
+    otherwise (benchmarks: no speed figure from a slow path); the environment is restored afterwards."""
+    before = os.environ.get(REQUIRE_ENV)
+    os.environ.setdefault(REQUIRE_ENV, "1")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(REQUIRE_ENV, None)
+
+
+def announce(kernels: dict) -> None:
+    """Log the report once (the paths in use, then each fallback with its reason); with
+    TOKENMILL_REQUIRE_KERNELS=1 raise on any fallback instead."""
+    fallbacks = kernels["fallbacks"]
+    logger.info("kernels: attention=%s, linear=%s, norm/act/rope=%s, decoder stack=%s", kernels["attention"],
+                kernels["linear"], kernels["norm_act_rope"], kernels["decoder_stack"])
+    if fallbacks and require_kernels():
+        raise RuntimeError(f"{REQUIRE_ENV}=1 but the engine would run slow paths: {'; '.join(fallbacks)}")
+    for fallback in fallbacks:
+        logger.warning("slow path: %s (%s=1 makes this an error)", fallback, REQUIRE_ENV)
