@@ -1,0 +1,79 @@
+"""A regular (non-editable) install carries every file the C kernels need: build the wheel from a copy of the
+sources, install it into a fresh virtualenv (system site-packages for torch & co, but tokenmill imported from
+the venv, not this checkout), and there compile and load every kernel library into an empty cache and
+generate with a tiny model under TOKENMILL_REQUIRE_KERNELS=1, so any fallback to the torch path fails."""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="needs a C compiler")
+
+# Runs inside the venv, from a temporary working directory.
+_CHECK = """
+import json, os, sys
+import tokenmill
+assert tokenmill.__file__.startswith(sys.prefix), f"tokenmill imported from {tokenmill.__file__}, not the venv"
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import kernels_report
+libraries = kernels_report.load_all_libraries()
+llm = LLM(sys.argv[1], num_gpu_blocks_override=32, block_size=16)
+out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+print(json.dumps({"file": tokenmill.__file__, "libraries": libraries, "kernels": llm.engine.executor.worker.kernels,
+                  "tokens": len(out[0].outputs[0].token_ids)}))
+"""
+
+
+def _build_wheel(tmp_path) -> str:
+    """The wheel of a clean copy of the sources (no stale build/ or egg-info from this checkout)."""
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(ROOT, "tokenmill"), src / "tokenmill",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
+    return glob.glob(str(tmp_path / "dist" / "tokenmill-*.whl"))[0]
+
+
+def _kernel_sources() -> set[str]:
+    return {os.path.relpath(p, ROOT) for ext in ("c", "h")
+            for p in glob.glob(os.path.join(ROOT, "tokenmill", "**", f"*.{ext}"), recursive=True)}
+
+
+def _install(wheel: str, tmp_path) -> str:
+    """A fresh venv that sees the system's packages, with the wheel installed into it; returns its python."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    # pip comes from the system site-packages; --ignore-installed never touches the editable install there
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel],
+                   check=True, capture_output=True)
+    return python
+
+
+def test_wheel_installs_working_kernels(tiny, tmp_path):
+    wheel = _build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as z:
+        missing = _kernel_sources() - set(z.namelist())
+    assert not missing, f"the wheel lacks kernel sources {sorted(missing)}"
+    python = _install(wheel, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CC") and not k.startswith("TOKENMILL_")}
+    env.update(TOKENMILL_CACHE_DIR=str(tmp_path / "cache"), TOKENMILL_REQUIRE_KERNELS="1")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    proc = subprocess.run([python, "-c", _CHECK, tiny("llama")], cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["file"].startswith(str(tmp_path / "venv"))
+    num_libraries = len([s for s in _kernel_sources() if s.endswith(".c")])  # one library per C file
+    assert result["libraries"] == {name: "loaded" for name in result["libraries"]}
+    assert len(result["libraries"]) == num_libraries
+    assert result["kernels"]["fallbacks"] == [] and result["tokens"] == 4
+    assert len(glob.glob(str(tmp_path / "cache" / "kernels" / "*.so"))) == num_libraries  # compiled here
