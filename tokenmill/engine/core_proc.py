@@ -74,7 +74,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
         engine = EngineCore(config)
         out.send(encoder.encode(EngineCoreOutputs(ready=EngineReady(
             engine.scheduler.kv.num_blocks, config.cache.block_size, config.model.max_model_len,
-            engine.vocab_size, os.getpid(), engine.executor.worker.kernels))))
+            engine.vocab_size, os.getpid(), engine.executor.kernels()))))
         _EngineLoop(engine, inp, out, encoder, parent_pid).run()
     except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
         logger.error("engine core failed:\n%s", traceback.format_exc())

@@ -27,5 +27,9 @@ class Executor:
     def execute_model(self, scheduler_output):
         raise NotImplementedError
 
+    def kernels(self) -> dict:
+        """layers/kernels_report.report of the worker(s): the kernels in use and any fallbacks."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass

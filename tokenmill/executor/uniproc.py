@@ -23,5 +23,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
 
+    def kernels(self) -> dict:
+        return self.worker.kernels
+
     def shutdown(self) -> None:
         self.worker.shutdown()
