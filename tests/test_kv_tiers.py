@@ -16,7 +16,7 @@ from tokenmill.engine.kv_cache_manager import hash_block
 from tokenmill.engine.request import EngineCoreRequest
 from tokenmill.kv_transfer.disk_store import DiskBlockStore
 from tokenmill.kv_transfer.host_pool import HostBlockPool
-from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, OffloadOutput
+from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput
 from tokenmill.kv_transfer.offload_scheduler import OffloadingScheduler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
@@ -46,34 +46,111 @@ def test_scheduler_plans_saves_spills_reads_and_loads():
     assert plan.saves == [(10, 0), (11, 1)] and not plan.disk_ops and not plan.loads
     s.on_evict(12, H[2])   # host full: its LRU block goes to disk, its slot takes the new one
     s.on_evict(13, H[3])
-    s.on_evict(14, H[4])   # every slot is written this step already: dropped
-    plan = s.build_plan()
-    assert plan.disk_ops == [(WRITE, H[0], 0), (WRITE, H[1], 1)] and plan.saves == [(12, 0), (13, 1)]
-    assert s.counters()["dropped_blocks"] == 1
-    s.on_evict(14, H[4])   # disk full too: its LRU file is deleted
-    plan = s.build_plan()
-    assert plan.disk_ops == [(DELETE, H[0], -1), (WRITE, H[2], 0)] and plan.saves == [(14, 0)]
-    assert list(s.host) == [H[3], H[4]] and list(s.disk) == [H[1], H[2]]
+    s.on_evict(14, H[4])   # every slot is saved into this step: the oldest save (H2) goes to disk instead,
+    plan = s.build_plan()  # straight from its device block, and disk being full, its LRU file is deleted
+    assert plan.disk_ops == [(WRITE, H[0], 0), (WRITE, H[1], 1), (DELETE, H[0], -1), (WRITE_FROM_DEVICE, H[2], 12)]
+    assert plan.saves == [(13, 1), (14, 0)]
+    assert list(s.host) == [H[3], H[4]] and list(s.disk) == [H[1], H[2]] and not s.counters().get("dropped_blocks")
 
-    # H3 (host) then H1 (disk): the request waits for the read, then hits both.
-    req = _fake_req("r", [H[3], H[1]])
+    # H4 (host) then H2 (disk): the request waits for the read, then hits both.
+    req = _fake_req("r", [H[4], H[2]])
     assert not s.lookup(req, 0).ready and not s.is_ready(req)
-    plan = s.build_plan()  # the read's slot is H4's (H3 is held by the request); H4 goes to disk first
-    assert plan.disk_ops == [(DELETE, H[2], -1), (WRITE, H[4], 0), (READ, H[1], 0)]
-    s.update(OffloadOutput([(H[1], True)]))
+    plan = s.build_plan()  # the read's slot is H3's (H4 is held by the request); H3 goes to disk first
+    assert plan.disk_ops == [(DELETE, H[1], -1), (WRITE, H[3], 1), (READ, H[2], 1)]
+    s.update(OffloadOutput([(H[2], True)]))
     assert s.is_ready(req) and s.lookup(req, 0).num_tokens == 8
     s.on_allocated(req, [20, 21])
-    assert s.build_plan().loads == [(1, 20), (0, 21)]
+    assert s.build_plan().loads == [(0, 20), (1, 21)]
     assert s.idle()
 
     # A failed read (corrupt file) forgets the file: the next lookup stops there.
-    req = _fake_req("q", [H[4]])
+    req = _fake_req("q", [H[3]])
     assert not s.lookup(req, 0).ready
     s.build_plan()
-    s.update(OffloadOutput([(H[4], False)]))
-    assert s.is_ready(req) and s.lookup(req, 0).num_tokens == 0 and H[4] not in s.disk
+    s.update(OffloadOutput([(H[3], False)]))
+    assert s.is_ready(req) and s.lookup(req, 0).num_tokens == 0 and H[3] not in s.disk
     s.release(req)
     assert s.idle() and s.counters()["failed_blocks"] == 1
+
+
+def _evict_tail_first(s, chain, first_block_id=100):
+    """What the device pool does when a request's blocks are reused: its tail block goes first."""
+    for i, h in reversed(list(enumerate(chain))):
+        s.on_evict(first_block_id + i, h)
+
+
+CHAIN = [bytes([0xC0 + i]) * 16 for i in range(10)]
+
+
+@pytest.mark.parametrize("num_disk_blocks", [0, 20])
+def test_a_chain_evicted_in_one_step_keeps_its_head(num_disk_blocks):
+    """More blocks than host slots in one step: the host keeps the chain's head (a lookup starts there), and
+    the rest goes straight to disk when there is one."""
+    s = OffloadingScheduler(block_size=4, num_host_blocks=3, num_disk_blocks=num_disk_blocks)
+    _evict_tail_first(s, CHAIN)
+    plan = s.build_plan()
+    assert list(s.host) == CHAIN[2::-1] and sorted(block for block, _ in plan.saves) == [100, 101, 102]
+    assert s.lookup(_fake_req("r", CHAIN), 0).num_tokens == 3 * 4
+    s.release(_fake_req("r", CHAIN))
+    if num_disk_blocks:
+        assert plan.disk_ops == [(WRITE_FROM_DEVICE, h, 100 + i) for i, h in reversed(list(enumerate(CHAIN)))
+                                 if i >= 3]
+        assert s.counters()["spilled_blocks"] == 7 and not s.counters().get("dropped_blocks")
+    else:
+        assert not plan.disk_ops and s.counters()["dropped_blocks"] == 7
+
+
+OTHER = [bytes([0xD0 + i]) * 16 for i in range(10)]
+
+
+def test_a_step_keeps_a_chains_head_over_another_chains_tail():
+    """One step evicts the head of chain a (its tail went before) and the tail of chain b (its head stays on
+    the device): with 3 slots the host keeps a's head and b's blocks nearest b's start, not the first or last
+    three to arrive."""
+    s = OffloadingScheduler(block_size=4, num_host_blocks=3, num_disk_blocks=0)
+    a, b = CHAIN[:4], OTHER[:6]
+    s.release(_fake_req("a", a))  # the connector learns chains from the requests it sees
+    s.release(_fake_req("b", b))
+    _evict_tail_first(s, a[:2])
+    _evict_tail_first(s, b[2:], first_block_id=200)
+    s.build_plan()
+    assert set(s.host) == {a[0], a[1], b[2]} and s.counters()["dropped_blocks"] == 3
+    assert s.lookup(_fake_req("a", a), 0).num_tokens == 8
+    assert s.lookup(_fake_req("b", b), 8).num_tokens == 4  # b's first two blocks are on the device
+
+
+def test_host_tier_evicts_a_looked_up_chain_from_its_tail():
+    """A lookup touches the run it found tail first: later pressure takes the chain's tail, not its head."""
+    s = OffloadingScheduler(block_size=4, num_host_blocks=4, num_disk_blocks=0)
+    _evict_tail_first(s, CHAIN[:4])
+    s.build_plan()
+    req = _fake_req("r", CHAIN[:4])
+    assert s.lookup(req, 0).num_tokens == 16
+    s.release(req)
+    s.on_evict(200, H[0])
+    s.on_evict(201, H[1])
+    s.build_plan()
+    assert list(s.host) == [CHAIN[1], CHAIN[0], H[0], H[1]]
+    assert s.lookup(req, 0).num_tokens == 8
+    s.release(req)
+    assert s.idle()
+
+
+def test_host_tier_evicts_leaves_first():
+    """A chain that entered the host tier head first (its head the least recent): the tier evicts its tail (no
+    child of it is held there), not the head every lookup needs first."""
+    s = OffloadingScheduler(block_size=4, num_host_blocks=3, num_disk_blocks=0)
+    req = _fake_req("r", CHAIN[:3])
+    s.release(req)  # the connector learns the chain
+    for i in range(3):
+        s.on_evict(100 + i, CHAIN[i])
+        s.build_plan()
+    s.on_evict(200, H[0])
+    s.build_plan()
+    assert list(s.host) == [CHAIN[0], CHAIN[1], H[0]]
+    assert s.lookup(req, 0).num_tokens == 8
+    s.release(req)
+    assert s.idle()
 
 
 def test_pinned_slots_are_never_evicted():
@@ -100,6 +177,7 @@ def test_host_pool_round_trips_blocks_bit_exactly(dtype):
     pool = HostBlockPool(kvs, num_slots=3)
     assert pool.block_nbytes == sum(kv[:, :, 0].numel() for kv in kvs) * kvs[0].element_size()
     pool.save([1, 4], [2, 0])
+    assert np.array_equal(pool.copy_out([1, 4]), pool.rows_np[[2, 0]])  # a disk write's own copy
     for kv in kvs:
         kv.zero_()
     pool.load([2, 0], [3, 5])
@@ -111,7 +189,7 @@ def test_host_pool_round_trips_blocks_bit_exactly(dtype):
 
 def test_disk_store_checks_every_read(tmp_path):
     rows = np.zeros((2, 256), dtype=np.uint8)
-    store = DiskBlockStore(str(tmp_path), rows)
+    store = DiskBlockStore(str(tmp_path), rows, fingerprint=b"F" * 16)
     data = np.arange(256, dtype=np.uint8)
 
     def read(h):
@@ -149,8 +227,8 @@ def reference(tiny):
     return llm.generate([{"prompt_token_ids": A}], GREEDY, use_tqdm=False)[0].outputs[0]
 
 
-def _tiered(tiny, host_blocks, disk_dir=None, **kw):
-    llm = LLM(tiny("qwen2"), dtype="float32", num_gpu_blocks_override=12, max_num_batched_tokens=64,
+def _tiered(tiny, host_blocks, disk_dir=None, max_num_batched_tokens=64, **kw):
+    llm = LLM(tiny("qwen2"), dtype="float32", num_gpu_blocks_override=12, max_num_batched_tokens=max_num_batched_tokens,
               kv_offloading_size=f"{host_blocks * BLOCK_BYTES}B", kv_offloading_disk_dir=disk_dir, **kw)
     computed = [0]  # tokens the model ran (prompt tokens computed + decode steps)
     run = llm.engine.executor.execute_model
@@ -239,6 +317,26 @@ def test_disk_tier_restores_and_recomputes_corrupt_or_missing_blocks(tiny, refer
     _assert_clean(llm)
     llm.engine.shutdown()
     assert not os.listdir(tmp_path)  # the private folder is gone
+
+
+@pytest.mark.parametrize("disk, host_blocks, order", [(False, 4, "AFA"), (True, 3, "ABFAB")])
+def test_a_tiny_host_tier_keeps_the_heads_of_prompts(tiny, tmp_path, disk, host_blocks, order):
+    """Each prefill evicts a whole earlier prompt from the device in one step, more blocks than the host tier
+    holds: the tier keeps the first blocks of the prompts (a lookup needs them first; the rest goes to disk if
+    there is one), so a prompt that comes back is partly restored, with the same output. (It used to keep
+    the last blocks to arrive, the tails, and drop the heads: zero hits.)"""
+    llm, _ = _tiered(tiny, host_blocks, str(tmp_path) if disk else None, max_num_batched_tokens=2048)
+    prompts = {"A": A, "B": FILLERS[2], "F": FILLERS[0]}
+    first = {}
+    for name in order:
+        before = llm.engine.stats().external_prefix_cache_hits
+        out = _gen(llm, prompts[name])
+        if name not in first:
+            first[name] = out.outputs[0]
+            continue
+        assert llm.engine.stats().external_prefix_cache_hits - before > 0, name
+        _assert_same(out.outputs[0], first[name])
+    _assert_clean(llm)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -1,8 +1,8 @@
 """KV transfer: connectors that move KV blocks between a worker's device cache and somewhere else.
 
 base.py holds the two-sided interface; the offloading connector (host-RAM tier, disk tier below it) is the
-first implementation: offload_scheduler.py decides, offload_worker.py executes with host_pool.py and
-disk_store.py.
+first implementation: offload_scheduler.py decides (its eviction order from block_chains.py),
+offload_worker.py executes with host_pool.py and disk_store.py (files stamped by fingerprint.py).
 """
 from __future__ import annotations
 
@@ -32,4 +32,4 @@ def make_worker_connector(config: EngineConfig, bytes_per_block: int) -> Optiona
     from tokenmill.kv_transfer.offload_worker import OffloadingWorker
 
     num_host_blocks, _ = _capacity(config, bytes_per_block)
-    return OffloadingWorker(num_host_blocks, config.cache.kv_offloading_disk_dir)
+    return OffloadingWorker(config, num_host_blocks)

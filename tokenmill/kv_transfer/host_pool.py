@@ -14,24 +14,36 @@ class HostBlockPool:
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
         self.device = kv_caches[0].device
         self.device_views = [kv.view(torch.uint8) for kv in kv_caches]   # [2, heads, blocks, block_size, bytes]
-        block_shapes = [(v.shape[0], v.shape[1], v.shape[3], v.shape[4]) for v in self.device_views]
-        sizes = [int(np.prod(s)) for s in block_shapes]
-        self.block_nbytes = sum(sizes)
+        self.block_shapes = [(v.shape[0], v.shape[1], v.shape[3], v.shape[4]) for v in self.device_views]
+        self.block_nbytes = sum(int(np.prod(s)) for s in self.block_shapes)
         # Pinned on CUDA so copies run at full PCIe speed; on CPU a large empty tensor costs nothing until used.
         self.rows = torch.empty((num_slots, self.block_nbytes), dtype=torch.uint8,
                                 pin_memory=self.device.type == "cuda")
         self.rows_np = self.rows.numpy()
-        self.host_views = []  # per KV tensor: [slots, 2, heads, block_size, bytes], a column range of rows
-        offset = 0
-        for shape, size in zip(block_shapes, sizes):
-            self.host_views.append(self.rows[:, offset:offset + size].unflatten(1, shape))
+        self.host_views = self._per_kv_tensor(self.rows)
+
+    def _per_kv_tensor(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Views of rows ([n, block bytes]) per KV tensor: [n, 2, heads, block_size, bytes], a column range each."""
+        views, offset = [], 0
+        for shape in self.block_shapes:
+            size = int(np.prod(shape))
+            views.append(rows[:, offset:offset + size].unflatten(1, shape))
             offset += size
+        return views
 
     def save(self, block_ids: list[int], slots: list[int]) -> None:
         """Device blocks -> host slots, one gather per KV tensor for the whole batch."""
+        self._gather(block_ids, torch.tensor(slots), self.host_views)
+
+    def copy_out(self, block_ids: list[int]) -> np.ndarray:
+        """Device blocks -> new host rows ([n, block bytes]) that belong to the caller (a disk write)."""
+        rows = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8)
+        self._gather(block_ids, torch.arange(len(block_ids)), self._per_kv_tensor(rows))
+        return rows.numpy()
+
+    def _gather(self, block_ids: list[int], idx: torch.Tensor, host_views: list[torch.Tensor]) -> None:
         ids = torch.tensor(block_ids, device=self.device)
-        idx = torch.tensor(slots)
-        for dev, host in zip(self.device_views, self.host_views):
+        for dev, host in zip(self.device_views, host_views):
             host[idx] = dev.index_select(2, ids).movedim(2, 0).cpu()
 
     def load(self, slots: list[int], block_ids: list[int]) -> None:

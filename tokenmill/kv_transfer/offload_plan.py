@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-WRITE, READ, DELETE = "write", "read", "delete"
+WRITE, WRITE_FROM_DEVICE, READ, DELETE = "write", "write_from_device", "read", "delete"
 
 
 @dataclass
@@ -12,8 +12,10 @@ class OffloadPlan:
 
     1. disk_ops, in the order the scheduler decided them, handed to the disk tier's I/O thread (which keeps
        that order): (WRITE, hash, slot) copies a host slot the tier is evicting to a file (its bytes are
-       snapshotted now, before step 2 may refill the slot), (READ, hash, slot) fills a reserved slot from a
-       file in the background (reported later), (DELETE, hash, -1) removes a file the disk tier evicted.
+       snapshotted now, before step 2 may refill the slot), (WRITE_FROM_DEVICE, hash, device block) copies
+       a block the device pool hands out again this step that found no host slot straight to a file (also
+       snapshotted now), (READ, hash, slot) fills a reserved slot from a file in the background (reported
+       later), (DELETE, hash, -1) removes a file the disk tier evicted.
     2. saves: (device block, host slot), blocks the device pool hands out again this step.
     3. loads: (host slot, device block), blocks a request admitted this step counts as computed.
     """
