@@ -4,7 +4,6 @@ the event loop. Every bad request gets an OpenAI-shaped 4xx, and the server keep
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import socket
