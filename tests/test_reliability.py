@@ -95,8 +95,23 @@ def test_concurrent_streams_with_disconnects(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as c:
             return await asyncio.gather(*(_stream(c, _body(i), walk[i]) for i in range(n)))
 
+    probes: list[float] = []
+    stop = threading.Event()
+
+    def probe():  # the event loop must answer a health check within a second while the engine is saturated
+        while not stop.wait(0.25):
+            t = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+            probes.append(time.monotonic() - t)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
     t0 = time.monotonic()
-    texts = asyncio.run(run())
+    try:
+        texts = asyncio.run(run())
+    finally:
+        stop.set()
+        prober.join()
     elapsed = time.monotonic() - t0
     m = _wait_idle(server)
     assert m["tokenmill:num_requests_running"] == 0 and m["tokenmill:kv_cache_usage_perc"] == 0.0, m
@@ -109,7 +124,9 @@ def test_concurrent_streams_with_disconnects(server):
             assert texts[i] == alone, (i, texts[i], alone)
     rss1 = _rss_kib(engine)
     print(f"\n[soak] {n} streams ({sum(walk)} walked away) in {elapsed:.1f}s; engine RSS {rss0 / 1024:.0f} -> "
-          f"{rss1 / 1024:.0f} MiB; KV usage after {m['tokenmill:kv_cache_usage_perc']}")
+          f"{rss1 / 1024:.0f} MiB; KV usage after {m['tokenmill:kv_cache_usage_perc']}; /health max "
+          f"{max(probes) * 1000:.0f} ms over {len(probes)} probes")
+    assert max(probes) < 1.0
 
 
 def test_mass_aborts_after_first_token_leak_nothing(server):
