@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from models import tiny_model
-from server_utils import API_KEY, ROOT, ServerProc, shared_server, sse_events
+from server_utils import API_KEY, ROOT, ServerProc, process_alive, shared_server, sse_events
 
 MODEL = "tiny"
 MAX_NUM_SEQS = 32  # so --max-n's effective bound is 32
@@ -217,10 +217,10 @@ def test_api_process_kill9_leaves_no_ipc_folder():
         os.kill(pid, signal.SIGKILL)
         s.proc.wait(10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (os.path.exists(folders[0]) or _alive(engine)):
+        while time.monotonic() < deadline and (os.path.exists(folders[0]) or process_alive(engine)):
             time.sleep(0.1)
         assert not os.path.exists(folders[0])
-        assert not _alive(engine)
+        assert not process_alive(engine)
     finally:
         s.stop(signal.SIGKILL)
 
@@ -259,14 +259,6 @@ def test_shutdown_timeout_ends_open_streams_with_an_error_event():
         assert time.monotonic() - t0 < 2 + 8
     finally:
         s.stop(signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_readme_mentions_no_private_paths():

@@ -23,7 +23,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from models import tiny_model
-from server_utils import CliProc, ServerProc, metrics, sse_events
+from server_utils import CliProc, ServerProc, metrics, process_alive, sse_events
 from tokenmill.config import RouterConfig
 from tokenmill.router.app import build_router_app
 from tokenmill.router.forward import Router, routing_text
@@ -494,14 +494,6 @@ def _replica_pids(pid: int) -> list[int]:
     return [p for p in out if b"tokenmill.cli" in open(f"/proc/{p}/cmdline", "rb").read()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_serve_data_parallel_as_one_command():
     s = ServerProc(tiny_model("llama"), "--data-parallel-size", "2", "--served-model-name", "tiny")
     try:
@@ -524,6 +516,6 @@ def test_serve_data_parallel_as_one_command():
         t0 = time.monotonic()
         assert s.stop(signal.SIGINT, timeout=60) == 0, s.logs()
         assert time.monotonic() - t0 < 30
-        assert not any(_alive(p) for p in replicas), s.logs()
+        assert not any(process_alive(p) for p in replicas), s.logs()
     finally:
         s.stop()
