@@ -123,7 +123,7 @@ class RequestState:
                     break
         if not stopped and out.finish_reason is not None:
             s.finish_reason = str(FinishReason(out.finish_reason))
-            s.stop_reason = out.stop_reason
+            s.stop_reason = out.stop_reason if out.error is None else out.error  # "rejected"/"error": why
         if s.finish_reason is not None:
             self.num_unfinished -= 1
         return stopped
