@@ -5,6 +5,7 @@ import itertools
 import logging
 from typing import Any, Optional, Sequence, Union
 
+from tokenmill.chat_template import render_chat_template
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import PromptType, eos_token_id, fan_out, load_tokenizer, tokenize_prompt
@@ -54,15 +55,19 @@ class LLM:
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None, **template_kwargs: Any) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, continue_final_message: bool = False,
+             tools: Optional[list] = None, **template_kwargs: Any) -> list[RequestOutput]:
+        """Generate for one conversation or a list of them, each rendered with the chat template
+        (tokenmill.chat_template; `template_kwargs` become template variables)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [render_chat_template(self.tokenizer, conv, chat_template=chat_template,
+                                      add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, tools=tools, **template_kwargs)
+                 for conv in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
-                   for text in (self.tokenizer.apply_chat_template(conv, tokenize=False, chat_template=chat_template,
-                                                                   add_generation_prompt=add_generation_prompt,
-                                                                   **template_kwargs)
-                                for conv in conversations)]
+                   for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- internals --------------------------------------------------------------------------

@@ -60,10 +60,11 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
                           "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template(conv, tokenize=False, chat_template=template,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message,
-                                             **(template_kwargs or {}))
+        from tokenmill.chat_template import render_chat_template  # bounded sandbox: request templates are untrusted
+
+        text = render_chat_template(tokenizer, conv, chat_template=template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message, **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja errors are the request's (or template's) fault
         raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
     return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
