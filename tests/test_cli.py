@@ -1,6 +1,13 @@
 """`tokenmill generate` as a user runs it: streams text; bad input is a one-line error."""
+import argparse
 import subprocess
 import sys
+
+import pytest
+import torch
+
+import tokenmill
+from tokenmill import cli
 
 
 def _run(*args, timeout=180):
@@ -22,3 +29,71 @@ def test_bad_model_is_one_line_error(tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("tokenmill: error:")]
     assert len(lines) == 1 and "nope" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_generate_chat_end_to_end(tiny):
+    """--chat renders the model's template (transformers 5 returns a BatchEncoding from the tokenizing path,
+    which once crashed this flag for every model)."""
+    r = _run("generate", tiny("llama"), "--chat", "--prompt", "Hi", "--max-tokens", "4", "--ignore-eos",
+             "--dtype", "float32", "--kv-cache-memory-bytes", "16MiB")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text streamed"
+    assert "4 tokens" in r.stderr
+
+
+def test_misspelled_flag_is_named():
+    r = _run("generate", "--promt", "Hi")
+    assert r.returncode == 2
+    assert "unrecognized argument --promt; did you mean --prompt?" in r.stderr
+    assert "required" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["eval", "quality"]])
+def test_device_cuda_without_cuda_is_one_line_error(command):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = _run(*command, "--device", "cuda")
+    assert r.returncode == 2
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        ln for ln in r.stderr.splitlines() if ln.startswith("tokenmill: error: --device cuda: no CUDA device")]
+    assert "Traceback" not in r.stderr
+
+
+def test_version():
+    r = _run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"tokenmill {tokenmill.__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"]])
+def test_help_imports_neither_torch_nor_the_web_stack(argv):
+    code = ("import sys, tokenmill.cli as cli\n"
+            f"try:\n    cli.main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _actions(parser, path):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _actions(child, path + [name])
+        elif (not isinstance(action, (argparse._HelpAction, argparse._VersionAction))
+              and action.help != argparse.SUPPRESS):
+            yield " ".join(path), action
+
+
+@pytest.mark.parametrize("command", list(cli._COMMANDS))
+def test_every_flag_has_help(command):
+    parser = cli.build_parser(command)
+    missing = [f"{path} {'/'.join(a.option_strings) or a.dest}" for path, a in _actions(parser, ["tokenmill"])
+               if not (a.help or "").strip()]
+    assert not missing, f"flags without help: {missing}"
+
+
+def test_help_shows_defaults():
+    text = " ".join(cli._subparser(cli.build_parser("generate"), "generate").format_help().split())
+    assert "most tokens to generate (default: 64)" in text
+    assert "random state (sampling) (default: 0)" in text  # --seed: a falsy default is still shown
+    assert "(default: None)" not in text and "(default: False)" not in text

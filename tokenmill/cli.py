@@ -1,16 +1,44 @@
-"""`tokenmill serve | generate | router | bench | plan | quantize | eval`."""
+"""`tokenmill serve | generate | router | bench | plan | quantize | eval`.
+
+Only the chosen subcommand's arguments are built, so only its modules are imported: `tokenmill --help` and
+`tokenmill generate --help` answer without loading torch or the web stack.
+"""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
 import time
 
+from tokenmill import __version__
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends each flag's default to its help, unless the help already speaks of one or there is nothing
+    to show (None, off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or "default" in text.lower()
+                or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -28,9 +56,10 @@ def _generate(args: argparse.Namespace) -> int:
     sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed_sample, ignore_eos=args.ignore_eos)
     if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        from tokenmill.chat_template import render_chat_template
+
+        text = render_chat_template(tok, [{"role": "user", "content": args.prompt}])
+        ids = tok(text, add_special_tokens=False).input_ids
     else:
         ids = tok(args.prompt).input_ids
     proc = OutputProcessor(tok)
@@ -91,7 +120,7 @@ def _eval_quality(args: argparse.Namespace) -> int:
 def _add_eval_parser(sub) -> None:
     from tokenmill.config import KV_CACHE_DTYPES
 
-    ev = sub.add_parser("eval", help="evaluate a model (quality under quantization)")
+    ev = sub.add_parser("eval", help=_COMMANDS["eval"])
     kinds = ev.add_subparsers(dest="eval_command", required=True)
     q = kinds.add_parser("quality", help="perplexity, top-1 agreement and KL divergence of quantized variants "
                                          "against the unquantized model, side by side")
@@ -99,69 +128,153 @@ def _add_eval_parser(sub) -> None:
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     q.add_argument("--quantization", default=None,
                    help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights")
-    q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES))
+    q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage of the quantized variants (the reference keeps the model dtype)")
     q.add_argument("--dataset", default=None, help="a text file (default: Python's pydoc topics, English prose)")
     q.add_argument("--max-tokens", type=int, default=4096, help="tokens of the dataset to score")
     q.add_argument("--window", type=int, default=512, help="tokens per scored window (one prefill each)")
-    q.add_argument("--dtype", default="auto")
-    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    q.add_argument("--dtype", default="auto", help="model dtype, as in `tokenmill serve --dtype`")
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a CUDA device is visible, else cpu")
     q.add_argument("--json", default=None, help="also write the results to this JSON file")
     q.set_defaults(func=_eval_quality)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _add_generate_parser(sub) -> None:
     from tokenmill.config import EngineConfig
 
-    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text from a prompt, streaming tokens to the terminal")
+    gen = sub.add_parser("generate", help=_COMMANDS["generate"])
     EngineConfig.add_cli_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                                                              "whose probability reaches this")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
     gen.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--install-default-model", action="store_true",
                      help="pip-install the built-in default model if it is missing")
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    EngineConfig.add_cli_args(srv)
-    try:
-        from tokenmill.serve.api_server import add_serve_args
-    except ImportError:
-        add_serve_args = None
-    if add_serve_args is not None:
-        add_serve_args(srv)
-    from tokenmill.router.app import add_router_args
-    from tokenmill.router.data_parallel import add_data_parallel_args
 
+def _add_serve_parser(sub) -> None:
+    from tokenmill.config import EngineConfig
+    from tokenmill.router.data_parallel import add_data_parallel_args
+    from tokenmill.serve.api_server import add_serve_args
+
+    srv = sub.add_parser("serve", help=_COMMANDS["serve"])
+    EngineConfig.add_cli_args(srv)
+    add_serve_args(srv)
     add_data_parallel_args(srv)
     srv.set_defaults(func=_serve, serve_parser=srv)
 
-    rt = sub.add_parser("router", help="OpenAI-compatible front that routes requests over `tokenmill serve` replicas")
+
+def _add_router_parser(sub) -> None:
+    from tokenmill.router.app import add_router_args
+
+    rt = sub.add_parser("router", help=_COMMANDS["router"])
     add_router_args(rt)
     rt.set_defaults(func=_router)
 
+
+def _add_bench_parser(sub) -> None:
     from tokenmill.bench import add_bench_parser
-    from tokenmill.plan import add_plan_args
 
     add_bench_parser(sub)
-    add_plan_args(sub.add_parser("plan", help="memory and roofline math for a model on given hardware"))
 
+
+def _add_plan_parser(sub) -> None:
+    from tokenmill.plan import add_plan_args
+
+    add_plan_args(sub.add_parser("plan", help=_COMMANDS["plan"]))
+
+
+def _add_quantize_parser(sub) -> None:
     from tokenmill.models.export import add_quantize_parser
 
     add_quantize_parser(sub)
-    _add_eval_parser(sub)
 
+
+_COMMANDS = {  # name -> help line shown by `tokenmill --help`
+    "generate": "generate text from a prompt, streaming tokens to the terminal",
+    "serve": "OpenAI-compatible HTTP server",
+    "router": "OpenAI-compatible front that routes requests over `tokenmill serve` replicas",
+    "bench": "benchmarks: serve (load generator), sweep (load points), offline",
+    "plan": "memory and roofline math for a model on given hardware",
+    "quantize": "write a pre-quantized (fp8, int8, w8a8) copy of a float checkpoint",
+    "eval": "evaluate a model (quality under quantization)",
+}
+_ADD_PARSER = {"generate": _add_generate_parser, "serve": _add_serve_parser, "router": _add_router_parser,
+               "bench": _add_bench_parser, "plan": _add_plan_parser, "quantize": _add_quantize_parser,
+               "eval": _add_eval_parser}
+
+
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The CLI parser with `command`'s arguments built in full; the other subcommands are listed only."""
+    parser = _Parser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="logging verbosity")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in _COMMANDS.items():
+        if name == command:
+            _ADD_PARSER[name](sub)
+        else:
+            sub.add_parser(name, help=help_text)
+    return parser
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    found = set()
+    for action in parser._actions:  # argparse has no public listing of a parser's actions
+        found.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found |= _option_strings(child)
+    return found
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
+def _check_flags(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> None:
+    """Report a misspelled flag as such (argparse would first complain that a required one is missing)."""
+    known = _option_strings(parser)
+    for arg in argv:
+        if arg == "--":
+            break
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--") or any(k.startswith(flag) for k in known):  # argparse takes unique prefixes
+            continue
+        close = difflib.get_close_matches(flag, sorted(known), n=1)
+        _subparser(parser, command).error(f"unrecognized argument {flag}"
+                                          + (f"; did you mean {close[0]}?" if close else ""))
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    if getattr(args, "device", None) != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: no CUDA device is available (torch {torch.__version__}"
+                         f"{'' if torch.version.cuda else ', a build without CUDA'}); use --device cpu or auto")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if a in _COMMANDS), None)
+    parser = build_parser(command)
+    _check_flags(parser, argv, command)
     args = parser.parse_args(argv)
     _setup_logging(args.log_level)
     try:
+        _check_device(args)
         return args.func(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"tokenmill: error: {e}", file=sys.stderr)

@@ -10,9 +10,10 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `tokenmill --help` must not wait seconds for it
+    import torch
 
 
 def cache_root() -> str:
@@ -46,19 +47,21 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+# --dtype spellings -> torch dtype attribute names
+_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str) -> torch.dtype:
     """--dtype auto follows the config; without one (GGUF) bf16 where the hardware has it, else fp32.
     float16 maps to bf16 on CPU (no fast fp16 kernels there)."""
+    import torch
+
     if isinstance(requested, torch.dtype):
         dtype = requested
     elif requested == "auto":
         if isinstance(config_dtype, str):
-            config_dtype = _DTYPES.get(config_dtype)
+            config_dtype = getattr(torch, _DTYPES.get(config_dtype, ""), None)
         if isinstance(config_dtype, torch.dtype):
             dtype = config_dtype
         elif device == "cuda":
@@ -66,7 +69,7 @@ def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str) 
         else:
             dtype = torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
     elif requested in _DTYPES:
-        dtype = _DTYPES[requested]
+        dtype = getattr(torch, _DTYPES[requested])
     else:
         raise ValueError(f"unknown dtype {requested!r}; choose one of auto, float32, bfloat16, float16")
     if device == "cpu" and dtype == torch.float16:
@@ -236,6 +239,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    import torch
+
     return {"auto": model_dtype, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
             "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}[kv_cache_dtype]
 
@@ -371,6 +376,8 @@ class EngineConfig:
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
 
     def finalize(self, install_default: bool = False) -> "EngineConfig":
+        import torch
+
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
@@ -405,17 +412,25 @@ class EngineConfig:
         p.add_argument("model", nargs="?", default=None,
                        help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
         p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-        p.add_argument("--tokenizer", default=None)
+        p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half",
-                                                            "float", "bf16", "fp32", "fp16"])
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--served-model-name", default=None)
-        p.add_argument("--block-size", type=int, default=16)
+                                                            "float", "bf16", "fp32", "fp16"],
+                       help="weight and activation dtype; auto follows the checkpoint's config, and for a GGUF "
+                            "picks bfloat16 where the CPU has AVX512-BF16 (or on CUDA), else float32")
+        p.add_argument("--max-model-len", type=int, default=None,
+                       help="longest sequence (prompt + output) in tokens (default: the model's "
+                            "max_position_embeddings)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (sampling)")
+        p.add_argument("--served-model-name", default=None,
+                       help="model name the API reports and accepts (default: the model argument)")
+        p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
         p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size, e.g. 4GiB (CPU default 4GiB)")
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache")
+        p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                       help="use exactly this many KV cache blocks instead of sizing the cache from memory")
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV blocks of earlier prompts that share a prefix")
         p.add_argument("--kv-offloading-size", default=None,
                        help="GiB of host RAM (or e.g. 512MiB) for KV blocks evicted from the device cache; a later "
                             "prefix hit copies them back instead of recomputing")
@@ -432,9 +447,11 @@ class EngineConfig:
                        help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
                             "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
                             "calibrated on the first prefill for int8) and dequantize inside attention")
-        p.add_argument("--max-num-seqs", type=int, default=256)
-        p.add_argument("--max-num-batched-tokens", type=int, default=None)
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
+        p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="most tokens (prefill chunks + decodes) in one step (default: 2048)")
+        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto = cuda when a CUDA device is visible, else cpu")
         p.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             '(methods: ngram, draft_model, eagle, eagle3)')

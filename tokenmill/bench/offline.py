@@ -111,15 +111,15 @@ def add_offline_args(p: argparse.ArgumentParser, compare_transformers: bool) -> 
     """Flags shared by `tokenmill bench offline` and the benchmarks script (which compares against
     transformers by default; the CLI does not)."""
     p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has AVX512-BF16, else float32")
-    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--num-requests", type=int, default=256, help="requests in the workload")
     p.add_argument("--quick", action="store_true", help="64 requests")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine: most tokens in one step")
     p.add_argument("--input-range", type=_range, default=(64, 512), metavar="MIN,MAX", help="prompt tokens")
     p.add_argument("--output-range", type=_range, default=(64, 256), metavar="MIN,MAX", help="output tokens")
     p.add_argument("--single-stream-len", type=int, default=128,
                    help="prompt and output tokens of the single-stream decode measurement")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random workload")
     p.add_argument("--compare-transformers", action=argparse.BooleanOptionalAction, default=compare_transformers,
                    help="also run transformers generate on a subset of the same workload")
     p.add_argument("--skip-transformers", dest="compare_transformers", action="store_false", help=argparse.SUPPRESS)

@@ -383,7 +383,8 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
     g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="/v1/completions or /v1/chat/completions")
     g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     g = p.add_argument_group("workload")
@@ -397,8 +398,8 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="HF directory or .gguf ('default': the built-in model's) for exact prompt lengths; "
                         "without it a prompt gets one common word per requested token")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the requests")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly --output-len tokens (vLLM's ignore_eos extension)")
     g.add_argument("--extra-body", type=_json_obj, default={}, help="JSON merged into every request body")

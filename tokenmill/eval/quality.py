@@ -109,6 +109,8 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
     models stay loaded: nothing of size vocab x tokens is kept)."""
     from transformers import AutoTokenizer
 
+    # Every long step logs a line first: a first run converts a GGUF, and quantizing on load takes a while.
+    logger.info("quality: resolving the model (a GGUF file is converted once and cached)")
     ref_cfg = _config(model, None, "auto", dtype, window, device)
     tok = AutoTokenizer.from_pretrained(ref_cfg.model.tokenizer)
     text = read_dataset(dataset)
@@ -122,12 +124,15 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
         name = "+".join(x for x in (q, None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
         configs.append((name or "reference (again)", _config(model, q, kv_cache_dtype, dtype, window, device)))
     scorers, results = [], []
-    for name, cfg in configs:
+    for i, (name, cfg) in enumerate(configs):
+        logger.info("quality: loading model %d/%d: %s%s", i + 1, len(configs), name,
+                    f" (quantizing the weights to {cfg.model.quantization})" if cfg.model.quantization else "")
         scorer = _Scorer(cfg)
         scorers.append(scorer)
         results.append(QualityResult(name, cfg.model.quantization, cfg.cache.kv_cache_dtype,
                                      weight_bytes=scorer.weight_bytes()))
-    for w in windows:
+    for i, w in enumerate(windows):
+        logger.info("quality: scoring window %d/%d with %d model(s)", i + 1, len(windows), len(scorers))
         target = torch.tensor(w[1:])
         ref = None
         for scorer, res in zip(scorers, results):

@@ -29,10 +29,11 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype (default: bf16, fp32 for fp32 weights)")
     p.add_argument("--compute-dtype", default=None,
                    help="dtype of the matmuls (default: from the weights; 4-bit weight-only runs in bf16)")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1, help="concurrent sequences")
+    p.add_argument("--input-len", type=int, default=2048, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                   help="devices the model is split over (tensor parallel)")
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of memory for weights + KV (like --gpu-memory-utilization)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -37,7 +37,7 @@ def add_router_policy_args(p: argparse.ArgumentParser, policy_flag: str = "--pol
     p.add_argument("--router-prefix-chunk-chars", type=int, default=64,
                    help="prefix_aware: characters per chunk of the router's prefix index")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between replica probes")
-    p.add_argument("--health-check-timeout", type=float, default=5.0)
+    p.add_argument("--health-check-timeout", type=float, default=5.0, help="seconds before a probe counts as failed")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -45,13 +45,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="base URL of a `tokenmill serve` replica (repeat the flag for each)")
     add_router_policy_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the replicas as sent)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish")
     p.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own logging ('info' logs every request)")
 
 
 def router_config(args: argparse.Namespace, replicas: list[str]) -> RouterConfig:
