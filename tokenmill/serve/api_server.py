@@ -170,8 +170,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         loc = [x for x in loc if not x.startswith(("list[", "str", "int", "dict[", "function-"))]
         where = ".".join(loc)
         param = param or where or None
-        msg = str(e.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
-        parts.append(f"{where}: {msg}" if where else msg)
+        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
     return bad_request("; ".join(parts) or "invalid request", param)
 
 
