@@ -242,8 +242,14 @@ def fake():
     s.stop()
 
 
+def _assert_injected(measured_ms: float, injected_ms: float, jitter: float = 0.0) -> None:
+    """The server sleeps at least the injected delay, so that is a lower bound (less `jitter`, for gaps between
+    chunk arrivals that one late chunk shortens); a busy machine only adds, so the excess bound is generous."""
+    assert injected_ms * (1 - jitter) <= measured_ms <= injected_ms * 1.5 + 20, (measured_ms, injected_ms)
+
+
 def test_measured_latencies_match_injected_delays(fake, tmp_path):
-    """TTFT 300 ms and ITL 50 ms injected by the server: the client's medians agree within 10%."""
+    """TTFT 300 ms and ITL 50 ms injected by the server: the client measures them (and not less)."""
     out = tmp_path / "r.json"
     rc = main(["bench", "serve", "--base-url", fake.url + "/v1", "--num-prompts", "6", "--max-concurrency", "3",
                "--input-len", "8", "--output-len", "6", "--no-progress", "--save-result", str(out),
@@ -253,10 +259,10 @@ def test_measured_latencies_match_injected_delays(fake, tmp_path):
     s = r["summary"]
     assert r["config"]["model"] == "fake-model"  # found through /v1/models
     assert s["completed"] == 6 and s["failed"] == 0
-    assert s["ttft_ms"]["median"] == pytest.approx(300, rel=0.1)
-    assert s["itl_ms"]["median"] == pytest.approx(50, rel=0.1)
-    assert s["tpot_ms"]["median"] == pytest.approx(50, rel=0.1)
-    assert s["e2e_ms"]["median"] == pytest.approx(300 + 5 * 50, rel=0.1)
+    _assert_injected(s["ttft_ms"]["median"], 300)
+    _assert_injected(s["itl_ms"]["median"], 50, jitter=0.1)
+    _assert_injected(s["tpot_ms"]["median"], 50, jitter=0.1)
+    _assert_injected(s["e2e_ms"]["median"], 300 + 5 * 50)
     assert min(x["ttft"] for x in r["requests"]) >= 0.3 and min(min(x["itl"]) for x in r["requests"]) >= 0.045
     assert s["max_concurrency"] == 3
 

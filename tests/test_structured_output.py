@@ -87,8 +87,9 @@ def test_json_object_choice_regex(server):
                 "model": MODEL, "messages": [{"role": "user", "content": "Reply in JSON"}], "max_tokens": 64,
                 "temperature": 1.0, "seed": seed, "response_format": {"type": "json_object"}}).json()
             choice = r["choices"][0]
-            if choice["finish_reason"] == "stop":
-                assert isinstance(json.loads(choice["message"]["content"]), dict)
+            # The grammar lets the object close well within 64 tokens (the tiny model closes it at once).
+            assert choice["finish_reason"] == "stop", choice
+            assert isinstance(json.loads(choice["message"]["content"]), dict)
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Pick:", "max_tokens": 16, "seed": seed,
                                                 "guided_choice": ["yes", "no", "maybe not"]}).json()
             assert r["choices"][0]["text"] in ("yes", "no", "maybe not")
