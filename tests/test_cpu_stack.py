@@ -55,3 +55,25 @@ def test_stack_runs_speculative_verification(tiny, monkeypatch):
     got, taken = _run(path, "float32", True, monkeypatch, speculative_config=spec)
     assert sum(taken) >= 5
     assert got == ref
+
+
+def test_stack_leaves_steps_to_the_layers_where_torch_was_measured_faster(tiny, monkeypatch):
+    """A matmul plan that gives batched rows to torch (layers/matmul_plan.py) caps the stack at decode-sized
+    steps: 12 decoding sequences go layer by layer (their matmuls through torch), 1-8 still take the stack."""
+    monkeypatch.setenv("TOKENMILL_MATMUL", "torch")
+    path = tiny("llama")
+    taken = []
+
+    def counting(self, input_ids, meta):
+        out = _ORIGINAL_RUN(self, input_ids, meta)
+        taken.append((input_ids.shape[0], out is not None))
+        return out
+
+    monkeypatch.setattr(CpuStack, "run", counting)
+    llm = LLM(path, dtype="float32", num_gpu_blocks_override=128, block_size=16)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    twelve = [{"prompt_token_ids": p} for p in _prompts(12, seed=1)]
+    llm.generate(twelve, sp, use_tqdm=False)
+    llm.generate(twelve[:3], sp, use_tqdm=False)
+    assert any(rows == 12 for rows, _ in taken) and all(not ok for rows, ok in taken if rows > 8)
+    assert any(ok for rows, ok in taken if rows == 3)

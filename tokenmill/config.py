@@ -47,14 +47,40 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
+def _linear_shapes(hf_config: Any) -> list[tuple[int, int]]:
+    """[N, K] of a Llama-family decoder layer's linear layers (q|k|v, o, gate|up, down)."""
+    H, I = hf_config.hidden_size, hf_config.intermediate_size
+    Hq = hf_config.num_attention_heads
+    Hkv = getattr(hf_config, "num_key_value_heads", None) or Hq
+    D = getattr(hf_config, "head_dim", None) or H // Hq
+    return [((Hq + 2 * Hkv) * D, H), (H, Hq * D), (2 * I, H), (H, I)]
+
+
+def _cpu_auto_dtype(hf_config: Any) -> "torch.dtype":
+    import torch
+
+    from tokenmill.layers import cpu_linear, matmul_plan
+
+    try:
+        shapes = _linear_shapes(hf_config)
+    except (AttributeError, TypeError):  # no config, or not a Llama-family one
+        shapes = None
+    if shapes is None or not cpu_linear.available() or matmul_plan.forced_path() is not None:
+        return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+    dtype, why = cpu_linear.measured_dtype(shapes)
+    logger.info("--dtype auto: %s on this CPU (%s)", str(dtype).removeprefix("torch."), why)
+    return dtype
+
+
 # --dtype spellings -> torch dtype attribute names
 _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "half": "float16", "fp16": "float16"}
 
 
-def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str) -> torch.dtype:
-    """--dtype auto follows the config; without one (GGUF) bf16 where the hardware has it, else fp32.
-    float16 maps to bf16 on CPU (no fast fp16 kernels there)."""
+def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str, hf_config: Any = None) -> torch.dtype:
+    """--dtype auto follows the config; without one (GGUF): bf16 on CUDA, and on CPU the faster of fp32 and
+    bf16 for this model's layer shapes, measured (layers/matmul_plan.py; given hf_config), else bf16 where the
+    CPU has native bf16 dot products. float16 maps to bf16 on CPU (no fast fp16 kernels there)."""
     import torch
 
     if isinstance(requested, torch.dtype):
@@ -67,7 +93,7 @@ def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str) 
         elif device == "cuda":
             dtype = torch.bfloat16
         else:
-            dtype = torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+            dtype = _cpu_auto_dtype(hf_config)
     elif requested in _DTYPES:
         dtype = getattr(torch, _DTYPES[requested])
     else:
@@ -160,7 +186,7 @@ class ModelConfig:
         cfg = self.hf_config
         self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
         cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
-        self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device)
+        self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device, cfg)
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
             self.max_model_len = derived

@@ -8,6 +8,10 @@
   weights and 110-160 for F.linear; bf16 about 120 vs 20 for F.linear.
 - Its reduction order per output element is fixed (k in order, then the bias), whatever the row count, the
   row's position or the tiling, so batch-invariant mode needs nothing else from matmuls.
+- That is the AVX2 picture. Where torch's oneDNN/MKL GEMM is faster for a layer's batched or prefill row counts
+  (bf16 on CPUs with native bf16 dot products: about 2x), those rows run F.linear on the layer's own weight
+  instead: matmul_plan.py measures both paths per shape at load and keeps the faster (not in batch-invariant
+  mode).
 - Without a packed copy (no C compiler, or the copy would exceed the packing budget, PACK_BUDGET_FRACTION of
   RAM or $TOKENMILL_PACK_BUDGET_FRACTION: it doubles a layer's weight memory): the unpacked streaming kernel
   for a few rows (or every row count in batch-invariant mode, where it also has a fixed order), else F.linear.
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers import batch_invariant
+from tokenmill.layers import batch_invariant, matmul_plan
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 from tokenmill.layers.cpu_memory import advise_huge_pages
 
@@ -54,14 +58,20 @@ def _ram_bytes() -> int:
 
 
 class Panels:
-    """A [N, K] weight packed as [ceil(N/16), K, 16] (zero-padded columns), for panel_linear. It keeps its
-    kernel and data pointer bound: a decode step makes ~120 of these calls, so per-call Python counts."""
-    __slots__ = ("data", "out_features", "in_features", "kernel", "ptr", "__weakref__")
+    """A [N, K] weight packed as [ceil(N/16), K, 16] (zero-padded columns), for panel_linear, and the measured
+    plan saying which row counts torch serves better. It keeps its kernel and data pointer bound: a decode step
+    makes ~120 of these calls, so per-call Python counts."""
+    __slots__ = ("data", "out_features", "in_features", "kernel", "ptr", "plan", "__weakref__")
 
-    def __init__(self, data: torch.Tensor, out_features: int) -> None:
+    def __init__(self, data: torch.Tensor, out_features: int,
+                 plan: matmul_plan.MatmulPlan = matmul_plan.PANEL_ONLY) -> None:
         self.data, self.out_features, self.in_features = data, out_features, data.shape[1]
         self.kernel = getattr(_load(), _PANEL_KERNELS[data.dtype])
         self.ptr = data.data_ptr()
+        self.plan = plan
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return panel_linear(x, self)
 
 
 def pack_budget_fraction() -> float:
@@ -91,14 +101,26 @@ def pack(weight: torch.Tensor) -> Optional[Panels]:
     nbytes = weight.numel() * weight.element_size()
     if _packed_bytes + nbytes > pack_budget_fraction() * _ram_bytes():
         return None
+    _packed_bytes += nbytes
+    panels = _panels(weight)
+    weakref.finalize(panels.data, _unpacked, nbytes)  # a freed model gives its share of the budget back
+    if batch_invariant.enabled():
+        return panels  # fixed reduction order for every row count: never torch
+    return Panels(panels.data, panels.out_features, matmul_plan.measure(weight, panels.linear))
+
+
+def _panels(weight: torch.Tensor) -> Panels:
     N, K = weight.shape
     padded = F.pad(weight.detach(), (0, 0, 0, -N % NP))
-    _packed_bytes += nbytes
     data = torch.empty((padded.shape[0] // NP, K, NP), dtype=weight.dtype)
     advise_huge_pages(data)  # before the first write, so the pages come huge (weights stream every step)
     data.copy_(padded.view(-1, NP, K).transpose(1, 2))
-    weakref.finalize(data, _unpacked, nbytes)  # a freed model gives its share of the budget back
     return Panels(data, N)
+
+
+def measured_dtype(shapes: list[tuple[int, int]]) -> tuple[torch.dtype, str]:
+    """--dtype auto for a checkpoint that names none: the faster of float32 and bfloat16 here (matmul_plan)."""
+    return matmul_plan.choose_dtype(shapes, lambda weight: _panels(weight).linear)
 
 
 def _unpacked(nbytes: int) -> None:
@@ -151,6 +173,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if x.device.type != "cpu" or torch.is_grad_enabled() or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if packed is not None:
+        if packed.plan.torch_serves(x.numel() // x.shape[-1]) and not batch_invariant.enabled():
+            return F.linear(x, weight, bias)
         return panel_linear(x, packed, bias)
     if x.dtype not in _KERNELS or not weight.is_contiguous() or _load() is None:
         return F.linear(x, weight, bias)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tokenmill.layers import cpu_build, cpu_fused, cpu_linear
+from tokenmill.layers import cpu_build, cpu_fused, cpu_linear, matmul_plan
 
 logger = logging.getLogger("tokenmill")
 
@@ -40,7 +40,8 @@ def load_all_libraries() -> dict[str, str]:
 
 
 def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
-    """{"attention", "linear", "norm_act_rope", "decoder_stack", "libraries", "fallbacks"} for this engine."""
+    """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "libraries", "fallbacks"} for
+    this engine."""
     from tokenmill.models import cpu_stack
 
     dtype = model.embed_tokens.weight.dtype
@@ -48,7 +49,8 @@ def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
     libraries = cpu_build.library_status()
     fallbacks = _library_fallbacks(libraries)
     kernels = {"attention": _attention(model.layers[0].self_attn.backend, device, dtype, fallbacks),
-               "linear": _linear(model, fallbacks), "norm_act_rope": _fused(device, dtype),
+               "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
+               "norm_act_rope": _fused(device, dtype),
                "decoder_stack": stack, "libraries": libraries, "fallbacks": fallbacks}
     if stack_fallback is not None:
         fallbacks.append(f"decoder stack off: {stack_fallback}")
@@ -95,6 +97,15 @@ def _linear(model, fallbacks: list[str]) -> str:
     return ", ".join(f"{path} x{count}" for path, count in paths.most_common())
 
 
+def _matmul_plan(model) -> dict[str, str]:
+    """Row class -> the path serving it, over the packed linear layers (matmul_plan.py); {} when none."""
+    from tokenmill.layers.linear import LinearBase
+
+    plans = [(name, layer.packed_weight.plan) for name, layer in model.named_modules()
+             if isinstance(layer, LinearBase) and getattr(layer, "packed_weight", None) is not None]
+    return matmul_plan.describe(plans) if plans else {}
+
+
 def _linear_path(layer) -> str:
     method, weight = layer.quant_method, layer.weight
     if hasattr(method, "fmt"):  # quantization/base.py PackedLinearMethod
@@ -137,6 +148,8 @@ def announce(kernels: dict) -> None:
     fallbacks = kernels["fallbacks"]
     logger.info("kernels: attention=%s, linear=%s, norm/act/rope=%s, decoder stack=%s", kernels["attention"],
                 kernels["linear"], kernels["norm_act_rope"], kernels["decoder_stack"])
+    for rows, path in kernels.get("matmul_plan", {}).items():
+        logger.info("matmul plan, %s: %s", rows, path)
     if fallbacks and require_kernels():
         raise RuntimeError(f"{REQUIRE_ENV}=1 but the engine would run slow paths: {'; '.join(fallbacks)}")
     for fallback in fallbacks:

@@ -5,8 +5,9 @@ small model.
 
 `CpuStack.build` returns None where the stack does not apply as a whole (quantized or unpacked linears, an
 8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler; `unavailable` says which);
-`run` returns None for a step it does not take (a prefill, hooks on the layers); the caller then runs the
-Python layers. `status` is the engine's kernels-report line for it.
+`run` returns None for a step it does not take (a prefill, hooks on the layers, more rows than some layer's
+measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
+kernels-report line for it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers import cpu_fused, cpu_linear
+from tokenmill.layers import batch_invariant, cpu_fused, cpu_linear, matmul_plan
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
@@ -105,6 +106,10 @@ class CpuStack:
             _addr(cpu_fused.kernel("silu_mul", dtype)), _addr(cpu_fused.kernel("rope", dtype)),
             _addr(cpu_kernels.kernel(dtype)), _addr(cpu_kernels.load().write_kv), self._layers)
         self._scratch: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        # Steps with more rows than this go layer by layer: some layer runs them faster through torch
+        # (matmul_plan.py); the stack only knows the panel kernel.
+        plans = [lin.packed_weight.plan for layer in model.layers for lin in _linears(layer)]
+        self.max_rows = matmul_plan.panel_row_limit(plans)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
@@ -122,6 +127,8 @@ class CpuStack:
         pos, slots = meta.positions, meta.slot_mapping
         if (pos.dtype != torch.int64 or slots.dtype != torch.int64 or not pos.is_contiguous()
                 or not slots.is_contiguous()):
+            return None
+        if input_ids.shape[0] > self.max_rows and not batch_invariant.enabled():
             return None
         x = self.model.embed_tokens(input_ids).contiguous()
         M = x.shape[0]

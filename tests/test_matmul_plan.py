@@ -1,0 +1,129 @@
+"""The measured matmul plan (layers/matmul_plan.py): every path it can choose equals the torch reference in
+each dtype, the choice is forced by TOKENMILL_MATMUL, batch-invariant mode never leaves the panel kernel, the
+cache is dropped when the CPU or the kernels change, and --dtype auto measures where the checkpoint names no
+dtype."""
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import config
+from tokenmill.layers import batch_invariant, cpu_linear, matmul_plan
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test measures into its own cache folder (compiled kernels are copied, not rebuilt)."""
+    kernels = os.path.join(config.cache_root(), "kernels")
+    if os.path.isdir(kernels):
+        shutil.copytree(kernels, tmp_path / "kernels")
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    yield tmp_path
+
+
+def _weights(dtype, N=40, K=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(dtype) for s in ((700, K), (N, K), (N,))]
+
+
+@pytest.mark.parametrize("path", ["panel", "torch", "measure"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_choosable_path_matches_the_reference(path, dtype, monkeypatch):
+    monkeypatch.setenv(matmul_plan.ENV, path)
+    x, w, b = _weights(dtype)
+    packed = cpu_linear.pack(w)
+    if path != "measure":
+        assert (packed.plan.batched, packed.plan.prefill) == (path, path)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    with torch.inference_mode():
+        for M in (1, 8, 9, 64, 512, 513, 700):
+            y = cpu_linear.linear(x[:M], w, b, packed)
+            assert y.dtype == dtype and y.shape == (M, w.shape[0])
+            torch.testing.assert_close(y.float(), F.linear(x[:M].float(), w.float(), b.float()), **tol)
+            if path == "torch" and M > matmul_plan.DECODE_ROWS:  # torch's own result, bit for bit
+                assert torch.equal(y, F.linear(x[:M], w, b))
+            if path == "panel" or M <= matmul_plan.DECODE_ROWS:
+                assert torch.equal(y, cpu_linear.panel_linear(x[:M], packed, b))
+
+
+def test_batch_invariant_mode_stays_on_the_panel_kernel(monkeypatch):
+    monkeypatch.setenv(matmul_plan.ENV, "torch")
+    x, w, b = _weights(torch.float32)
+    torch_plan = cpu_linear.pack(w)
+    batch_invariant.enable(True)
+    try:
+        packed = cpu_linear.pack(w)
+        assert packed.plan == matmul_plan.PANEL_ONLY
+        with torch.inference_mode():
+            full = cpu_linear.linear(x, w, b, torch_plan)  # even a plan measured before: panel
+            for lo, hi in ((0, 1), (3, 12), (7, 300), (100, 700)):
+                assert torch.equal(cpu_linear.linear(x[lo:hi], w, b, torch_plan), full[lo:hi])
+    finally:
+        batch_invariant.enable(False)
+
+
+def test_plan_classes_and_row_limits():
+    plan = matmul_plan.MatmulPlan("torch", "panel")
+    assert [plan.torch_serves(m) for m in (1, 8, 9, 512, 513)] == [False, False, True, True, False]
+    assert matmul_plan.panel_row_limit([matmul_plan.PANEL_ONLY, plan]) == matmul_plan.DECODE_ROWS
+    assert matmul_plan.panel_row_limit([matmul_plan.MatmulPlan("panel", "torch")]) == matmul_plan.PREFILL_LIMIT
+    assert matmul_plan.panel_row_limit([matmul_plan.PANEL_ONLY]) == float("inf")
+
+
+def test_bad_env_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(matmul_plan.ENV, "fastest")
+    with pytest.raises(ValueError, match="TOKENMILL_MATMUL must be measure, panel or torch"):
+        matmul_plan.forced_path()
+
+
+def test_measured_choices_are_cached_and_dropped_when_cpu_or_kernels_change(own_cache, monkeypatch):
+    _, w, _ = _weights(torch.float32)
+    calls = []
+    run = lambda x: calls.append(x.shape[0]) or cpu_linear.panel_linear(x, cpu_linear._panels(w))  # noqa: E731
+    first = matmul_plan.measure(w, run)
+    assert calls and set(first.times) == {"batched", "prefill"}
+    path = own_cache / "matmul_plans.json"
+    data = json.loads(path.read_text())
+    assert data["cpu"] == matmul_plan.cpu_identity() and data["kernels"] == matmul_plan.kernel_identity()
+    assert list(data["plans"]) == ["float32 40x48 t%d" % torch.get_num_threads()]
+
+    calls.clear()
+    matmul_plan._Cache._instance = None  # a new process: reads the file
+    assert matmul_plan.measure(w, run) == first and not calls  # cached: nothing timed
+
+    for changed in ("kernel_identity", "cpu_identity"):
+        with monkeypatch.context() as m:
+            m.setattr(matmul_plan, changed, lambda: "something else")
+            matmul_plan._Cache._instance = None
+            calls.clear()
+            matmul_plan.measure(w, run)
+            assert calls, f"a changed {changed} must measure again"
+    matmul_plan._Cache._instance = None
+
+
+def test_kernel_identity_follows_the_kernel_sources(monkeypatch, tmp_path):
+    before = matmul_plan.kernel_identity()
+    for name in matmul_plan._SOURCES:
+        shutil.copy(os.path.join(os.path.dirname(matmul_plan.__file__), name), tmp_path / name)
+    (tmp_path / "skinny_linear.c").write_text((tmp_path / "skinny_linear.c").read_text() + "\n/* v2 */\n")
+    monkeypatch.setattr(matmul_plan, "__file__", str(tmp_path / "matmul_plan.py"))
+    assert matmul_plan.kernel_identity() != before
+
+
+def test_dtype_auto_measures_when_the_checkpoint_names_none(caplog):
+    cfg = type("Cfg", (), dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16))()
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        dtype = config.resolve_dtype("auto", None, "cpu", cfg)
+    assert dtype in (torch.float32, torch.bfloat16)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
+    assert "float32" in line and "bfloat16" in line and " us" in line
+    # the checkpoint's own dtype wins; a forced path measures nothing
+    assert config.resolve_dtype("auto", "bfloat16", "cpu", cfg) == torch.bfloat16
+    assert config.resolve_dtype("auto", "float32", "cpu", cfg) == torch.float32

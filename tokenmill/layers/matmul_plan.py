@@ -1,0 +1,233 @@
+"""Which CPU matmul path serves each row count of a packed linear layer: measured on this machine, not assumed.
+
+Two paths can run a float linear layer that has a packed copy (cpu_linear.py):
+- "panel": our register-blocked GEMM on the packed copy (skinny_linear.c), with a fixed reduction order;
+- "torch": F.linear on the layer's own weight (oneDNN/MKL). On CPUs with native bf16 dot products
+  (AVX512_BF16, AMX) oneDNN runs bf16 GEMMs at about twice the rate any kernel that widens bf16 to fp32 can
+  reach; on AVX2-only CPUs the panel kernel is the faster one. Rather than encode either fact, we time both.
+
+Row counts fall into three classes: decode (1-8 rows) always runs the panel kernel (the steps are
+weight-streaming, and the one-call decoder stack needs it); batched (9-512) and prefill (> 512) are measured
+at a representative row count each (BATCHED_ROWS, PREFILL_ROWS): the first time this CPU sees a (dtype, N, K,
+threads), both paths run in back-to-back pairs, and torch replaces the panel kernel only where it wins by
+MARGIN both in the best times and in the median pair (a noisy start must not lock in a wrong choice). Choices are cached in $TOKENMILL_CACHE_DIR/matmul_plans.json,
+discarded as a whole when the CPU, the kernel sources or torch change. Batch-invariant mode always runs the
+panel kernel (its order is what makes a row's result independent of the batch), whatever was measured.
+
+TOKENMILL_MATMUL=panel|torch forces one path for every non-decode class (A/B runs, tests); the default,
+"measure", times them. `choose_dtype` uses the same timings for `--dtype auto` on a checkpoint that names no
+dtype: the faster of float32 and bfloat16 on this CPU for the model's own layer shapes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.config import cache_root
+
+logger = logging.getLogger("tokenmill")
+
+DECODE_ROWS = 8        # up to here: always the panel kernel
+BATCHED_ROWS = 64      # measured for 9-512 rows
+PREFILL_ROWS = 1024    # measured for > 512 rows
+PREFILL_LIMIT = 512
+MARGIN = 1.1           # torch must be this much faster to be chosen
+PAIRS = 5             # timed runs of each path
+MAX_FLOP = 8e9         # a single timed run above this (a large LM head at 1024 rows) is not worth it
+ENV = "TOKENMILL_MATMUL"
+CLASSES = ("batched", "prefill")
+_SOURCES = ("skinny_linear.c", "cpu_vec.h")
+
+
+class MatmulPlan(NamedTuple):
+    """The path for each measured class, and the best times (ms) behind the choice (None: not measured)."""
+    batched: str = "panel"
+    prefill: str = "panel"
+    times: Optional[dict] = None
+
+    def torch_serves(self, rows: int) -> bool:
+        if rows <= DECODE_ROWS:
+            return False
+        return (self.batched if rows <= PREFILL_LIMIT else self.prefill) == "torch"
+
+
+PANEL_ONLY = MatmulPlan()
+
+
+def forced_path() -> Optional[str]:
+    """TOKENMILL_MATMUL's path, or None to measure."""
+    value = os.environ.get(ENV, "measure")
+    if value not in ("measure", "panel", "torch"):
+        raise ValueError(f"{ENV} must be measure, panel or torch, not {value!r}")
+    return None if value == "measure" else value
+
+
+def _race(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float, float]:
+    """Time a and b in PAIRS back-to-back pairs (alternating which goes first, so a busy neighbour hits both
+    alike): (best ms of a, best ms of b, median of the pairs' a/b ratios)."""
+    a(), b()  # warm: first-touch pages, oneDNN's primitive cache
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(PAIRS):
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            (a, b)[j]()
+            times[j].append(time.perf_counter() - t0)
+    ratios = sorted(ta / tb for ta, tb in zip(*times))
+    return min(times[0]) * 1e3, min(times[1]) * 1e3, ratios[len(ratios) // 2]
+
+
+def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tensor]) -> MatmulPlan:
+    """Time the panel kernel (run_panel(x)) against F.linear(x, weight) for each class; cached per CPU."""
+    forced = forced_path()
+    if forced is not None:
+        return MatmulPlan(forced, forced)
+    N, K = weight.shape
+    key = f"{str(weight.dtype).removeprefix('torch.')} {N}x{K} t{torch.get_num_threads()}"
+    cache = _Cache.get()
+    cached = cache.plan(key)
+    if cached is not None:
+        return cached
+    choice, times, batched_choice = {}, {}, "panel"
+    for cls, rows in zip(CLASSES, (BATCHED_ROWS, PREFILL_ROWS)):
+        if 2.0 * rows * N * K > MAX_FLOP:
+            choice[cls] = batched_choice  # too costly to time; such a layer rarely sees prefill rows
+            continue
+        x = torch.randn(rows, K).to(weight.dtype)
+        with torch.no_grad():
+            panel_ms, torch_ms, ratio = _race(lambda: run_panel(x), lambda: F.linear(x, weight))
+        choice[cls] = "torch" if ratio > MARGIN and torch_ms * MARGIN < panel_ms else "panel"
+        times[cls] = [round(panel_ms, 4), round(torch_ms, 4)]
+        batched_choice = choice["batched"]
+    plan = MatmulPlan(choice["batched"], choice["prefill"], times)
+    cache.store(key, plan)
+    return plan
+
+
+def choose_dtype(shapes: list[tuple[int, int]], pack: Callable[[torch.Tensor], Callable]) -> tuple[torch.dtype, str]:
+    """The faster of float32 and bfloat16 for a model whose linear layers have these [N, K] shapes, on this CPU:
+    the summed per-row time of its compute-bound steps (BATCHED_ROWS and PREFILL_ROWS rows, each on its best
+    path). Decode steps are left out: they stream weights, so bfloat16 halves their bytes on every CPU.
+    `pack(weight)` returns the panel-kernel callable for a weight. Returns the dtype and a one-line reason.
+    Callers check forced_path() first: a forced path measures nothing."""
+    cost = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        total = 0.0
+        for N, K in shapes:
+            weight = torch.randn(N, K).div_(K ** 0.5).to(dtype)
+            plan = measure(weight, pack(weight))
+            for cls, rows in zip(CLASSES, (BATCHED_ROWS, PREFILL_ROWS)):
+                if plan.times and cls in plan.times:
+                    total += min(plan.times[cls]) / rows
+        cost[dtype] = total
+    faster = min(cost, key=cost.get)
+    why = (f"per-row matmul time of the model's shapes at {BATCHED_ROWS} and {PREFILL_ROWS} rows: float32 "
+           f"{cost[torch.float32] * 1e3:.1f} us, bfloat16 {cost[torch.bfloat16] * 1e3:.1f} us")
+    return faster, why
+
+
+def panel_row_limit(plans: list[MatmulPlan]) -> float:
+    """The most rows every one of these plans runs on the panel kernel (inf: all row counts)."""
+    if any(plan.batched == "torch" for plan in plans):
+        return DECODE_ROWS
+    if any(plan.prefill == "torch" for plan in plans):
+        return PREFILL_LIMIT
+    return float("inf")
+
+
+def describe(plans: list[tuple[str, MatmulPlan]]) -> dict[str, str]:
+    """One line per row class for the kernels report: which path serves it, for how many of the layers, and
+    the summed measured times behind it."""
+    lines = {f"1-{DECODE_ROWS} rows": "panel (decode; the one-call decoder stack)"}
+    labels = (f"{DECODE_ROWS + 1}-{PREFILL_LIMIT} rows", f">{PREFILL_LIMIT} rows")
+    for cls, label, rows in zip(CLASSES, labels, (BATCHED_ROWS, PREFILL_ROWS)):
+        n_torch = sum(getattr(plan, cls) == "torch" for _, plan in plans)
+        if n_torch == 0:
+            line = f"panel for all {len(plans)} layers"
+        elif n_torch == len(plans):
+            line = f"torch (oneDNN/MKL) for all {len(plans)} layers"
+        else:
+            line = f"torch (oneDNN/MKL) for {n_torch} of {len(plans)} layers, panel for the rest"
+        timed = [plan.times[cls] for _, plan in plans if plan.times and cls in plan.times]
+        if timed:
+            line += (f" (at {rows} rows, summed over {len(timed)} timed layers: panel "
+                     f"{sum(t[0] for t in timed):.2f} ms, torch {sum(t[1] for t in timed):.2f} ms)")
+        elif forced_path() is not None:
+            line += f" ({ENV}={forced_path()})"
+        lines[label] = line
+    return lines
+
+
+def cpu_identity() -> str:
+    """The CPU model name and a hash of its feature flags (a cache key part)."""
+    name, flags = "unknown", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name == "unknown":
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = line
+    except OSError:
+        pass
+    return f"{name} {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def kernel_identity() -> str:
+    """A hash of the panel kernel's sources and torch's version: either changing invalidates every choice."""
+    h = hashlib.sha256(torch.__version__.encode())
+    here = os.path.dirname(__file__)
+    for name in _SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+class _Cache:
+    """matmul_plans.json: {"cpu", "kernels", "plans": {key: {"batched", "prefill", "times"}}}, one per process."""
+    _instance: Optional["_Cache"] = None
+
+    def __init__(self, path: str) -> None:
+        self.path, self.identity = path, {"cpu": cpu_identity(), "kernels": kernel_identity()}
+        self.plans: dict = {}
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            if all(data.get(k) == v for k, v in self.identity.items()):
+                self.plans = data.get("plans", {})
+            else:
+                logger.info("matmul plans: the CPU or the kernels changed since %s was written; measuring again",
+                            path)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    @classmethod
+    def get(cls) -> "_Cache":
+        path = os.path.join(cache_root(), "matmul_plans.json")
+        if cls._instance is None or cls._instance.path != path:
+            cls._instance = cls(path)
+        return cls._instance
+
+    def plan(self, key: str) -> Optional[MatmulPlan]:
+        entry = self.plans.get(key)
+        if not isinstance(entry, dict) or not all(entry.get(c) in ("panel", "torch") for c in CLASSES):
+            return None
+        return MatmulPlan(entry["batched"], entry["prefill"], entry.get("times"))
+
+    def store(self, key: str, plan: MatmulPlan) -> None:
+        self.plans[key] = plan._asdict()
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump({**self.identity, "plans": self.plans}, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)  # atomic: concurrent engines never read half a file
+        except OSError as e:
+            logger.warning("matmul plans not cached (%s); they will be measured again next start", e)
