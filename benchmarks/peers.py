@@ -168,7 +168,7 @@ def _vllm_env(py: str) -> dict[str, str]:
 def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str, todo: set) -> dict:
     res: dict[str, Any] = {}
     if "W1" in todo:
-        res["W1"] = _run_vllm_offline(py, model_dir, dtype, workload, tmp)
+        res["W1"] = run_vllm_offline(py, model_dir, dtype, workload, tmp)
     if "W3" in todo:
         port = _free_port()
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
@@ -180,7 +180,7 @@ def run_vllm(py: str, model_dir: str, dtype: str, workload, tmp: str, todo: set)
     return res
 
 
-def _run_vllm_offline(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
+def run_vllm_offline(py: str, model_dir: str, dtype: str, workload, tmp: str) -> dict:
     spec = os.path.join(tmp, "vllm_spec.json")
     with open(spec, "w") as f:
         json.dump({"model": model_dir, "dtype": dtype, "workload": workload}, f)
