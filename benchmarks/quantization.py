@@ -1,5 +1,9 @@
 """Weight quantization on the default model: float32 and bf16 vs int8, w8a8, fp8, mxfp4, nvfp4, in one run.
 
+The quantized configurations keep the LM head in the model dtype (the engine's default); `int8+lm_head` is
+int8 with `--quantize-lm-head`, so the int8 pair shows what quantizing the head buys in single-stream decode
+(`decode_vs_best_float`: against the faster of fp32 and bf16).
+
 Per configuration: single-stream decode tok/s (one request, greedy), batched throughput (output tok/s of a
 batch of requests), weight memory, the KV tokens that fit in a fixed total memory budget next to the weights,
 the CPU cost of the matmuls of one decode token (all linear layers, LM head included) -- which is where the
@@ -24,12 +28,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from common import load_average  # noqa: E402
 
-CONFIGS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "w8a8"), ("float32", "fp8"),
-           ("float32", "mxfp4"), ("float32", "nvfp4")]
+# (dtype, --quantization, --quantize-lm-head)
+CONFIGS = [("float32", None, False), ("bfloat16", None, False), ("float32", "int8", False),
+           ("float32", "int8", True), ("float32", "w8a8", False), ("float32", "fp8", False),
+           ("float32", "mxfp4", False), ("float32", "nvfp4", False)]
+FLOATS = ("fp32", "bf16")
 
 
-def _name(dtype, q):
-    return q or {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+def _name(dtype, q, head=False):
+    return (q or {"float32": "fp32", "bfloat16": "bf16"}[dtype]) + ("+lm_head" if head else "")
 
 
 def _model_of(llm):
@@ -150,9 +157,10 @@ def main() -> None:
     budget = parse_size(args.budget)
     configs = [c for c in CONFIGS if not args.configs or _name(*c) in args.configs.split(",")]
     llms = {}
-    for dtype, q in configs:
-        llms[_name(dtype, q)] = LLM(args.model, dtype=dtype, quantization=q, kv_cache_memory_bytes="256MiB",
-                                    enable_prefix_caching=False, max_num_seqs=max(args.batch, 1))
+    for dtype, q, head in configs:
+        llms[_name(dtype, q, head)] = LLM(args.model, dtype=dtype, quantization=q, quantize_lm_head=head,
+                                          kv_cache_memory_bytes="256MiB", enable_prefix_caching=False,
+                                          max_num_seqs=max(args.batch, 1))
     first = next(iter(llms.values()))
     tok = first.get_tokenizer()
     prompt = {"prompt_token_ids": tok("The history of the printing press begins in").input_ids}
@@ -169,6 +177,7 @@ def main() -> None:
         result["configs"][name] = {
             "dtype": str(model.embed_tokens.weight.dtype).removeprefix("torch."),
             "quantization": llm.config.model.quantization,
+            "quantize_lm_head": llm.config.model.quantize_lm_head,
             "weight_mb": round(total / 1e6, 1), "linear_weight_mb": round(linear / 1e6, 1),
             "kv_bytes_per_token": kv, "kv_tokens_in_budget": max(0, int((budget - total) // kv)),
             "decode_matmuls_cpu_ms": round(_linear_ms(model), 2),
@@ -184,11 +193,14 @@ def main() -> None:
             r["batch_tok_s"] = round(max(r["batch_tok_s"], _batch_rate(llm, batch, args.batch_tokens)), 2)
     result["load_average_end"] = load_average()
     cfg = result["configs"]
+    best_float = max((cfg[b]["decode_tok_s"] for b in FLOATS if b in cfg), default=None)
     for name, r in cfg.items():
-        for base in ("fp32", "bf16"):
+        for base in FLOATS:
             if base in cfg and name != base:
                 r[f"decode_vs_{base}"] = round(r["decode_tok_s"] / cfg[base]["decode_tok_s"], 2)
                 r[f"batch_vs_{base}"] = round(r["batch_tok_s"] / cfg[base]["batch_tok_s"], 2)
+        if best_float and name not in FLOATS:
+            r["decode_vs_best_float"] = round(r["decode_tok_s"] / best_float, 2)
     result["workload"] = {"decode_tokens": args.decode_tokens, "batch": args.batch, "batch_tokens": args.batch_tokens,
                           "prompt_tokens": len(prompt["prompt_token_ids"]), "batch_prompt_tokens": 64,
                           "repeats": args.repeats, "budget_bytes": budget}
@@ -200,6 +212,12 @@ def main() -> None:
 
     parts = [f"{n} {r['decode_tok_s']:.1f} tok/s{ratios(r)}" for n, r in cfg.items()]
     print("single-stream decode: " + "; ".join(parts))
+    if "int8" in cfg and "int8+lm_head" in cfg:
+        a, b = cfg["int8"], cfg["int8+lm_head"]
+        vs = (f" ({a['decode_vs_best_float']:.2f}x vs {b['decode_vs_best_float']:.2f}x the best float dtype)"
+              if "decode_vs_best_float" in a else "")
+        print(f"LM head: int8 decode {a['decode_tok_s']:.1f} tok/s with the head in the model dtype, "
+              f"{b['decode_tok_s']:.1f} tok/s with it quantized{vs}; weights {a['weight_mb']} vs {b['weight_mb']} MB")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def test_report_names_the_paths_in_use(tiny, arch, dtype, linear, caplog, monkey
 def test_model_features_are_reported_but_not_fallbacks(tiny, monkeypatch):
     monkeypatch.setenv("TOKENMILL_REQUIRE_KERNELS", "1")
     k = _kernels(_engine(tiny, kv_cache_dtype="int8", quantization="int8"))
-    assert k["linear"] == "qlinear-c-int8" and k["libraries"]["qlinear"] == "loaded"
+    # the LM head stays float (no --quantize-lm-head) and keeps the packed panel kernel
+    assert k["linear"] == "qlinear-c-int8 x8, panel-gemm-f32 x1" and k["libraries"]["qlinear"] == "loaded"
     assert k["decoder_stack"] == "off: 8-bit KV cache" and k["fallbacks"] == []
 
 

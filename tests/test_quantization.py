@@ -192,7 +192,7 @@ AGREEMENT = {"int8": 0.9, "w8a8": 0.85, "fp8": 0.7, "mxfp4": 0.35, "nvfp4": 0.45
 def llama_quality(tiny):
     from tokenmill.eval.quality import evaluate
 
-    return evaluate(tiny("llama"), METHODS, max_tokens=300, window=100)
+    return evaluate(tiny("llama"), METHODS, max_tokens=300, window=100, quantize_lm_head="both")
 
 
 def test_tiny_model_top1_agreement(llama_quality):
@@ -200,51 +200,142 @@ def test_tiny_model_top1_agreement(llama_quality):
     assert ref.tokens > 250
     for res in quant:
         d = res.as_dict(ref)
-        assert d["top1_agreement"] >= AGREEMENT[res.name], d
+        assert d["top1_agreement"] >= AGREEMENT[res.quantization], d
         assert d["kl_divergence"] < 0.1, d
-        assert res.weight_bytes < ref.weight_bytes, d  # the tied head got its own narrow copy: still smaller
+        if not res.quantize_lm_head:  # the tied head stays the float embedding: every other byte shrank
+            assert res.weight_bytes < ref.weight_bytes, d
 
 
-def test_quality_table_lists_every_method(llama_quality):
+def test_quality_table_lists_every_method_with_and_without_the_head(llama_quality):
     from tokenmill.eval.quality import format_table
 
+    names = [r.name for r in llama_quality]
+    assert names == ["reference"] + [n for m in METHODS for n in (m, m + "+lm_head")]
     table = format_table(llama_quality)
-    for name in ["reference"] + METHODS:
+    for name in names:
         assert name in table
-    assert "top-1 agreement" in table and "perplexity" in table and "KL" in table
+    assert "top-1 agreement" in table and "perplexity" in table and "KL" in table and "--quantize-lm-head" in table
+    ref, by_name = llama_quality[0], {r.name: r for r in llama_quality}
+    for m in METHODS:  # two different models: the quantized head changes the logits
+        plain, head = by_name[m].as_dict(ref), by_name[m + "+lm_head"].as_dict(ref)
+        assert not plain["quantize_lm_head"] and head["quantize_lm_head"]
+        assert plain["kl_divergence"] != head["kl_divergence"], (plain, head)
 
 
-def _scorer(model, quantization=None):
+def _scorer(model, quantization=None, quantize_lm_head=False):
     from tokenmill.config import EngineConfig
     from tokenmill.eval.quality import _Scorer
 
-    cfg = EngineConfig.from_kwargs(model=model, quantization=quantization, max_model_len=64,
-                                   kv_cache_memory_bytes=2**24).finalize()
+    cfg = EngineConfig.from_kwargs(model=model, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                                   max_model_len=64, kv_cache_memory_bytes=2**24).finalize()
     return _Scorer(cfg)
 
 
 TOKENS = list(range(5, 45))
 
 
-def test_tied_head_quantized_embedding_stays_float(tiny):
+@torch.inference_mode()
+def _final_hidden(scorer, ids):
+    """The hidden states the LM head reads (what _Scorer.logprobs feeds compute_logits)."""
+    import numpy as np
+
+    from tokenmill.worker.flat_batch import flat_batch
+
+    L, bs = len(ids), scorer.block_size
+    table = np.arange(-(-L // bs), dtype=np.int64)[None, :]
+    input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), table, bs, "cpu")
+    return scorer.worker.model(input_ids, meta, scorer.worker.runner.kv_caches)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied and untied heads
+@pytest.mark.parametrize("name", METHODS)
+def test_online_quantization_leaves_lm_head_in_model_dtype(tiny, arch, name):
+    from tokenmill.layers import cpu_linear
+    from tokenmill.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    scorer = _scorer(tiny(arch), name)
+    model = scorer.worker.model
+    head = model.lm_head
+    assert type(head.quant_method) is UnquantizedLinearMethod and head.weight.dtype == torch.float32
+    if cpu_linear.packable(head.weight):  # the float head keeps the CPU packed fast path
+        assert head.packed_weight is not None
+    assert model.tie_word_embeddings == (arch == "llama")
+    if model.tie_word_embeddings:
+        assert head.weight is model.embed_tokens.weight
+    others = [m for m in model.modules() if isinstance(m, LinearBase) and m is not head]
+    assert len(others) == 8 and all(not isinstance(m.quant_method, UnquantizedLinearMethod) for m in others)
+    ref = _scorer(tiny(arch)).worker.model
+    hidden = _final_hidden(scorer, TOKENS)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+        assert torch.equal(logits, ref.compute_logits(hidden))
+        torch.testing.assert_close(logits, F.linear(hidden, ref.lm_head.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantize_lm_head_flag_quantizes_the_head(tiny, arch):
     from tokenmill.layers.linear import LinearBase
 
-    model = _scorer(tiny("llama"), "int8").worker.model
-    assert model.tie_word_embeddings
+    model = _scorer(tiny(arch), "int8", quantize_lm_head=True).worker.model
+    assert model.tie_word_embeddings == (arch == "llama")
+    # tied: the head gets its own int8 copy, the embedding keeps its float one for the gather
     assert model.lm_head.weight.dtype == torch.int8 and model.embed_tokens.weight.dtype == torch.float32
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert all(isinstance(m.quant_method, Int8LinearMethod) for m in linears) and len(linears) == 9
 
 
-@pytest.mark.parametrize("method", ["fp8", "int8", "w8a8"])
-def test_exporter_loader_round_trip(tiny, tmp_path, method):
+def test_quantize_lm_head_cli_flag():
+    import argparse
+
+    from tokenmill.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(p)
+    assert EngineConfig.from_cli_args(p.parse_args(["--quantization", "int8"])).model.quantize_lm_head is False
+    on = EngineConfig.from_cli_args(p.parse_args(["--quantization", "int8", "--quantize-lm-head"]))
+    assert on.model.quantize_lm_head is True and on.model.quantization == "int8"
+    assert "default: off" in p.format_help()
+
+
+def test_quantize_lm_head_without_online_quantization_warns(tiny, caplog):
+    import logging
+
+    from tokenmill.layers.linear import UnquantizedLinearMethod
+
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        model = _scorer(tiny("llama"), None, quantize_lm_head=True).worker.model
+    assert type(model.lm_head.quant_method) is UnquantizedLinearMethod
+    assert any("--quantize-lm-head has no effect" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # tied and untied heads
+def test_greedy_generation_with_and_without_quantized_head(tiny, arch):
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.linear import UnquantizedLinearMethod
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(10, 40))}]
+    outs = {}
+    for head in (False, True):
+        llm = LLM(tiny(arch), quantization="int8", quantize_lm_head=head, kv_cache_memory_bytes=2**22,
+                  block_size=4, max_num_seqs=2)
+        lm_head = llm.engine.executor.worker.model.lm_head
+        assert isinstance(lm_head.quant_method, Int8LinearMethod if head else UnquantizedLinearMethod)
+        outs[head] = llm.generate(prompt * 2, sp, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs[head])
+        assert outs[head][0].outputs[0].token_ids == outs[head][1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("method,keep_lm_head", [("fp8", False), ("int8", False), ("w8a8", False), ("fp8", True)])
+def test_exporter_loader_round_trip(tiny, tmp_path, method, keep_lm_head):
     from tokenmill.models.export import export_quantized
 
     src = tiny("qwen2")  # untied head, q/k/v biases
-    out = export_quantized(src, str(tmp_path / method), method)
+    out = export_quantized(src, str(tmp_path / method), method, keep_lm_head=keep_lm_head)
     loaded = _scorer(out)
     assert loaded.worker.model.layers[0].self_attn.qkv_proj.weight.dtype in (torch.int8, torch.uint8)
-    online = _scorer(src, method)
+    # the exporter quantizes the head unless --keep-lm-head: online that is --quantize-lm-head
+    online = _scorer(src, method, quantize_lm_head=not keep_lm_head)
     assert torch.equal(loaded.logprobs(TOKENS), online.logprobs(TOKENS))  # same tensors, same kernels
 
 
@@ -327,9 +418,15 @@ def test_cli_quantize_and_eval_quality(tiny, tmp_path, capsys):
     assert main(["eval", "quality", tiny("qwen3"), "--quantization", "int8,nvfp4", "--dataset", str(data),
                  "--window", "64", "--json", str(report)]) == 0
     table = capsys.readouterr().out
-    assert "reference" in table and "int8" in table and "nvfp4" in table and "top-1 agreement" in table
-    rows = json.loads(report.read_text())
-    assert [r["name"] for r in rows] == ["reference", "int8", "nvfp4"] and rows[1]["top1_agreement"] > 0.8
+    assert "reference" in table and "int8" in table and "nvfp4+lm_head" in table and "top-1 agreement" in table
+    rows = json.loads(report.read_text())  # by default each method with the head in float and quantized
+    assert [r["name"] for r in rows] == ["reference", "int8", "int8+lm_head", "nvfp4", "nvfp4+lm_head"]
+    assert [r["quantize_lm_head"] for r in rows] == [False, False, True, False, True]
+    assert rows[1]["top1_agreement"] > 0.8
+    assert main(["eval", "quality", tiny("qwen3"), "--quantization", "fp8", "--dataset", str(data),
+                 "--window", "64", "--quantize-lm-head", "no", "--json", str(report)]) == 0
+    assert [r["name"] for r in json.loads(report.read_text())] == ["reference", "fp8"]
+    capsys.readouterr()
     assert main(["quantize", tiny("qwen3"), "--method", "mxfp4", "--out", str(tmp_path / "x")]) == 2
     assert "mxfp4/nvfp4 quantize on load only" in capsys.readouterr().err
 

@@ -109,7 +109,7 @@ def _eval_quality(args: argparse.Namespace) -> int:
 
     results = evaluate(args.model, list(iter_quantizations(args.quantization)), args.dataset,
                        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_tokens=args.max_tokens,
-                       window=args.window, device=args.device)
+                       window=args.window, device=args.device, quantize_lm_head=args.quantize_lm_head)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -128,6 +128,10 @@ def _add_eval_parser(sub) -> None:
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     q.add_argument("--quantization", default=None,
                    help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights")
+    q.add_argument("--quantize-lm-head", default="both", choices=["no", "yes", "both"],
+                   help="measure each method with the LM head in the model dtype (no: the engine's default), "
+                        "quantized too (yes: --quantize-lm-head), or both side by side (default: both; the "
+                        "quantized-head variants are named <method>+lm_head)")
     q.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="KV cache storage of the quantized variants (the reference keeps the model dtype)")
     q.add_argument("--dataset", default=None, help="a text file (default: Python's pydoc topics, English prose)")

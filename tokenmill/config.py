@@ -163,6 +163,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     served_model_name: Optional[str] = None
     quantization: Optional[str] = None  # online int8|w8a8|fp8|mxfp4|nvfp4; a quantized checkpoint's own method
+    quantize_lm_head: bool = False      # online quantization covers the LM head too (default: model dtype)
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
@@ -465,10 +466,14 @@ class EngineConfig:
                             "(checksummed) in a private folder under PATH, removed at exit")
         p.add_argument("--kv-offloading-disk-size", default=50.0, help="GiB of disk for that tier (default 50)")
         p.add_argument("--quantization", default=None, metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
-                       help="quantize the linear weights (the LM head included) on load: int8 (weight-only, "
+                       help="quantize the linear weights on load (the LM head stays in the model dtype unless "
+                            "--quantize-lm-head): int8 (weight-only, "
                             "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
                             "per-channel), mxfp4, nvfp4. FP8 checkpoints (fp8, compressed-tensors) load as they "
                             "are without the flag")
+        p.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantization: quantize the LM head too (default: off, the head keeps the "
+                            "model dtype, as in vLLM; faster decode, less accurate logits)")
         p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                        help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
                             "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
@@ -496,6 +501,7 @@ class EngineConfig:
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
+            quantize_lm_head=getattr(a, "quantize_lm_head", False),
             kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,

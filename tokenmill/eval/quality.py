@@ -5,6 +5,10 @@ prefill). Every configuration runs in the engine's own worker (same loader, kern
 `--kv-cache-dtype` is measured too) and yields the next-token distribution at every position. Reported side by
 side: perplexity on the text; and against the unquantized reference, top-1 agreement (same argmax) and the mean
 KL divergence KL(reference || quantized) in nats per token. All compared models are loaded at once.
+
+Online quantization leaves the LM head in the model dtype unless `--quantize-lm-head`; `quantize_lm_head`
+("no", "yes" or "both"; the CLI defaults to both) picks which of the two each quantization is measured with.
+Variants with the head quantized too are named `<method>+lm_head`.
 """
 from __future__ import annotations
 
@@ -19,12 +23,15 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
+LM_HEAD_CHOICES = ("no", "yes", "both")  # evaluate(quantize_lm_head=); spelled out in cli.py too (no torch there)
+
 
 @dataclass
 class QualityResult:
     name: str
     quantization: Optional[str]
     kv_cache_dtype: str
+    quantize_lm_head: bool = False
     tokens: int = 0
     nll_sum: float = 0.0
     agree: int = 0
@@ -38,7 +45,8 @@ class QualityResult:
         return math.exp(self.nll_sum / max(self.tokens, 1))
 
     def as_dict(self, reference: Optional["QualityResult"] = None) -> dict:
-        d = {"name": self.name, "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype,
+        d = {"name": self.name, "quantization": self.quantization, "quantize_lm_head": self.quantize_lm_head,
+             "kv_cache_dtype": self.kv_cache_dtype,
              "tokens": self.tokens, "perplexity": round(self.perplexity, 4),
              "weight_mb": round(self.weight_bytes / 1e6, 1), "seconds": round(self.seconds, 2)}
         if reference is not None and self is not reference:
@@ -85,10 +93,11 @@ class _Scorer:
 
 
 def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,
-            device: str):
+            device: str, quantize_lm_head: bool = False):
     from tokenmill.config import EngineConfig
 
-    return EngineConfig.from_kwargs(model=model, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+    return EngineConfig.from_kwargs(model=model, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                                    kv_cache_dtype=kv_cache_dtype,
                                     dtype=dtype, max_model_len=window, device=device,
                                     kv_cache_memory_bytes=64 * 2**20).finalize()
 
@@ -104,10 +113,15 @@ def read_dataset(path: Optional[str]) -> str:
 
 def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: Optional[str] = None,
              kv_cache_dtype: str = "auto", dtype: str = "auto", max_tokens: int = 4096, window: int = 512,
-             device: str = "auto") -> list[QualityResult]:
+             device: str = "auto", quantize_lm_head: str = "no") -> list[QualityResult]:
     """The reference (no quantization, model-dtype KV cache) and each quantization, window by window (all
-    models stay loaded: nothing of size vocab x tokens is kept)."""
+    models stay loaded: nothing of size vocab x tokens is kept). quantize_lm_head: "no" (the head keeps the
+    model dtype, the engine's default), "yes" (`--quantize-lm-head`) or "both" (two variants per method)."""
     from transformers import AutoTokenizer
+
+    if quantize_lm_head not in LM_HEAD_CHOICES:
+        raise ValueError(f"quantize_lm_head must be one of {', '.join(LM_HEAD_CHOICES)}, got {quantize_lm_head!r}")
+    heads = {"no": (False,), "yes": (True,), "both": (False, True)}[quantize_lm_head]
 
     # Every long step logs a line first: a first run converts a GGUF, and quantizing on load takes a while.
     logger.info("quality: resolving the model (a GGUF file is converted once and cached)")
@@ -121,8 +135,11 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
     logger.info("quality: %d tokens in %d windows of up to %d", sum(len(w) for w in windows), len(windows), window)
     configs = [("reference", ref_cfg)]
     for q in quantizations:
-        name = "+".join(x for x in (q, None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
-        configs.append((name or "reference (again)", _config(model, q, kv_cache_dtype, dtype, window, device)))
+        for head in heads if q else (False,):  # no quantization: no head variant
+            name = "+".join(x for x in (q, "lm_head" if head else None,
+                                        None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
+            configs.append((name or "reference (again)",
+                            _config(model, q, kv_cache_dtype, dtype, window, device, head)))
     scorers, results = [], []
     for i, (name, cfg) in enumerate(configs):
         logger.info("quality: loading model %d/%d: %s%s", i + 1, len(configs), name,
@@ -130,7 +147,7 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
         scorer = _Scorer(cfg)
         scorers.append(scorer)
         results.append(QualityResult(name, cfg.model.quantization, cfg.cache.kv_cache_dtype,
-                                     weight_bytes=scorer.weight_bytes()))
+                                     cfg.model.quantize_lm_head, weight_bytes=scorer.weight_bytes()))
     for i, w in enumerate(windows):
         logger.info("quality: scoring window %d/%d with %d model(s)", i + 1, len(windows), len(scorers))
         target = torch.tensor(w[1:])
@@ -161,6 +178,9 @@ def format_table(results: list[QualityResult]) -> str:
     width = max(12, *(len(c) for _, cols in rows for c in cols)) + 2
     lines = [f"{label:<20}" + "".join(f"{c:>{width}}" for c in cols) for label, cols in rows]
     lines.append(f"({ref.tokens} predicted tokens)")
+    if any(r.quantization for r in results):
+        lines.append("(LM head: in the model dtype, the default; quantized too in the +lm_head variants, "
+                     "--quantize-lm-head)")
     return "\n".join(lines)
 
 

@@ -116,8 +116,9 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        # A linear layer like the others, so a quant_method can quantize it; tied, it starts out sharing the
-        # embedding's tensor (quantizing the head then leaves the embedding's float copy for the gather).
+        # A linear layer like the others, so a quant_method can quantize it (online quantization leaves it in
+        # the model dtype unless --quantize-lm-head); tied, it starts out sharing the embedding's tensor
+        # (quantizing the head then leaves the embedding's float copy for the gather).
         self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

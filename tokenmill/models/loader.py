@@ -45,9 +45,10 @@ def iter_weights(files: list[str]):
 
 
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
-               quantization: Optional[str] = None):
+               quantization: Optional[str] = None, quantize_lm_head: bool = False):
     """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
-    checkpoint's own quantization_config is always honoured."""
+    checkpoint's own quantization_config is always honoured. quantize_lm_head: the online method covers the
+    LM head too (default: it stays in `dtype`)."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
 
     t0 = time.perf_counter()
@@ -56,7 +57,7 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         model = cls(config, dtype, backend, max_positions)
     quant = get_quant_config(quantization, config)
     if quant is not None:
-        nquant = apply_quantization(model, quant)
+        nquant = apply_quantization(model, quant, quantize_lm_head)
     loaded = model.load_weights(iter_weights(weight_files(model_dir)))
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
@@ -72,7 +73,9 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if quant is not None:
-        logger.info("quantization: %s on %d linear layers", quant.describe(), nquant)
+        head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \
+            " (LM head in the model dtype; --quantize-lm-head includes it)"
+        logger.info("quantization: %s on %d linear layers%s", quant.describe(), nquant, head)
     logger.info("loaded %s (%s, %.1f MB of weights) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
                 nbytes / 1e6, time.perf_counter() - t0)
     return model

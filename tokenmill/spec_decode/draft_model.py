@@ -82,7 +82,8 @@ class DraftModelProposer(KVDrafter):
         cfg = spec.draft_hf_config
         # A quantized draft (e.g. an int8 copy of the target itself): same tokenizer, a fraction of the bytes.
         self.model = load_model(spec.draft_model_dir, cfg, mc.torch_dtype, config.device, backend,
-                                max_positions=mc.max_model_len, quantization=spec.quantization)
+                                max_positions=mc.max_model_len, quantization=spec.quantization,
+                                quantize_lm_head=mc.quantize_lm_head)
         attn = self.model.layers[0].self_attn
         super().__init__(config, len(self.model.layers), attn.num_kv_heads, attn.head_dim, mc.torch_dtype)
         self.max_catchup = max(config.scheduler.max_num_batched_tokens or 2048, 1)

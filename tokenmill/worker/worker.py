@@ -31,8 +31,13 @@ class Worker:
             raise RuntimeError("--batch-invariant needs tokenmill's C kernels, which could not be built here "
                                "(is a C compiler installed? see the warning above)")
         self.backend = get_attention_backend(self.device)
+        if mc.quantize_lm_head and mc.online_quantization is None:
+            logger.warning("--quantize-lm-head has no effect on this model: it applies to --quantization on a "
+                           "float checkpoint (%s)", f"the checkpoint's own {mc.quantization} quantization_config "
+                           "decides which layers are quantized" if mc.quantization else "none given")
         self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
-                                max_positions=mc.max_model_len, quantization=mc.online_quantization)
+                                max_positions=mc.max_model_len, quantization=mc.online_quantization,
+                                quantize_lm_head=mc.quantize_lm_head)
         self.drafter = None
         if config.speculative is not None:
             from tokenmill.spec_decode import make_proposer

@@ -2,8 +2,10 @@
 
 Online (`--quantization`, applied on load to a float checkpoint): int8 (weight-only), w8a8, fp8, mxfp4,
 nvfp4. Pre-quantized checkpoints, recognised from config.json's `quantization_config`: `fp8` and
-`compressed-tensors`. Models never branch on any of this: every LinearBase (the LM head included) gets a
-quant_method from the config, and the method owns the weights and the matmul.
+`compressed-tensors`. Models never branch on any of this: every LinearBase gets a quant_method from the
+config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
+dtype (as vLLM does) unless asked to include it (`--quantize-lm-head`); a checkpoint's own `ignore` list
+decides for its head.
 """
 from __future__ import annotations
 
@@ -70,9 +72,17 @@ def _hf_names(model: nn.Module, prefix: str) -> list[str]:
     return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
 
 
-def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
+LM_HEAD = "lm_head"
+
+
+def is_lm_head(prefix: str) -> bool:
+    return prefix.rpartition(".")[2] == LM_HEAD
+
+
+def apply_quantization(model: nn.Module, config: QuantizationConfig, quantize_lm_head: bool = False) -> int:
     """Install config's quant methods on the model's linear layers (before its weights load). Returns how
-    many layers were quantized."""
+    many layers were quantized. Online methods skip the LM head unless quantize_lm_head: it keeps the model
+    dtype and the float path (UnquantizedLinearMethod, CPU-packed; tied, it stays the embedding's tensor)."""
     from tokenmill.layers.linear import LinearBase
 
     shared = {}
@@ -81,6 +91,8 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig) -> int:
     count = 0
     for prefix, layer in model.named_modules():
         if not isinstance(layer, LinearBase):
+            continue
+        if config.online and not quantize_lm_head and is_lm_head(prefix):
             continue
         method = config.get_linear_method(layer, prefix, _hf_names(model, prefix))
         if method is None:

@@ -5,7 +5,8 @@ mxfp4|nvfp4`) or describes a *pre-quantized checkpoint* (read from its `quantiza
 installs `config.get_linear_method(layer, name)` as each linear layer's quant_method before the weights load:
 
 - online methods keep the float weight the layer already created and replace it in
-  `process_weights_after_loading` (so a tied LM head is quantized while the embedding keeps its float copy);
+  `process_weights_after_loading` (they skip the LM head unless `--quantize-lm-head`; with it, a tied head is
+  quantized while the embedding keeps its float copy);
 - checkpoint methods create the stored tensors (e.g. fp8 `weight` + `weight_scale`) with per-shard loaders,
   then convert them to the kernel layout after loading.
 
