@@ -197,7 +197,7 @@ void NAME(const float *x, const WT *wp, const float *bias, float *y, int64_t M, 
         return;                                                                                            \
     }                                                                                                      \
     const int64_t nchunks = (M + PMC - 1) / PMC, npanels = (N + NP - 1) / NP;                              \
-    _Pragma("omp parallel for collapse(2) schedule(static) num_threads(num_threads)")                      \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                  \
     for (int64_t p = 0; p < npanels; p++) {                                                                \
         for (int64_t c = 0; c < nchunks; c++) {                                                            \
             const int64_t n0 = p * NP, m_end = (c + 1) * PMC < M ? (c + 1) * PMC : M;                      \

@@ -13,6 +13,7 @@ from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
+from tokenmill.worker.cpu_threads import ThreadSizer
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -48,6 +49,7 @@ class Worker:
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         self.kernels: dict = {}  # kernels_report.report, once the KV cache exists
+        self.thread_sizer = ThreadSizer() if self.device == "cpu" else None
         if self.kv_dtype.itemsize == 1:  # fp8/int8 cache: each attention layer quantizes on write
             for module in self.model.modules():
                 if hasattr(module, "kv_quant"):
@@ -103,6 +105,8 @@ class Worker:
 
     def execute_model(self, scheduler_output):
         connector, plan = self.kv_connector, scheduler_output.kv_connector_plan
+        if self.thread_sizer is not None:
+            self.thread_sizer.update()
         if plan is not None:
             connector.start_step(plan)  # blocks this step reads are in place before the forward pass
         out = self.runner.execute(scheduler_output)
