@@ -77,3 +77,15 @@ def test_stack_leaves_steps_to_the_layers_where_torch_was_measured_faster(tiny, 
     llm.generate(twelve[:3], sp, use_tqdm=False)
     assert any(rows == 12 for rows, _ in taken) and all(not ok for rows, ok in taken if rows > 8)
     assert any(ok for rows, ok in taken if rows == 3)
+
+
+@pytest.mark.parametrize("dtype,method", [("float32", "int8"), ("bfloat16", "int8"), ("float32", "w8a8")])
+def test_stack_runs_int8_linear_layers(tiny, dtype, method, monkeypatch):
+    """int8 weight-only and w8a8 layers run in the stack through the int8 kernel, bit-identical to their Python
+    `apply` (the LM head quantized too in one case: it runs outside the stack either way)."""
+    path = tiny("qwen2")  # q/k/v biases: the int8 kernel adds them as the Python layer does
+    kw = dict(quantization=method, quantize_lm_head=dtype == "bfloat16")
+    ref, taken_ref = _run(path, dtype, False, monkeypatch, **kw)
+    got, taken = _run(path, dtype, True, monkeypatch, **kw)
+    assert not taken_ref and sum(taken) >= 20
+    assert got == ref

@@ -4,15 +4,20 @@
  * allocation, ~10 ctypes calls per layer) as in the kernels themselves. This loop runs the same kernels, in
  * the same order, with the same rounding points as the Python layer code (models/llama.py), so its output
  * is bit-identical to it; it only removes the glue. The kernels come in as function pointers from their own
- * libraries (skinny_linear.c, cpu_fused.c, attention/paged_attention.c), so each exists once.
+ * libraries (skinny_linear.c, cpu_fused.c, attention/paged_attention.c, quantization/qlinear.c), so each
+ * exists once.
  *
  * Activations are in the model's dtype (float32 or bfloat16, `bf16` below). A linear layer takes float32 in
- * and out: in bf16 its input is widened and its output rounded, as panel_linear does in Python.
+ * and out: in bf16 its input is widened and its output rounded, as panel_linear and the bound int8 kernel
+ * (quantization/kernels.py) do in Python. Each linear is either the float panel kernel or int8_linear_iq
+ * (int8 weight-only with 16-bit activations, or w8a8): the call the Python layer would make for these rows.
  */
 #include "cpu_vec.h"
 
 typedef void (*linear_fn)(const float *x, const void *wp, const float *bias, float *y, int64_t M, int64_t N,
                           int64_t K, int num_threads);
+typedef void (*int8_fn)(const float *x, int64_t M, int32_t qmax, const int8_t *w, const float *w_scale, int64_t N,
+                        int64_t K, const float *bias, float *y, int num_threads);
 typedef void (*norm_fn)(const void *x, const void *residual, void *res_out, const void *w, void *out, int64_t T,
                         int64_t H, float eps, int num_threads);
 typedef void (*silu_fn)(const void *x, void *out, int64_t T, int64_t I, int num_threads);
@@ -28,11 +33,15 @@ typedef int (*write_kv_fn)(const char *k, int64_t k_row_bytes, const char *v, in
                            int64_t T, int64_t num_kv_heads, int64_t head_bytes, int64_t cache_head_bytes,
                            const int64_t *slots);
 
+enum { LINEAR_PANEL = 0, LINEAR_INT8 = 1 };
+
 typedef struct {
-    linear_fn fn;
-    const void *w;     /* panels */
-    const float *bias; /* float32 or NULL */
+    const void *fn;     /* linear_fn (LINEAR_PANEL) or int8_fn (LINEAR_INT8) */
+    const void *w;      /* panels, or int8 [N, K] */
+    const float *bias;  /* float32 or NULL */
+    const float *scale; /* LINEAR_INT8: the weight's per-row scales */
     int64_t N, K;
+    int32_t kind, qmax; /* qmax: LINEAR_INT8's activation grid (32767 weight-only, 127 w8a8) */
 } linear_t;
 
 typedef struct {
@@ -62,16 +71,23 @@ typedef struct {
     const int32_t *block_table, *req_of, *kv_start, *kv_end;
 } step_t;
 
+static void linear_f32(const linear_t *l, const float *x, float *y, int64_t M, int nt) {
+    if (l->kind == LINEAR_INT8)
+        ((int8_fn)l->fn)(x, M, l->qmax, l->w, l->scale, l->N, l->K, l->bias, y, nt);
+    else
+        ((linear_fn)l->fn)(x, l->w, l->bias, y, M, l->N, l->K, nt);
+}
+
 static void linear(const stack_t *s, const linear_t *l, const void *x, void *y, int64_t M, float *fx, float *fy,
                    int nt) {
     if (!s->bf16) {
-        l->fn(x, l->w, l->bias, y, M, l->N, l->K, nt);
+        linear_f32(l, x, y, M, nt);
         return;
     }
     const uint16_t *xb = x;
     uint16_t *yb = y;
     for (int64_t i = 0; i < M * l->K; i++) fx[i] = bf16_to_f32(xb[i]);
-    l->fn(fx, l->w, l->bias, fy, M, l->N, l->K, nt);
+    linear_f32(l, fx, fy, M, nt);
     for (int64_t i = 0; i < M * l->N; i++) yb[i] = f32_to_bf16(fy[i]);
 }
 

@@ -3,7 +3,10 @@ all short (decodes, speculative verification): the same kernels, order and round
 Python code, minus its per-layer glue, which costs as much as the matmuls in a single-stream decode step of a
 small model.
 
-`CpuStack.build` returns None where the stack does not apply as a whole (quantized or unpacked linears, an
+Each linear layer runs the float panel kernel or, for int8 weight-only and w8a8 layers, the int8 kernel
+(quantization/qlinear.c) with the layer's scales: the call its Python `apply` makes for decode-sized rows.
+
+`CpuStack.build` returns None where the stack does not apply as a whole (fp8/fp4 or unpacked linears, an
 8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler; `unavailable` says which);
 `run` returns None for a step it does not take (a prefill, hooks on the layers, more rows than some layer's
 measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
@@ -23,13 +26,19 @@ from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.quantization import kernels as qkernels
+from tokenmill.layers.quantization.int8 import Int8LinearMethod
 
 _SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "layers", "decoder_stack.c")
 vp, i64 = ctypes.c_void_p, ctypes.c_int64
 
 
+LINEAR_PANEL, LINEAR_INT8 = 0, 1  # decoder_stack.c's linear kinds
+
+
 class _Linear(ctypes.Structure):
-    _fields_ = [("fn", vp), ("w", vp), ("bias", vp), ("N", i64), ("K", i64)]
+    _fields_ = [("fn", vp), ("w", vp), ("bias", vp), ("scale", vp), ("N", i64), ("K", i64),
+                ("kind", ctypes.c_int32), ("qmax", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -82,9 +91,14 @@ class CpuStack:
             if layer.bias is not None:
                 bias = layer.bias.detach().float().contiguous()
                 self._keep.append(bias)
+            bias = bias.data_ptr() if bias is not None else None
+            method = layer.quant_method
+            if isinstance(method, Int8LinearMethod):
+                return _Linear(_addr(qkernels.load().int8_linear_iq), layer.weight.data_ptr(), bias,
+                               layer.weight_row_scale.data_ptr(), layer.out_features, layer.in_features,
+                               LINEAR_INT8, method.act_qmax)
             p = layer.packed_weight
-            return _Linear(_addr(p.kernel), p.ptr, bias.data_ptr() if bias is not None else None,
-                           p.out_features, p.in_features)
+            return _Linear(_addr(p.kernel), p.ptr, bias, None, p.out_features, p.in_features, LINEAR_PANEL, 0)
 
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         layers = []
@@ -107,9 +121,11 @@ class CpuStack:
             _addr(cpu_kernels.kernel(dtype)), _addr(cpu_kernels.load().write_kv), self._layers)
         self._scratch: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         # Steps with more rows than this go layer by layer: some layer runs them faster through torch
-        # (matmul_plan.py); the stack only knows the panel kernel.
-        plans = [lin.packed_weight.plan for layer in model.layers for lin in _linears(layer)]
-        self.max_rows = matmul_plan.panel_row_limit(plans)
+        # (matmul_plan.py), or an int8 layer widens its weight for MKL there; the stack only knows the kernels.
+        lins = [lin for layer in model.layers for lin in _linears(layer)]
+        int8 = [lin.quant_method.kernel_rows for lin in lins if isinstance(lin.quant_method, Int8LinearMethod)]
+        plans = [lin.packed_weight.plan for lin in lins if not isinstance(lin.quant_method, Int8LinearMethod)]
+        self.max_rows = min([matmul_plan.panel_row_limit(plans)] + int8)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
@@ -171,15 +187,19 @@ def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, boo
         return "not on CPU", False
     if weight.dtype not in cpu_kernels.DTYPES:
         return f"no C kernels for {weight.dtype}", False
+    lins = [lin for layer in model.layers for lin in _linears(layer)]
     libraries = {"skinny_linear": cpu_linear.available, "cpu_fused": cpu_fused.available,
                  "paged_attention": lambda: cpu_kernels.load() is not None, "decoder_stack": available}
+    if any(isinstance(lin.quant_method, Int8LinearMethod) for lin in lins):
+        libraries["qlinear"] = qkernels.available
     missing = [name for name, ok in libraries.items() if not ok()]
     if missing:
         return f"C kernel libraries unavailable: {', '.join(missing)}", True
     feature = _model_mismatch(model, kv_caches)
     if feature is not None:
         return feature, False
-    if any(getattr(lin, "packed_weight", None) is None for layer in model.layers for lin in _linears(layer)):
+    if any(type(lin.quant_method) is UnquantizedLinearMethod and getattr(lin, "packed_weight", None) is None
+           for lin in lins):
         return "linear weights left unpacked (packed-weight budget exhausted)", True
     return None
 
@@ -215,8 +235,10 @@ def _layer_mismatch(model, layer, kv: torch.Tensor, kv0: torch.Tensor) -> Option
     if (kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[1] != a.num_kv_heads
             or kv.shape[4] != a.head_dim or kv.shape != kv0.shape):
         return "KV cache dtype or layout"
-    if any(type(lin.quant_method) is not UnquantizedLinearMethod for lin in _linears(layer)):
-        return "quantized linear layers"
+    other = [lin.quant_method for lin in _linears(layer)
+             if not isinstance(lin.quant_method, (UnquantizedLinearMethod, Int8LinearMethod))]
+    if other:
+        return f"{type(other[0]).__name__} linear layers (the stack runs float, int8 and w8a8 ones)"
     if any(n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms):
         return "norms differ in dtype or eps"
     return None

@@ -46,13 +46,22 @@ class Int8LinearMethod(PackedLinearMethod):
     def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         self._set(layer, q.to(torch.int8), None, scale.float().reshape(-1))
 
+    @property
+    def act_qmax(self) -> int:
+        return kernels.ACT_QMAX_W8A8 if self.activations else kernels.ACT_QMAX_A16
+
+    @property
+    def kernel_rows(self) -> float:
+        """The most rows `apply` gives the bound kernel outside batch-invariant mode (the CPU decoder stack,
+        models/cpu_stack.py, makes the same call and so takes no step with more)."""
+        return float("inf") if self.activations else kernels.FUSED_MAX_ROWS
+
     def bind(self, layer: nn.Module) -> None:
-        self.run = kernels.bind_int8(layer.weight, layer.weight_row_scale,
-                                     kernels.ACT_QMAX_W8A8 if self.activations else kernels.ACT_QMAX_A16)
+        self.run = kernels.bind_int8(layer.weight, layer.weight_row_scale, self.act_qmax)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.run is not None and x.is_cpu and (self.activations or batch_invariant.enabled() or
-                                                  x.numel() <= kernels.FUSED_MAX_ROWS * layer.in_features):
+        if self.run is not None and x.is_cpu and (batch_invariant.enabled() or
+                                                  x.numel() <= self.kernel_rows * layer.in_features):
             return self.run(x, bias)
         if self.activations:
             return kernels.int8_linear(x, layer.weight, layer.weight_row_scale, bias, kernels.ACT_QMAX_W8A8)

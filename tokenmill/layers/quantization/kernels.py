@@ -139,10 +139,10 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: O
 # -- bound calls: a layer's packed weights tied to the kernel once ------------------------------------------
 # A decode step makes ~200 small matmul calls; the generic wrappers above cost ~15 us of Python each, the bound
 # closures below ~5 us (shape/dtype checks once per layer, weight pointers captured).
-def _bias_ptr(bias: Optional[torch.Tensor]):
-    if bias is None:
-        return None
-    return (bias if bias.dtype == torch.float32 else bias.float()).data_ptr()
+def _float_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The bias as float32; the caller holds the result through the kernel call (a temporary's data_ptr
+    would point at freed memory, which the kernel's own scratch allocation can reuse)."""
+    return bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
 
 
 def bind_int8(w: torch.Tensor, w_scale: torch.Tensor, act_qmax: int):
@@ -155,8 +155,9 @@ def bind_int8(w: torch.Tensor, w_scale: torch.Tensor, act_qmax: int):
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        b = _float_bias(bias)
         y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
-        fn(x2.data_ptr(), x2.numel() // K, act_qmax, wp, sp, N, K, _bias_ptr(bias), y.data_ptr(),
+        fn(x2.data_ptr(), x2.numel() // K, act_qmax, wp, sp, N, K, _ptr(b), y.data_ptr(),
            torch.get_num_threads())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     return run
@@ -173,8 +174,9 @@ def bind_qlinear(fmt: int, w: torch.Tensor, scales: Optional[torch.Tensor], row_
 
     def run(x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        b = _float_bias(bias)
         y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
-        fn(fmt, x2.data_ptr(), x2.numel() // K, wp, sp, rp, N, K, group, global_scale, _bias_ptr(bias),
+        fn(fmt, x2.data_ptr(), x2.numel() // K, wp, sp, rp, N, K, group, global_scale, _ptr(b),
            y.data_ptr(), int(not batch_invariant.enabled()), torch.get_num_threads())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
     return run
