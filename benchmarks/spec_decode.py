@@ -289,13 +289,16 @@ def real_weights(args) -> dict:
     res = {"ngram": [], "quantized_self_draft": []}
     ngram = make_llm(None, {"method": "ngram", "num_speculative_tokens": args.ngram_k, "prompt_lookup_min": 2,
                             "prompt_lookup_max": 5}, **kw)
-    try:
-        qdraft = make_llm(None, {"method": "draft_model", "model": base_llm.config.model.model_dir,
-                                 "num_speculative_tokens": args.draft_k, "quantization": args.draft_quantization},
-                          **kw)
-    except ValueError as e:
-        qdraft = None
-        res["quantized_self_draft"] = f"not available: {e}"
+    qdraft = None
+    if "draft_model" not in args.real_methods:
+        res["quantized_self_draft"] = "not run (--real-methods)"
+    else:
+        try:
+            qdraft = make_llm(None, {"method": "draft_model", "model": base_llm.config.model.model_dir,
+                                     "num_speculative_tokens": args.draft_k,
+                                     "quantization": args.draft_quantization}, **kw)
+        except ValueError as e:
+            res["quantized_self_draft"] = f"not available: {e}"
     for B in args.real_batches:
         ps = prompts[:B]
         fns = [lambda: decode_run(base_llm, ps, args.real_out_len), lambda: decode_run(ngram, ps, args.real_out_len)]
@@ -336,7 +339,9 @@ def main() -> None:
     ap.add_argument("--ngram-k", type=int, default=4)
     ap.add_argument("--draft-k", type=int, default=4)
     ap.add_argument("--draft-quantization", default="int8")
-    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--real-methods", nargs="+", default=["ngram", "draft_model"],
+                    choices=["ngram", "draft_model"], help="part 2: ngram always runs; draft_model is optional")
+    ap.add_argument("--skip-synthetic", action="store_true", help="run only part 2 (real weights)")
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--save-result", default=None)
     args = ap.parse_args()

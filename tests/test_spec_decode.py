@@ -373,6 +373,33 @@ def test_ngram_proposals():
     assert propose_ngram([np.array([1, 2, 3, 1, 2])], [5], 3, 3) == [[]]  # min_n = 3: no 3-gram repeats
 
 
+def test_ngram_draft_length_follows_the_match():
+    """No more drafts than the match reaches back (past max_n), never more than k; a continuation that runs
+    into the present repeats with the match's period."""
+    import numpy as np
+
+    copy = np.array([9, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6, 7])  # [1..7] matches 7 tokens back
+    weak = np.array([5, 1, 2, 3, 9, 1, 2])                                # [1 2] matches 2 tokens back
+    assert propose_ngram([copy, weak], [8, 8], 2, 3) == [[8, 0, 1, 2, 3, 4, 5], [3, 9]]
+    assert propose_ngram([copy], [3], 2, 3) == [[8, 0, 1]]                # k still caps
+    assert propose_ngram([np.array([7] * 6)], [4], 2, 3) == [[7, 7, 7, 7]]           # period 1
+    assert propose_ngram([np.array([1, 2] * 4)], [5], 2, 3) == [[1, 2, 1, 2, 1]]    # period 2
+    assert propose_ngram([np.array([3, 3])], [5], 1, 3) == [[3]]          # k past the history's length
+    assert propose_ngram([np.array([1])], [5], 1, 3) == [[]]
+
+
+def test_ngram_long_drafts_on_a_loop_are_exact(heads):
+    """A prompt that loops lets the drafter propose k = 8 wrapped-around drafts; the output is still exactly
+    plain greedy decoding."""
+    prompt = [11, 12, 13, 14, 15] * 12
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = _generate(LLM(heads["target"], dtype="float32", seed=0), [prompt], sp)
+    llm = LLM(heads["target"], dtype="float32", seed=0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    assert _generate(llm, [prompt], sp) == expected
+    assert len(llm.engine.stats().spec_accepted_per_pos) == 8  # full-length drafts were verified
+
+
 def test_controller_batch_size_and_adaptive():
     c = SpecController(4, disable_by_batch_size=8)
     assert c.choose_k(7) == 4 and c.choose_k(8) == 0

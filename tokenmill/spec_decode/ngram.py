@@ -1,10 +1,11 @@
 """N-gram (prompt lookup) drafter: find the longest recent earlier occurrence of the context's last n tokens
-(prompt_lookup_max >= n >= prompt_lookup_min) in the request's prompt and output, propose what followed it.
+(prompt_lookup_max >= n >= prompt_lookup_min) in the request's prompt and output, propose what followed it:
+at most k tokens and at most as many as the match reaches back (see propose_ngram).
 
 Vectorised over the batch: histories are right-aligned in one [B, L] matrix (left padding -1, which matches
 no token). eq_j[b, i] = (X[b, i] == j-th last token of row b); an n-gram ending at position e matches iff
 eq_j[b, e - j] for j < n, built up one j at a time, so all n of all rows cost O(B * L * max_n) array work
-and no per-token Python.
+and no per-token Python; the chosen match's full length is then one [B, k] comparison.
 """
 from __future__ import annotations
 
@@ -52,8 +53,11 @@ class NgramProposer(Proposer):
 
 
 def propose_ngram(histories: list[np.ndarray], k: list[int], min_n: int, max_n: int) -> list[list[int]]:
-    """For each history, the up-to-k tokens that followed the latest earlier occurrence of its longest
-    matching suffix (max_n down to min_n tokens); [] where nothing matches."""
+    """For each history, the tokens that followed the latest earlier occurrence of its longest matching
+    suffix (max_n down to min_n tokens); [] where nothing matches. At most k tokens, and at most as many as
+    the match reaches back (counted past max_n): a 2-token match is weak evidence for a 5-token guess, a
+    20-token one is strong, and on CPU each rejected draft costs ~15-30% of a decode step (docs/benchmarks.md).
+    A continuation that runs into the present repeats with the match's period (a loop keeps looping)."""
     B = len(histories)
     L = max(len(h) for h in histories)
     X = np.full((B, L), -1, dtype=np.int64)
@@ -72,8 +76,18 @@ def propose_ngram(histories: list[np.ndarray], k: list[int], min_n: int, max_n: 
             any_m = match.any(1)
             last = L - 2 - np.argmax(match[:, ::-1], axis=1)
             found = np.where(any_m, last, found)  # longer n overwrites shorter
+    num = np.minimum(np.asarray(k), _match_length(X, found, max(k, default=0)))
     out = []
     for b in range(B):
-        e = found[b]
-        out.append(X[b, e + 1:e + 1 + k[b]].tolist() if e >= 0 else [])
+        e, p = found[b], L - 1 - found[b]        # p: the match's distance from the end (its period)
+        out.append(X[b, e + 1 + np.arange(num[b]) % p].tolist() if e >= 0 else [])
     return out
+
+
+def _match_length(X: np.ndarray, ends: np.ndarray, cap: int) -> np.ndarray:
+    """How many tokens (up to cap) before and at each row's end e equal the row's last tokens (0 where e < 0)."""
+    j = np.arange(min(cap, X.shape[1]))
+    src = ends[:, None] - j[None, :]                                  # X[b, e - j] against X[b, L - 1 - j]
+    last = X[:, X.shape[1] - 1 - j]
+    eq = (src >= 0) & (np.take_along_axis(X, np.maximum(src, 0), 1) == last) & (last >= 0)
+    return np.cumprod(eq, axis=1).sum(1) * (ends >= 0)
