@@ -392,11 +392,106 @@ class SpeculativeConfig:
             self.quantization = validate_quantization(self.quantization, d, self.draft_model_dir)
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uniproc")
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split: tensor parallel x pipeline parallel ranks (expert parallel shards a MoE
+    layer's experts over the tensor-parallel ranks). World size 1 is one process (uniproc)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: Optional[str] = None  # mp | ray | uniproc; default mp when world size > 1
+    pp_layer_partition: Optional[str] = None  # layers per pipeline stage, e.g. "16,14" (default: even split)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def finalize(self, device: str, hf_config: Any) -> None:
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp < 1 or pp < 1:
+            raise ValueError(f"--tensor-parallel-size and --pipeline-parallel-size must be at least 1, "
+                             f"got {tp} and {pp}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp" if self.world_size > 1 else "uniproc"
+        backend = self.distributed_executor_backend
+        if backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"unknown --distributed-executor-backend {backend!r}; choose mp, ray or uniproc")
+        if backend == "uniproc" and self.world_size > 1:
+            raise ValueError(f"world size {self.world_size} (tensor x pipeline parallel) needs the mp or ray "
+                             "executor, not uniproc")
+        if backend == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'tokenmill[ray]'") \
+                    from None
+        elif self.world_size > 1:  # mp: every rank on this machine
+            self._check_local_capacity(device)
+        self._check_model_divides(hf_config)
+        if self.pp_layer_partition is not None:
+            self.layers_per_stage(hf_config.num_hidden_layers)  # validates
+
+    def _check_local_capacity(self, device: str) -> None:
+        if device == "cuda":
+            import torch
+
+            n = torch.cuda.device_count()
+            if self.world_size > n:
+                raise ValueError(f"world size {self.world_size} (tensor x pipeline parallel) is larger than the "
+                                 f"{n} CUDA device(s) of this machine; use --distributed-executor-backend ray to "
+                                 "span machines")
+            return
+        cores = usable_cpus()
+        # Two ranks may share a core (a tiny model's TP=2 x PP=2 on 2 cores); more would time-slice every
+        # collective to a crawl.
+        if self.world_size > 2 * cores:
+            raise ValueError(f"world size {self.world_size} (tensor x pipeline parallel) is larger than this "
+                             f"machine can run: {cores} CPU core(s) take at most {2 * cores} ranks; use "
+                             "--distributed-executor-backend ray to span machines")
+
+    def _check_model_divides(self, cfg: Any) -> None:
+        tp = self.tensor_parallel_size
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        ok = [n for n in range(1, heads + 1) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+        if tp not in ok:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention heads "
+                             f"({kv} KV heads); sizes that work: {', '.join(map(str, ok))}")
+        if self.pipeline_parallel_size > cfg.num_hidden_layers:
+            raise ValueError(f"--pipeline-parallel-size {self.pipeline_parallel_size} is more than the model's "
+                             f"{cfg.num_hidden_layers} layers")
+
+    def layers_per_stage(self, num_layers: int) -> list[int]:
+        pp = self.pipeline_parallel_size
+        if self.pp_layer_partition is None:
+            return [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+        try:
+            counts = [int(x) for x in self.pp_layer_partition.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+            raise ValueError(f"--pp-layer-partition {self.pp_layer_partition!r} must list {pp} positive layer "
+                             f"counts that sum to the model's {num_layers} layers, e.g. "
+                             f"{','.join(map(str, ParallelConfig(pipeline_parallel_size=pp).layers_per_stage(num_layers)))}")
+        return counts
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[SpeculativeConfig] = None
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
@@ -412,6 +507,7 @@ class EngineConfig:
         self.cache.validate()
         self.model.finalize(self.device, install_default)
         self.scheduler.validate(self.model.max_model_len)
+        self.parallel.finalize(self.device, self.model.hf_config)
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
@@ -420,7 +516,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineConfig":
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "parallel": ParallelConfig}
         built = {}
         for name, klass in parts.items():
             names = {f.name for f in fields(klass) if f.init}
@@ -481,6 +578,18 @@ class EngineConfig:
         p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
         p.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="most tokens (prefill chunks + decodes) in one step (default: 2048)")
+        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split each layer across this many ranks (query heads, MLP columns, vocabulary)")
+        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split the layers into this many consecutive stages, one rank group each")
+        p.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: spread the experts over the tensor-parallel ranks instead of splitting "
+                            "each expert")
+        p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uniproc"],
+                       help="where the ranks run: mp = processes on this machine (default when the world size "
+                            "is above 1), ray = Ray actors, across machines")
+        p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                       help="layers per pipeline stage (default: an even split)")
         p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help="auto = cuda when a CUDA device is visible, else cpu")
         p.add_argument("--speculative-config", default=None,
@@ -506,7 +615,10 @@ class EngineConfig:
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
-            speculative_config=getattr(a, "speculative_config", None))
+            speculative_config=getattr(a, "speculative_config", None),
+            tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
+            enable_expert_parallel=a.enable_expert_parallel,
+            distributed_executor_backend=a.distributed_executor_backend, pp_layer_partition=a.pp_layer_partition)
 
 
 ROUTER_POLICIES = ("prefix_aware", "least_load", "round_robin")

@@ -1,20 +1,126 @@
-"""Process groups. Single-process runs are the degenerate case: rank 0 of size 1, collectives no-ops.
-(The multi-process executor initializes torch.distributed and these pick it up.)"""
+"""Process groups for tensor, pipeline and expert parallelism, and the collectives the model layers call.
+
+A run of world size tp * pp has rank = pp_rank * tp + tp_rank: the tp ranks of one pipeline stage are
+consecutive (one node's devices), and the ranks holding the same tensor shard across stages form a pipeline
+group. Expert parallelism shards experts over the tensor-parallel group (attention stays TP).
+
+A single-process run is the degenerate case: rank 0 of size 1, every collective a no-op, so model code is
+written once. The state is per process (each rank is one process), set once by init_distributed() in the
+worker before the model is built, and never changed after. Collectives carry a timeout: a rank that dies
+makes the others raise instead of hanging.
+"""
 from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 
+@dataclass(frozen=True)
+class ParallelState:
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+    expert_parallel: bool = False
+    tp_group: Optional[object] = None  # torch.distributed ProcessGroup of this rank's tensor-parallel ranks
+    pp_group: Optional[object] = None  # ... of this rank's pipeline (same tp_rank in every stage)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+
+_state = ParallelState()
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, backend: str = "gloo",
+                     timeout_s: float = 60.0, expert_parallel: bool = False) -> ParallelState:
+    """Join the world (torch.distributed) and build this rank's groups. Call once per process."""
+    global _state
+    world = tp_size * pp_size
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world > 1:
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, timeout=timeout)
+    tp_group = pp_group = None
+    if world > 1:
+        # new_group is collective: every rank creates every group, in the same order
+        for stage in range(pp_size):
+            ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                tp_group = g
+        for t in range(tp_size):
+            ranks = list(range(t, world, tp_size))
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                pp_group = g
+    _state = ParallelState(tp_size, pp_size, rank, expert_parallel, tp_group, pp_group)
+    return _state
+
+
+def destroy_distributed() -> None:
+    global _state
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()
+
+
+def state() -> ParallelState:
+    return _state
+
+
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return _state.tp_size
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return _state.tp_rank
+
+
+def pp_size() -> int:
+    return _state.pp_size
+
+
+def pp_rank() -> int:
+    return _state.pp_rank
+
+
+def ep_size() -> int:
+    """Ranks the experts of a MoE layer are spread over (1 without --enable-expert-parallel)."""
+    return _state.tp_size if _state.expert_parallel else 1
+
+
+def ep_rank() -> int:
+    return _state.tp_rank if _state.expert_parallel else 0
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if tp_size() > 1:
-        dist.all_reduce(x)
+    """Sum over the tensor-parallel ranks, in place."""
+    if _state.tp_size > 1:
+        dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate the tensor-parallel ranks' x along dim (rank order)."""
+    if _state.tp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=_state.tp_group)
+    return torch.cat(parts, dim)
+
+
+def pp_global_rank(stage: int) -> int:
+    """The global rank of pipeline stage `stage` that shares this rank's tensor shard."""
+    return stage * _state.tp_size + _state.tp_rank

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.distributed import pp_size, tp_size
 from tokenmill.layers import batch_invariant, cpu_fused, cpu_linear, matmul_plan
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionMetadata
@@ -185,6 +186,10 @@ def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, boo
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         return "not on CPU", False
+    if tp_size() > 1 or pp_size() > 1:  # the C stack has no collectives between its layers
+        return "tensor/pipeline parallel (no all-reduce or stage hand-off inside the C stack)", False
+    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
+        return "mixture-of-experts feed-forward layers", False
     if weight.dtype not in cpu_kernels.DTYPES:
         return f"no C kernels for {weight.dtype}", False
     lins = [lin for layer in model.layers for lin in _linears(layer)]

@@ -85,10 +85,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype, backend, rotary) -> None:
+    def __init__(self, config, layer_idx: int, dtype, backend, rotary, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx, dtype, backend, rotary)
-        self.mlp = MLP(config, dtype)
+        self.mlp = mlp  # the family's feed-forward block: MLP here, a mixture of experts in moe.py
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config, head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, backend, rotary)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, backend, rotary, self.make_mlp(config, i, dtype))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -126,6 +126,10 @@ class LlamaForCausalLM(nn.Module):
         self.use_cpu_stack = True
         self._stack_for: Optional[list[torch.Tensor]] = None
         self._stack: Optional[CpuStack] = None
+
+    def make_mlp(self, config, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """Layer layer_idx's feed-forward block (MoE families override this)."""
+        return MLP(config, dtype)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
