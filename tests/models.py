@@ -34,6 +34,22 @@ ARCHS = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True, num_key_value_heads=2, head_dim=32)),
 }
 
+# Mixture-of-experts archs, apart from ARCHS so the dense archs keep their seeds (and test_model_exactness its
+# list). 4 experts, top-2; head counts divisible by 2 for TP=2. qwen3_moe's layer 1 is dense
+# (mlp_only_layers); qwen3_moe_norm's layers 0 and 2 are (decoder_sparse_step=2).
+MOE_ARCHS = {
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(tie_word_embeddings=True, num_key_value_heads=2, head_dim=32,
+                                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe_norm": ("Qwen3MoeConfig", dict(tie_word_embeddings=False, num_key_value_heads=2, head_dim=32,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                              norm_topk_prob=True, num_hidden_layers=4, decoder_sparse_step=2)),
+}
+_SEEDS = {arch: 1234 + i for i, arch in enumerate(sorted(ARCHS))}
+_SEEDS.update({arch: 2234 + i for i, arch in enumerate(sorted(MOE_ARCHS))})
+
 _cache: dict[str, str] = {}
 _root = None
 
@@ -69,12 +85,12 @@ def tiny_model(arch: str) -> str:
 
     path = os.path.join(_root_dir(), arch)
     tok = build_tokenizer(path)
-    cls_name, extra = ARCHS[arch]
-    config = getattr(transformers, cls_name)(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
-        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **extra)
-    torch.manual_seed(1234 + sorted(ARCHS).index(arch))
+    cls_name, extra = ARCHS[arch] if arch in ARCHS else MOE_ARCHS[arch]
+    fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    config = getattr(transformers, cls_name)(**{**fields, **extra})
+    torch.manual_seed(_SEEDS[arch])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if arch == "qwen2":  # biases are zero-initialised; make them matter
         with torch.no_grad():

@@ -1,13 +1,15 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from tokenmill.models import llama
+from tokenmill.models import llama, moe
 
 _REGISTRY = {
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.LlamaForCausalLM,
     "Qwen2ForCausalLM": llama.LlamaForCausalLM,
     "Qwen3ForCausalLM": llama.LlamaForCausalLM,
+    "MixtralForCausalLM": moe.MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": moe.Qwen3MoeForCausalLM,
 }
 
 
