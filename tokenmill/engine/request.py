@@ -42,9 +42,7 @@ def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size:
             raise ValueError(f"{what} {bad} is out of range for the vocabulary of {vocab_size}")
 
 
-# One top-logprob entry per position: (token ids, logprobs, rank of the first id). First id is the
-# sampled (or prompt) token, followed by the top-n ids.
-PositionLogprobs = tuple[list[int], list[float], int]
+from tokenmill.step import PositionLogprobs  # noqa: E402 - (token ids, logprobs, rank of the first id)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -90,6 +88,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # hash chain over full blocks of all_token_ids
         self.num_preemptions = 0
         self.num_prompt_logprobs_done = 0  # prompt positions whose logprobs were reported
+        # The worker's copy (tokenmill/step.py): block ids and output tokens sent to it since admission
+        self.num_blocks_sent = 0
+        self.num_outputs_sent = 0
         sp = self.sampling_params
         max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - self.num_prompt_tokens
         self.max_tokens = min(max_tokens, max_model_len - self.num_prompt_tokens)

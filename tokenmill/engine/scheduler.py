@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
@@ -39,52 +38,10 @@ from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, Re
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController
+from tokenmill.step import NewRequest, ScheduledRequest, SchedulerOutput
 from tokenmill.structured import StructuredOutputManager
 
 logger = logging.getLogger("tokenmill")
-
-
-@dataclass
-class ScheduledRequest:
-    """Everything a worker needs about one request for one step (self-contained: works across processes)."""
-    request_id: str
-    token_ids: list[int]          # the tokens to run this step
-    start_pos: int                # = num_computed_tokens before this step
-    block_ids: list[int]
-    sample: bool                  # this chunk reaches the end of the known tokens: sample the next one
-    sampling_params: SamplingParams
-    num_prompt_tokens: int
-    output_token_ids: list[int]   # for penalties (only filled when a penalty is set)
-    eos_token_id: Optional[int] = None
-    prompt_token_ids: Optional[list[int]] = None  # for repetition penalty / prompt logprobs
-    prompt_logprobs_from: int = 0  # prompt positions before this were already reported (preemption)
-    # Speculative decoding
-    num_spec: int = 0              # the last num_spec of token_ids are draft tokens to verify
-    num_propose: int = 0           # drafts the drafter may propose for the next step
-    next_token: Optional[int] = None  # a mid-prompt chunk's following prompt token (drafters shift by one)
-    new: bool = False              # first step since (re)admission: drafters forget per-request state
-    history: Optional[list[int]] = None  # with `new`, for history drafters: all tokens before start_pos
-    token_bitmask: Optional[Any] = None  # structured output: [ceil(V/32)] int32 allowed-token bits to sample with
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)  # worker may drop per-request state
-    num_batched_tokens: int = 0
-    num_preempted: int = 0
-    spec_k: int = 0                # drafts per request this step (0: speculation off)
-    num_decodes: int = 0           # requests decoding (one known token to run) this step
-    num_draft_tokens: int = 0
-    kv_connector_plan: Optional[Any] = None  # KV transfers for the worker (before the forward pass)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def needs_worker(self) -> bool:
-        return bool(self.scheduled or self.finished_req_ids or self.kv_connector_plan is not None)
 
 
 class Scheduler:
@@ -109,7 +66,6 @@ class Scheduler:
         spec = config.speculative
         self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive) if spec else None
         self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
-        self.spec_history = bool(spec and spec.method in ("ngram", "draft_model"))  # drafters keeping histories
         self.drafts: dict[str, list[int]] = {}                # request id -> drafts for its next step
 
     # -- admission --------------------------------------------------------------------------
@@ -304,42 +260,45 @@ class Scheduler:
             budget -= n
 
         for req, n, drafts, new in chosen:
-            start = req.num_computed_tokens
-            sp = req.sampling_params
-            needs_history = sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-            sample = start + n == req.num_tokens
-            out.scheduled.append(ScheduledRequest(
-                request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + n] + drafts,
-                start_pos=start,
-                block_ids=self.kv.block_ids(req.request_id),
-                sample=sample,
-                sampling_params=sp,
-                num_prompt_tokens=req.num_prompt_tokens,
-                output_token_ids=req.output_token_ids if needs_history else [],
-                eos_token_id=req.eos_token_id,
-                prompt_token_ids=req.prompt_token_ids if (needs_history or sp.prompt_logprobs is not None) else None,
-                prompt_logprobs_from=req.num_prompt_logprobs_done,
-                num_spec=len(drafts),
-                num_propose=k if (sample and self._may_speculate(req) and req.max_tokens - req.num_output_tokens > 2)
-                else 0,
-                next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
-                new=new,
-                history=req.all_token_ids[:start] if (new and self.spec_history) else None,
-                token_bitmask=self.structured.bitmask(req.request_id, sp.structured_outputs)
-                if (sample and sp.structured_outputs is not None) else None,
-            ))
-            if sp.prompt_logprobs is not None:
-                req.num_prompt_logprobs_done = max(req.num_prompt_logprobs_done,
-                                                   min(start + n, req.num_prompt_tokens - 1))
+            out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
             req.num_computed_tokens += n + len(drafts)
             self.drafts.pop(req.request_id, None)
             out.num_batched_tokens += n + len(drafts)
             out.num_draft_tokens += len(drafts)
-            out.num_decodes += n == 1 and sample
+            out.num_decodes += n == 1 and out.scheduled[-1].sample
         if self.connector is not None:
             out.kv_connector_plan = self.connector.build_plan()
         return out
+
+    def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
+                   out: SchedulerOutput) -> ScheduledRequest:
+        """req's step message: n known tokens then the drafts, as a delta on the worker's copy of req (a
+        NewRequest in `out` first when it was just admitted)."""
+        start, sp = req.num_computed_tokens, req.sampling_params
+        if new:
+            out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_id,
+                                               req.output_token_ids))
+            req.num_blocks_sent = req.num_outputs_sent = 0
+        new_blocks = self.kv.block_ids(req.request_id)[req.num_blocks_sent:]
+        new_outputs = req.output_token_ids[req.num_outputs_sent:] if not new else []
+        req.num_blocks_sent += len(new_blocks)
+        req.num_outputs_sent = req.num_output_tokens
+        sample = start + n == req.num_tokens
+        bitmask = None
+        if sample and sp.structured_outputs is not None:
+            mask = self.structured.bitmask(req.request_id, sp.structured_outputs)
+            bitmask = None if mask is None else mask.numpy().tobytes()
+        plp_from = req.num_prompt_logprobs_done
+        if sp.prompt_logprobs is not None:
+            req.num_prompt_logprobs_done = max(plp_from, min(start + n, req.num_prompt_tokens - 1))
+        return ScheduledRequest(
+            request_id=req.request_id, token_ids=req.all_token_ids[start:start + n] + drafts, start_pos=start,
+            new_block_ids=new_blocks, new_output_token_ids=new_outputs, sample=sample, prompt_logprobs_from=plp_from,
+            num_spec=len(drafts),
+            num_propose=k if (sample and self._may_speculate(req) and req.max_tokens - req.num_output_tokens > 2)
+            else 0,
+            next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
+            new=new, token_bitmask=bitmask)
 
     def _resume_loaded(self) -> None:
         """Requests whose background KV transfers finished go back to the head of the queue, in order."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from tokenmill.engine.request import Request
+if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this package's plan types
+    from tokenmill.engine.request import Request
 
 
 @dataclass

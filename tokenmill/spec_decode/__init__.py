@@ -54,7 +54,7 @@ class DraftBatch:
 class Proposer:
     """Drafter interface. propose() returns request id -> draft token ids (at most num_propose each)."""
     needs_kv = False        # keeps a paged KV cache over the target's block ids
-    wants_history = False   # needs every request's full token history (sent once on admission)
+    wants_history = False   # needs every request's full token history (given on its first step)
     aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states the drafter fuses
 
     def kv_cache_shapes(self, num_blocks: int) -> list[tuple[int, ...]]:

@@ -7,27 +7,17 @@ get logits and go through the rejection sampler instead of the plain sampler.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from tokenmill.engine.request import PositionLogprobs
-from tokenmill.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors, logprobs_of, sample)
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
+from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest, SchedulerOutput
 from tokenmill.worker.flat_batch import block_table_array, flat_batch
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, list[int]] = field(default_factory=dict)          # new tokens (accepted drafts + 1)
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # one entry per new token
-    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # drafts for the next step
-    kv_connector_output: Optional[Any] = None                            # finished background KV transfers
+from tokenmill.worker.request_states import RequestStates
 
 
 class ModelRunner:
@@ -39,6 +29,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
+        self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step.py)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.drafter = drafter
@@ -57,11 +48,12 @@ class ModelRunner:
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=B)
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(qlens.sum()))
-        return flat_batch(input_ids, qlens, starts, block_table_array([r.block_ids for r in reqs]),
+        return flat_batch(input_ids, qlens, starts, block_table_array([self.states[r.request_id].block_ids
+                                                                        for r in reqs]),
                           self.block_size, self.device)
 
     def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
-        sp = r.sampling_params
+        sp = self.states[r.request_id].sampling_params
         if sp.seed is None or sp.greedy:
             return None
         gen = self.request_generators.get(r.request_id)
@@ -72,7 +64,8 @@ class ModelRunner:
     def _sampling_metadata(self, reqs: list[ScheduledRequest], rows: Optional[list[int]] = None) -> SamplingMetadata:
         """One row per request, or rows[i] consecutive rows for request i (its verified positions; the
         per-request generators are then left to the caller)."""
-        sps = [r.sampling_params for r in reqs]
+        states = [self.states[r.request_id] for r in reqs]
+        sps = [st.sampling_params for st in states]
         dev = self.device
         greedy = [sp.greedy for sp in sps]
         rep = torch.tensor(rows, device=dev) if rows is not None else None
@@ -99,21 +92,22 @@ class ModelRunner:
         pres = any(sp.presence_penalty != 0.0 for sp in sps)
         freq = any(sp.frequency_penalty != 0.0 for sp in sps)
         if rep or pres or freq:
-            md.output_tokens = self._pad([r.output_token_ids for r in reqs])
+            md.output_tokens = self._pad([st.output_token_ids for st in states])
             if rep:
                 md.repetition_penalty = torch.tensor([sp.repetition_penalty for sp in sps], device=dev)
-                md.prompt_tokens = self._pad([r.prompt_token_ids or [] for r in reqs])
+                md.prompt_tokens = self._pad([st.prompt_token_ids for st in states])
             if pres:
                 md.presence_penalty = torch.tensor([sp.presence_penalty for sp in sps], device=dev)
             if freq:
                 md.frequency_penalty = torch.tensor([sp.frequency_penalty for sp in sps], device=dev)
         row = 0
-        for i, (r, sp) in enumerate(zip(reqs, sps)):
+        for i, (r, st, sp) in enumerate(zip(reqs, states, sps)):
             count = 1 if rows is None else rows[i]
             for j in range(count):  # row j samples output token number n_out
-                n_out = r.start_pos + len(r.token_ids) - count + 1 + j - r.num_prompt_tokens
+                n_out = r.start_pos + len(r.token_ids) - count + 1 + j - st.num_prompt_tokens
                 if n_out < sp.min_tokens:
-                    ids = list(sp.stop_token_ids) + ([r.eos_token_id] if (r.eos_token_id is not None and not sp.ignore_eos) else [])
+                    eos = st.eos_token_id
+                    ids = list(sp.stop_token_ids) + ([eos] if (eos is not None and not sp.ignore_eos) else [])
                     if ids:
                         md.banned.append((row + j, ids))
                 if sp.logit_bias:
@@ -122,7 +116,8 @@ class ModelRunner:
             row += count
         md.max_num_logprobs = max((sp.logprobs for sp in sps if sp.logprobs is not None), default=-1)
         if rows is None and any(r.token_bitmask is not None for r in reqs):  # the scheduler's grammar masks
-            md.token_bitmask = torch.stack([r.token_bitmask if r.token_bitmask is not None else self._allow_all
+            md.token_bitmask = torch.stack([self._allow_all if r.token_bitmask is None else
+                                            torch.frombuffer(bytearray(r.token_bitmask), dtype=torch.int32)
                                             for r in reqs])
         return md
 
@@ -140,6 +135,7 @@ class ModelRunner:
     # -- step -------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.states.apply(so)
         for rid in so.finished_req_ids:
             self.request_generators.pop(rid, None)
         if self.drafter is not None and so.finished_req_ids:
@@ -165,7 +161,7 @@ class ModelRunner:
                 self._verify([reqs[i] for i in spec], logits[len(plain):], out)
 
         for i, r in enumerate(reqs):
-            if r.sampling_params.prompt_logprobs is not None:
+            if self.states[r.request_id].sampling_params.prompt_logprobs is not None:
                 plp = self._prompt_logprobs(r, hidden, int(qsl[i]))
                 if plp:
                     out.prompt_logprobs[r.request_id] = plp
@@ -184,7 +180,7 @@ class ModelRunner:
             ids, lps, ranks = (result.logprob_token_ids.tolist(), result.logprobs.tolist(),
                                result.sampled_ranks.tolist())
             for row, r in enumerate(sreqs):
-                n = r.sampling_params.logprobs
+                n = self.states[r.request_id].sampling_params.logprobs
                 if n is not None:
                     out.logprobs[r.request_id] = [(ids[row][:n + 1], lps[row][:n + 1], ranks[row])]
 
@@ -196,7 +192,7 @@ class ModelRunner:
         drafts = torch.tensor([t for r in sreqs for t in r.token_ids[len(r.token_ids) - r.num_spec:]],
                               dtype=torch.long, device=logits.device)
         gens = {b: g for b, g in ((b, self._generator(r)) for b, r in enumerate(sreqs)) if g is not None}
-        greedy = torch.tensor([r.sampling_params.greedy for r in sreqs], device=logits.device)
+        greedy = torch.tensor([self.states[r.request_id].sampling_params.greedy for r in sreqs], device=logits.device)
         res = rejection_sample(apply_logits_processors(logits, md), [r.num_spec for r in sreqs], drafts, md,
                                greedy, None, self.generator, gens)
         for r, toks in zip(sreqs, res.token_ids):
@@ -205,7 +201,7 @@ class ModelRunner:
             ids, lps, ranks = (x.tolist() for x in logprobs_of(raw, res.rows, md.max_num_logprobs))
             row = 0
             for r, toks, c in zip(sreqs, res.token_ids, counts):
-                n = r.sampling_params.logprobs
+                n = self.states[r.request_id].sampling_params.logprobs
                 if n is not None:
                     out.logprobs[r.request_id] = [(ids[row + j][:n + 1], lps[row + j][:n + 1], ranks[row + j])
                                                   for j in range(len(toks))]
@@ -215,29 +211,32 @@ class ModelRunner:
                out: ModelRunnerOutput) -> dict[str, list[int]]:
         dreqs = []
         for i, r in enumerate(reqs):
+            st = self.states[r.request_id]
             toks = out.sampled.get(r.request_id)
             accepted = len(toks) - 1 if (toks is not None and r.num_spec) else 0
             n_valid = len(r.token_ids) - r.num_spec + accepted
             dreqs.append(DraftRequest(
                 request_id=r.request_id, start_pos=r.start_pos, computed=r.token_ids[:n_valid], q0=int(qsl[i]),
                 next_token=toks[-1] if toks is not None else r.next_token, sampled=toks is not None,
-                block_ids=r.block_ids, num_propose=r.num_propose if toks is not None else 0,
-                num_spec=r.num_spec, num_accepted=accepted, new=r.new, history=r.history))
+                block_ids=st.block_ids, num_propose=r.num_propose if toks is not None else 0,
+                num_spec=r.num_spec, num_accepted=accepted, new=r.new,
+                history=st.tokens_before(r.start_pos) if (r.new and self.drafter.wants_history) else None))
         aux = torch.cat(self._aux, -1) if self._aux else None
         return self.drafter.propose(DraftBatch(dreqs, hidden, aux, self.max_model_len))
 
     def _prompt_logprobs(self, r: ScheduledRequest, hidden: torch.Tensor, q0: int) -> list[PositionLogprobs]:
         """Position p's hidden state scores prompt token p+1."""
+        st = self.states[r.request_id]
         first = max(r.start_pos, r.prompt_logprobs_from)
-        last = min(r.start_pos + len(r.token_ids), r.num_prompt_tokens - 1)
+        last = min(r.start_pos + len(r.token_ids), st.num_prompt_tokens - 1)
         if first >= last:
             return []
         h = hidden[q0 + first - r.start_pos: q0 + last - r.start_pos]
         lp = self.model.compute_logits(h).log_softmax(-1)
-        targets = torch.tensor(r.prompt_token_ids[first + 1:last + 1], device=lp.device)
+        targets = torch.tensor(st.prompt_token_ids[first + 1:last + 1], device=lp.device)
         target_lp = lp.gather(1, targets[:, None])
         ranks = ((lp > target_lp).sum(-1) + 1).tolist()
-        k = r.sampling_params.prompt_logprobs
+        k = st.sampling_params.prompt_logprobs
         if k > 0:
             top_lp, top_ids = lp.topk(k, dim=-1)
             ids = torch.cat([targets[:, None], top_ids], 1).tolist()

@@ -1,0 +1,43 @@
+"""The worker's copy of each running request: its NewRequest plus the deltas of every step since
+(the invariant of tokenmill/step.py). The model runner reads block tables, sampling parameters and token
+histories here, so the scheduler sends each of them once."""
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.step import NewRequest, SchedulerOutput
+
+
+class RequestState:
+    __slots__ = ("prompt_token_ids", "sampling_params", "eos_token_id", "output_token_ids", "block_ids")
+
+    def __init__(self, new: NewRequest) -> None:
+        self.prompt_token_ids: list[int] = new.prompt_token_ids
+        self.sampling_params: SamplingParams = new.sampling_params
+        self.eos_token_id: Optional[int] = new.eos_token_id
+        self.output_token_ids: list[int] = list(new.output_token_ids)
+        self.block_ids: list[int] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def tokens_before(self, pos: int) -> list[int]:
+        """The request's first pos tokens (prompt, then output)."""
+        p = self.prompt_token_ids
+        return p[:pos] if pos <= len(p) else p + self.output_token_ids[:pos - len(p)]
+
+
+class RequestStates(dict):
+    """request id -> RequestState, kept in step with the scheduler by apply()."""
+
+    def apply(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.pop(rid, None)
+        for new in so.new_requests:
+            self[new.request_id] = RequestState(new)
+        for s in so.scheduled:
+            st = self[s.request_id]
+            st.block_ids.extend(s.new_block_ids)
+            st.output_token_ids.extend(s.new_output_token_ids)
