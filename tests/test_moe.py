@@ -67,3 +67,156 @@ def test_greedy_matches_transformers(tiny, arch):
     assert load[0].sum() >= 2 * (sum(PROMPT_LENS) + len(prompts) * (MAX_TOKENS - 1))
     assert (load > 0).all(), "every expert should see tokens"
     assert model.expert_load().sum() == 0, "expert_load() resets the counts"
+
+
+# -- the fused layer --------------------------------------------------------------------------------------
+def _expert_weights(E=8, H=64, I=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, H, generator=g) * 0.5, torch.randn(E, 2 * I, H, generator=g) * 0.1,
+            torch.randn(E, H, I, generator=g) * 0.1)
+
+
+def _layer(weights, k=2, renormalize=True, quant_method=None, dtype=torch.float32):
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    gate, w13, w2 = weights
+    E, H, I = w2.shape[0], w2.shape[1], w2.shape[2]
+    layer = FusedMoE(E, k, H, I, dtype, renormalize=renormalize, quant_method=quant_method)
+    layer.gate.weight.data.copy_(gate)
+    layer.load_stacked("gate_up_proj", w13.to(dtype))
+    layer.load_stacked("down_proj", w2.to(dtype))
+    assert layer.experts_loaded()
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _reference(x, weights, k, renormalize):
+    """Token by token, pair by pair: the definition, with no grouping at all."""
+    gate, w13, w2 = weights
+    w, ids = (x @ gate.T).softmax(-1).topk(k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(k):
+            g, u = (w13[ids[t, j]] @ x[t]).chunk(2)
+            out[t] += w[t, j] * (w2[ids[t, j]] @ (F.silu(g) * u))
+    return out, ids
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_fused_layer_matches_the_definition(tokens, renormalize):
+    weights = _expert_weights()
+    layer = _layer(weights, k=2, renormalize=renormalize)
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        y = layer(x)
+    ref, ids = _reference(x, weights, 2, renormalize)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer.take_expert_load(), torch.bincount(ids.reshape(-1), minlength=8))
+    assert layer.take_expert_load().sum() == 0
+
+
+def test_fused_layer_matches_transformers_blocks_in_bfloat16():
+    """The dtype rules (router logits in the model dtype, softmax in float32; Mixtral scales by float32
+    weights, Qwen3-MoE by model-dtype weights) against transformers' own blocks, bf16 tolerance."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    gate, w13, w2 = _expert_weights(E=4, I=96)
+    x = torch.randn(1, 33, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    common = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=96, num_experts_per_tok=2)
+    for block, renorm, f32 in [(MixtralSparseMoeBlock(transformers.MixtralConfig(num_local_experts=4, **common)),
+                                True, True),
+                               (Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(num_experts=4, norm_topk_prob=True,
+                                                                                   **common)), True, False)]:
+        block = block.to(torch.bfloat16).eval()
+        with torch.no_grad():
+            block.gate.weight.copy_(gate)
+            block.experts.gate_up_proj.copy_(w13)
+            block.experts.down_proj.copy_(w2)
+            ref = block(x)[0]
+        ours = FusedMoE(4, 2, 64, 96, torch.bfloat16, renormalize=renorm, float32_scores=f32)
+        ours.gate.weight.data.copy_(gate)
+        ours.load_stacked("gate_up_proj", w13.bfloat16())
+        ours.load_stacked("down_proj", w2.bfloat16())
+        ours.quant_method.process_weights_after_loading(ours)
+        with torch.inference_mode():
+            y = ours(x[0])
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("tokens", [5, 300])  # the integer kernel (<= 64 rows per expert) and the MKL path
+def test_int8_experts(tokens):
+    from tokenmill.layers.fused_moe import Int8MoEMethod
+    from tokenmill.layers.quantization.int8 import dequantize_int8, quantize_int8
+
+    gate, w13, w2 = _expert_weights()
+    layer = _layer((gate, w13, w2), quant_method=Int8MoEMethod())
+    assert layer.w13_weight.dtype == torch.int8 and layer.w2_weight.dtype == torch.int8
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        y = layer(x)
+    deq = lambda w: torch.stack([dequantize_int8(*quantize_int8(e)) for e in w])  # noqa: E731
+    ref_q, _ = _reference(x, (gate, deq(w13), deq(w2)), 2, True)
+    ref_f, _ = _reference(x, (gate, w13, w2), 2, True)
+    scale = ref_f.abs().max()
+    assert (y - ref_q).abs().max() < 1e-3 * scale  # the int8 weights, run exactly (16-bit activation grid)
+    err = (y - ref_f).abs().max()
+    assert 1e-5 * scale < err < 3e-2 * scale  # and they really are quantized, within int8 error
+
+
+def test_refusals():
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be in \[1, 4\]"):
+        FusedMoE(4, 5, 64, 96, torch.float32, renormalize=True)
+    layer = FusedMoE(4, 2, 64, 96, torch.float32, renormalize=True)
+    with pytest.raises(ValueError, match=r"expert 1 gate weight has shape \(96, 32\), expected \(96, 64\)"):
+        layer.load_expert(1, "gate", torch.zeros(96, 32))
+    with pytest.raises(ValueError, match="expert 4 out of range"):
+        layer.load_expert(4, "up", torch.zeros(96, 64))
+
+
+# -- expert parallel and tensor parallel, real gloo worlds ----------------------------------------------------
+def _layer_on_rank(tokens: int):
+    """Every rank builds the same 8-expert layer from the same full weights; each keeps its share."""
+    layer = _layer(_expert_weights())
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        y = layer(x)
+    return y, layer.take_expert_load(), tuple(layer.w13_weight.shape), tuple(layer.w2_weight.shape)
+
+
+def _refusal_on_rank():
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    try:
+        FusedMoE(3, 2, 64, 96, torch.float32, renormalize=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_layer_sharded_over_two_ranks(expert_parallel):
+    """EP=2: each rank holds 4 whole experts; TP=2: each holds every expert's half width. Both sum the
+    partial outputs with one all-reduce and equal the single-process layer."""
+    ref, ref_load, _, _ = _layer_on_rank(37)
+    results = run_ranks(_layer_on_rank, 2, 1, 37, expert_parallel=expert_parallel)
+    shapes = [((4, 192, 64), (4, 64, 96))] * 2 if expert_parallel else [((8, 96, 64), (8, 64, 48))] * 2
+    assert [(r[2], r[3]) for r in results] == shapes
+    for y, load, _, _ in results:
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(load, ref_load)  # every rank counts all experts' tokens
+
+
+@pytest.mark.distributed
+def test_experts_not_divisible_by_ep_size_is_refused():
+    msgs = run_ranks(_refusal_on_rank, 2, 1, expert_parallel=True)
+    assert msgs[0] == msgs[1] and "3 experts cannot be split evenly over expert-parallel size 2" in msgs[0]
