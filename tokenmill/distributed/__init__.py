@@ -124,3 +124,54 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def pp_global_rank(stage: int) -> int:
     """The global rank of pipeline stage `stage` that shares this rank's tensor shard."""
     return stage * _state.tp_size + _state.tp_rank
+
+
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Element-wise max over the tensor-parallel ranks, in place (e.g. a weight row's max |w| when each rank
+    holds part of the row)."""
+    if _state.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_state.tp_group)
+    return x
+
+
+# -- pipeline parallel ------------------------------------------------------------------------------------
+@dataclass
+class IntermediateTensors:
+    """What one pipeline stage hands the next: the hidden states and the residual stream, both [T, hidden]."""
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+def stage_layers(num_layers: int, counts: Optional[list[int]] = None) -> tuple[int, int]:
+    """[start, end) of the decoder layers this rank's pipeline stage runs. counts: layers per stage
+    (ParallelConfig.layers_per_stage, which also validates a --pp-layer-partition); default an even split."""
+    pp = _state.pp_size
+    if counts is None:
+        from tokenmill.config import ParallelConfig
+
+        counts = ParallelConfig(pipeline_parallel_size=pp).layers_per_stage(num_layers)
+    if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+        raise ValueError(f"a layer partition {counts} must give each of the {pp} pipeline stages at least one of "
+                         f"the model's {num_layers} layers")
+    start = sum(counts[:_state.pp_rank])
+    return start, start + counts[_state.pp_rank]
+
+
+def pp_send(tensors: list[torch.Tensor], to_stage: int) -> None:
+    """Send tensors, in order, to pipeline stage `to_stage`'s rank with this rank's tensor shard (blocking)."""
+    dst = pp_global_rank(to_stage)
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst, group=_state.pp_group)
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, from_stage: int,
+            device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Receive what pp_send sent from stage `from_stage`: the receiver knows the shapes (the step's token count
+    and the hidden size) and the dtype (the model's), so nothing but the data crosses the wire."""
+    src = pp_global_rank(from_stage)
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=src, group=_state.pp_group)
+        out.append(t)
+    return out

@@ -10,10 +10,11 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from tokenmill.distributed import tp_size
+from tokenmill.distributed import IntermediateTensors, stage_layers, state, tp_size
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.cpu_stack import CpuStack
@@ -29,26 +30,40 @@ def _layer_window(config, layer_idx: int) -> Optional[int]:
     return window
 
 
+def _heads_divide(config, tp: int) -> bool:
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+
+
+def attention_tp_size(config) -> int:
+    """Ranks attention is split over: the tensor-parallel size, or 1 (attention replicated on every rank, no
+    all-reduce) when expert parallelism is on and the heads do not divide over the ranks: a MoE model's experts
+    still shard, and replicated attention costs compute, not correctness."""
+    tp = tp_size()
+    if tp > 1 and state().expert_parallel and not _heads_divide(config, tp):
+        return 1
+    return tp
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
-        tp = tp_size()
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = max(config.num_key_value_heads // tp, 1)
+        replicated = attention_tp_size(config) == 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.window = _layer_window(config, layer_idx)
         self.layer_idx = layer_idx
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         hd = self.head_dim
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size,
-            [config.num_attention_heads * hd, config.num_key_value_heads * hd, config.num_key_value_heads * hd],
-            bias=qkv_bias, dtype=dtype)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads, num_kv_heads,
+                                          bias=qkv_bias, dtype=dtype, replicated=replicated)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2",
-                                        dtype=dtype)
+                                        dtype=dtype, replicated=replicated)
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
@@ -103,24 +118,32 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, backend: AttentionBackend, max_positions: int) -> None:
+    """layer_range: the [start, end) of decoder layers this pipeline stage builds (default: its even share,
+    distributed.stage_layers). The first stage owns the embedding, the last the final norm and the LM head;
+    the others have None there."""
+
+    def __init__(self, config, dtype: torch.dtype, backend: AttentionBackend, max_positions: int,
+                 layer_range: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise NotImplementedError("tensor parallelism is not wired into the model yet")
-        self.config = config
+        self.config, self.dtype = config, dtype
+        n = config.num_hidden_layers
+        self.start_layer, self.end_layer = layer_range or stage_layers(n)
+        if not 0 <= self.start_layer < self.end_layer <= n:
+            raise ValueError(f"layer range {layer_range} is not a non-empty part of the model's {n} layers")
+        first, last = self.start_layer == 0, self.end_layer == n
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first else None
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, backend, rotary, self.make_mlp(config, i, dtype))
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+                                    for i in range(self.start_layer, self.end_layer))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A linear layer like the others, so a quant_method can quantize it (online quantization leaves it in
         # the model dtype unless --quantize-lm-head); tied, it starts out sharing the embedding's tensor
-        # (quantizing the head then leaves the embedding's float copy for the gather).
-        self.lm_head = ReplicatedLinear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-        if self.tie_word_embeddings:
+        # (quantizing the head then leaves the embedding's float copy for the gather). A tied head on a last
+        # stage without the embedding loads the embedding's checkpoint tensor instead.
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype) if last else None
+        if self.tie_word_embeddings and first and last:
             self.lm_head.weight = self.embed_tokens.weight
         # Short-query steps on CPU run the whole stack in one C call (cpu_stack.py); off: layer by layer.
         self.use_cpu_stack = True
@@ -132,22 +155,33 @@ class LlamaForCausalLM(nn.Module):
         return MLP(config, dtype)
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        stack = self._cpu_stack(kv_caches)
-        if stack is not None:
-            hidden = stack.run(input_ids, meta)
-            if hidden is not None:
-                return hidden
-        x = self.embed_tokens(input_ids)
-        residual = None
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                intermediate: Optional[IntermediateTensors] = None):
+        """The final-normed hidden states [T, H]; a stage before the last returns IntermediateTensors for the
+        next, and a stage after the first takes them instead of input_ids. kv_caches: this stage's layers."""
+        if self.embed_tokens is not None:
+            stack = self._cpu_stack(kv_caches)
+            if stack is not None:
+                hidden = stack.run(input_ids, meta)
+                if hidden is not None:
+                    return hidden
+            x, residual = self.embed_tokens(input_ids), None
+        elif intermediate is None:
+            raise ValueError(f"pipeline stage from layer {self.start_layer} needs the previous stage's "
+                             "intermediate tensors")
+        else:
+            x, residual = intermediate.hidden, intermediate.residual
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv)
+        if self.norm is None:
+            return IntermediateTensors(x, residual)
         x, _ = self.norm(x, residual)
         return x
 
     def _cpu_stack(self, kv_caches: list[torch.Tensor]) -> Optional[CpuStack]:
-        """The one-call CPU stack for these caches (built on first use; None where it does not apply)."""
-        if not self.use_cpu_stack:
+        """The one-call CPU stack for these caches (built on first use; None where it does not apply: it runs
+        the whole model, so never on one pipeline stage of several)."""
+        if not self.use_cpu_stack or self.lm_head is None:
             return None
         if self._stack_for is not kv_caches:
             self._stack_for, self._stack = kv_caches, CpuStack.build(self, kv_caches)
@@ -161,38 +195,60 @@ class LlamaForCausalLM(nn.Module):
     _MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def checkpoint_target(self, name: str) -> Optional[tuple[str, int]]:
+        """(our parameter name, shard) for checkpoint tensor `name`, or None for a tensor this rank does not
+        load (another pipeline stage's, a tied head's, rotary caches). Layer indices become this stage's."""
+        name = name.removeprefix("model.")
+        parts = name.split(".")
+        if "rotary_emb" in parts or (name == "lm_head.weight" and self.tie_word_embeddings):
+            return None
+        if name == "embed_tokens.weight" and self.tie_word_embeddings and self.embed_tokens is None:
+            return ("lm_head.weight", 0) if self.lm_head is not None else None  # the head is the embedding
+        owners = {"embed_tokens": self.embed_tokens, "norm": self.norm, "lm_head": self.lm_head}
+        if parts[0] in owners and owners[parts[0]] is None:
+            return None
+        if parts[0] == "layers":
+            index = int(parts[1])
+            if not self.start_layer <= index < self.end_layer:
+                return None
+            parts[1] = str(index - self.start_layer)
+        shard = 0
+        if len(parts) >= 2 and parts[-2] in self._MERGED:
+            parts[-2], shard = self._MERGED[parts[-2]]
+        return ".".join(parts), shard
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """weights: (checkpoint name, tensor or lazy checkpoint tensor): each module takes only its rank's slice
+        (load_shard), so a lazy tensor is read no further than that; other stages' tensors are not read."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            found = self.checkpoint_target(name)
+            if found is None:
                 continue
-            if name.startswith("model."):
-                name = name[len("model."):]
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            parts = name.split(".")
+            target, shard = found
+            parts = target.split(".")
             if parts[-1] in ("k_scale", "v_scale") and parts[-2] == "self_attn":  # KV-cache scales
                 attn = self.get_submodule(".".join(parts[:-1]))
-                attn.checkpoint_kv_scales[0 if parts[-1] == "k_scale" else 1] = tensor
+                attn.checkpoint_kv_scales[0 if parts[-1] == "k_scale" else 1] = materialize(tensor)
                 continue
-            shard = None
-            if len(parts) >= 2 and parts[-2] in self._MERGED:
-                merged, shard = self._MERGED[parts[-2]]
-                parts[-2] = merged
-            target = ".".join(parts)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            module = self.get_submodule(".".join(parts[:-1]))
-            if hasattr(module, "load_shard"):
-                module.load_shard(param, tensor, shard or 0)
-            else:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                param.data.copy_(tensor)
+            self._load_param(name, params[target], self.get_submodule(".".join(parts[:-1])), tensor, shard)
             loaded.add(target)
         return loaded
+
+    @staticmethod
+    def _load_param(name: str, param: nn.Parameter, module: nn.Module, tensor, shard: int) -> None:
+        try:
+            if hasattr(module, "load_shard"):
+                module.load_shard(param, tensor, shard)
+                return
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(materialize(tensor))
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
 
 
 MistralForCausalLM = Qwen2ForCausalLM = Qwen3ForCausalLM = LlamaForCausalLM

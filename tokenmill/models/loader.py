@@ -35,6 +35,7 @@ def weight_files(model_dir: str) -> list[str]:
 
 
 def iter_weights(files: list[str]):
+    """(name, whole tensor) of every checkpoint tensor (export, tools); models load through CheckpointReader."""
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
@@ -44,22 +45,60 @@ def iter_weights(files: list[str]):
             raise ValueError(f"corrupt weight file {path}: {str(e).splitlines()[0]}") from None
 
 
+class CheckpointTensor:
+    """A checkpoint tensor not yet read: .shape, and indexing (t[a:b], t[:, a:b], t[...]) reads only the
+    indexed part from the memory-mapped file, so a tensor-parallel rank reads only its slice."""
+
+    def __init__(self, part, reader: "CheckpointReader") -> None:
+        self._part, self._reader = part, reader
+        self.shape = torch.Size(part.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        t = self._part[index]
+        self._reader.bytes_read += t.nbytes
+        return t
+
+
+class CheckpointReader:
+    """Iterates (name, CheckpointTensor) over safetensors files; bytes_read counts what was actually read."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+        self.bytes_read = 0
+        self.bytes_total = sum(os.path.getsize(f) for f in files)
+
+    def __iter__(self):
+        for path in self.files:
+            try:
+                f = safe_open(path, framework="pt")
+                names = list(f.keys())
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise ValueError(f"corrupt weight file {path}: {str(e).splitlines()[0]}") from None
+            for name in names:
+                yield name, CheckpointTensor(f.get_slice(name), self)
+
+
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
-               quantization: Optional[str] = None, quantize_lm_head: bool = False):
+               quantization: Optional[str] = None, quantize_lm_head: bool = False,
+               layer_range: Optional[tuple[int, int]] = None):
     """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
     checkpoint's own quantization_config is always honoured. quantize_lm_head: the online method covers the
-    LM head too (default: it stays in `dtype`)."""
+    LM head too (default: it stays in `dtype`). layer_range: this pipeline stage's [start, end) of decoder
+    layers (distributed.stage_layers; default the stage's even share). Each tensor-parallel rank reads only its
+    slices of the checkpoint (model.checkpoint_bytes_read says how much it read)."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
     from tokenmill.layers.quantization.base import gather_packed_weights
 
     t0 = time.perf_counter()
     cls = get_model_class(config)
     with torch.device(device):
-        model = cls(config, dtype, backend, max_positions)
+        model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
     quant = get_quant_config(quantization, config)
     if quant is not None:
         nquant = apply_quantization(model, quant, quantize_lm_head)
-    loaded = model.load_weights(iter_weights(weight_files(model_dir)))
+    reader = CheckpointReader(weight_files(model_dir))
+    loaded = model.load_weights(reader)
+    model.checkpoint_bytes_read = reader.bytes_read
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
     if missing:
@@ -79,6 +118,7 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \
             " (LM head in the model dtype; --quantize-lm-head includes it)"
         logger.info("quantization: %s on %d linear layers%s", quant.describe(), nquant, head)
-    logger.info("loaded %s (%s, %.1f MB of weights) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
-                nbytes / 1e6, time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %.1f MB of weights; read %.1f of the checkpoint's %.1f MB) in %.1fs",
+                cls.__name__, str(dtype).removeprefix("torch."), nbytes / 1e6, reader.bytes_read / 1e6,
+                reader.bytes_total / 1e6, time.perf_counter() - t0)
     return model

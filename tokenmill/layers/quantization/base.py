@@ -14,14 +14,18 @@ Either way `apply(layer, x, bias)` runs the layer's matmul from the packed tenso
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
+from tokenmill.distributed import tp_all_reduce_max
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.cpu_memory import gather_in_huge_pages
 from tokenmill.layers.quantization import kernels
+
+if TYPE_CHECKING:
+    from tokenmill.layers.linear import Sharding
 
 
 class QuantizationConfig:
@@ -44,9 +48,39 @@ def set_shard_loader(param: nn.Parameter, fn: Callable) -> nn.Parameter:
     return param
 
 
-def per_shard_scalar_loader(layer, param, loaded: torch.Tensor, shard: int) -> None:
-    """One scalar per logical projection of a merged layer (per-tensor scales of q/k/v, gate/up)."""
-    param.data[shard] = loaded.reshape(-1)[0].to(param.dtype)
+def sharding_of(layer) -> "Sharding":
+    """Which part of the checkpoint's weight the layer holds (linear.Sharding; replicated for a layer that
+    does not say)."""
+    from tokenmill.layers.linear import Sharding
+
+    sharding = getattr(layer, "sharding", None)
+    return sharding or Sharding.replicated(layer.in_features, getattr(layer, "shard_sizes", [layer.out_features]))
+
+
+def per_shard_scalar_loader(layer, param, loaded, shard: int) -> None:
+    """One scalar per logical projection of a merged layer (per-tensor scales of q/k/v, gate/up); the same on
+    every tensor-parallel rank."""
+    from tokenmill.layers.linear import materialize
+
+    param.data[shard] = materialize(loaded).reshape(-1)[0].to(param.dtype)
+
+
+def full_row_amax(layer, w: torch.Tensor) -> torch.Tensor:
+    """Each output row's max |w| over the whole checkpoint row. A row-parallel rank holds part of every row;
+    the max over the ranks gives each rank the per-row scales of the unsharded layer, so online quantization
+    under tensor parallelism quantizes exactly as one process does."""
+    amax = w.float().abs().amax(dim=1)
+    if sharding_of(layer).in_sharded:
+        tp_all_reduce_max(amax)
+    return amax
+
+
+def full_tensor_amax(layer, w: torch.Tensor) -> torch.Tensor:
+    """max |w| over the whole checkpoint tensor (every rank holds a part of it when the layer is sharded)."""
+    amax = w.float().abs().amax()
+    if sharding_of(layer).tp > 1:
+        tp_all_reduce_max(amax)
+    return amax
 
 
 def expand_per_shard(values: torch.Tensor, layer) -> torch.Tensor:

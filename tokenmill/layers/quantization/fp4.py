@@ -15,11 +15,13 @@ kernel would be the next step).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
 from tokenmill.layers.quantization import kernels
-from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig
+from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig, full_tensor_amax
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
@@ -80,10 +82,11 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return (vals.reshape(N, K // MX_BLOCK, MX_BLOCK) * s[..., None]).reshape(N, K)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """[N, K] -> (packed uint8 [N, K/2], E4M3 scales as uint8 [N, K/16], float32 global scale)."""
+def quantize_nvfp4(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """[N, K] -> (packed uint8 [N, K/2], E4M3 scales as uint8 [N, K/16], float32 global scale). amax: the
+    tensor's max |w| (default w's own; base.full_tensor_amax under tensor parallelism)."""
     b = _blocks(w, NV_BLOCK)
-    amax_t = float(b.abs().max()) if b.numel() else 0.0
+    amax_t = float(amax) if amax is not None else float(b.abs().max()) if b.numel() else 0.0
     global_scale = float(torch.tensor(amax_t / (448.0 * 6.0) if amax_t > 0 else 1.0, dtype=torch.float32))
     block_scale = (b.abs().amax(dim=-1) / 6.0 / global_scale).clamp_(max=448.0).to(torch.float8_e4m3fn)
     eff = block_scale.float() * global_scale
@@ -109,7 +112,8 @@ class Fp4LinearMethod(PackedLinearMethod):
         if self.kind == "mxfp4":
             packed, scales = quantize_mxfp4(layer.weight.data)
         else:
-            packed, scales, self.global_scale = quantize_nvfp4(layer.weight.data)
+            packed, scales, self.global_scale = quantize_nvfp4(layer.weight.data,
+                                                               full_tensor_amax(layer, layer.weight.data))
         self._set(layer, packed, scales, None)
 
 

@@ -20,9 +20,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.layers.linear import narrow
 from tokenmill.layers.quantization import kernels
 from tokenmill.layers.quantization.base import (PackedLinearMethod, QuantizationConfig, expand_per_shard,
-                                                per_shard_scalar_loader, set_shard_loader)
+                                                full_row_amax, per_shard_scalar_loader, set_shard_loader,
+                                                sharding_of)
 
 logger = logging.getLogger("tokenmill")
 
@@ -30,12 +32,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize_fp8(w: torch.Tensor, block: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(w: torch.Tensor, block: Optional[tuple[int, int]] = None,
+                 amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (float8_e4m3fn [N, K], float32 scale): per output channel ([N]) or, with block=(bn, bk),
-    per block ([ceil(N/bn), ceil(K/bk)]); w ~= q * scale."""
+    per block ([ceil(N/bn), ceil(K/bk)]); w ~= q * scale. amax: per-channel max |w| to scale by (default w's
+    own; base.full_row_amax under tensor parallelism)."""
     w = w.float()
     if block is None:
-        scale = w.abs().amax(dim=1) / FP8_MAX
+        scale = (w.abs().amax(dim=1) if amax is None else amax) / FP8_MAX
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     scale = _block_amax(w, block) / FP8_MAX
@@ -115,7 +119,7 @@ class Fp8LinearMethod(PackedLinearMethod):
             bn, bk = self.block
             scale = nn.Parameter(torch.empty(sum(-(-s // bn) for s in shards), -(-in_features // bk)),
                                  requires_grad=False)
-            set_shard_loader(scale, _block_row_loader(bn))
+            set_shard_loader(scale, _block_loader(bn, bk))
         setattr(layer, self.scale_name, scale)
         if self.static_input_scale:
             layer.input_scale = set_shard_loader(nn.Parameter(torch.empty(len(shards)), requires_grad=False),
@@ -123,7 +127,7 @@ class Fp8LinearMethod(PackedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.online:
-            q, scale = quantize_fp8(layer.weight.data)
+            q, scale = quantize_fp8(layer.weight.data, amax=full_row_amax(layer, layer.weight.data))
             self._set(layer, q.view(torch.uint8), None, scale)
             return
         w = layer.weight.data.view(torch.uint8)
@@ -156,18 +160,26 @@ class Fp8LinearMethod(PackedLinearMethod):
         return super().apply(layer, x, bias)
 
 
-def _row_loader(layer, param, loaded: torch.Tensor, shard: int) -> None:
-    sizes = getattr(layer, "shard_sizes", [param.shape[0]])
-    offset = sum(sizes[:shard])
-    param.data[offset:offset + sizes[shard]].copy_(loaded.reshape(sizes[shard], -1))
+def _row_loader(layer, param, loaded, shard: int) -> None:
+    """Per-channel scales [N, 1] (or [N]): the rows of the rank's part of projection `shard`."""
+    s = sharding_of(layer)
+    start, rows = s.out_ranges[shard]
+    param.data.narrow(0, s.local_offset(shard), rows).copy_(narrow(loaded, 0, start, rows).reshape(rows, -1))
 
 
-def _block_row_loader(bn: int):
-    def load(layer, param, loaded: torch.Tensor, shard: int) -> None:
-        sizes = getattr(layer, "shard_sizes", [layer.out_features])
-        offset = sum(-(-s // bn) for s in sizes[:shard])
-        n = -(-sizes[shard] // bn)
-        param.data[offset:offset + n].copy_(loaded.reshape(n, -1))
+def _block_loader(bn: int, bk: int):
+    """Block scales [ceil(N/bn), ceil(K/bk)]: the blocks covering the rank's rows and columns, which must start
+    on a block boundary (each local row/column then keeps its checkpoint block's scale)."""
+    def load(layer, param, loaded, shard: int) -> None:
+        s = sharding_of(layer)
+        (start, rows), (col0, cols) = s.out_ranges[shard], s.in_range
+        if start % bn or col0 % bk:
+            raise ValueError(f"fp8 block scales of {bn}x{bk} cannot be split at row {start}, column {col0} for "
+                             "tensor parallelism; use a tensor-parallel size whose shards start on block bounds")
+        n = -(-rows // bn)
+        offset = sum(-(-size // bn) for size in s.local_sizes[:shard])
+        part = loaded[start // bn:start // bn + n, col0 // bk:col0 // bk + -(-cols // bk)]
+        param.data[offset:offset + n].copy_(part)
     return load
 
 

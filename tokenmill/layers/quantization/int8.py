@@ -17,13 +17,14 @@ from torch import nn
 
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.quantization import kernels
-from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig
+from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig, full_row_amax
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], float32 scale [N]) with w ~= q * scale[:, None]."""
+def quantize_int8(w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], float32 scale [N]) with w ~= q * scale[:, None]. amax: each row's max |w|
+    to scale by (default w's own; base.full_row_amax under tensor parallelism)."""
     w = w.float()
-    scale = w.abs().amax(dim=1) / 127.0
+    scale = (w.abs().amax(dim=1) if amax is None else amax) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
@@ -40,7 +41,7 @@ class Int8LinearMethod(PackedLinearMethod):
         self.activations = activations  # w8a8: quantize activations per token too
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_int8(layer.weight.data)
+        q, scale = quantize_int8(layer.weight.data, full_row_amax(layer, layer.weight.data))
         self._set(layer, q, None, scale)
 
     def load_quantized(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
