@@ -220,3 +220,28 @@ def test_layer_sharded_over_two_ranks(expert_parallel):
 def test_experts_not_divisible_by_ep_size_is_refused():
     msgs = run_ranks(_refusal_on_rank, 2, 1, expert_parallel=True)
     assert msgs[0] == msgs[1] and "3 experts cannot be split evenly over expert-parallel size 2" in msgs[0]
+
+
+# -- tokenmill plan agrees with the engine ----------------------------------------------------------------
+def _load(path, dtype=torch.float32):
+    from transformers import AutoConfig
+
+    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.models.loader import load_model
+
+    config = AutoConfig.from_pretrained(path)
+    return config, load_model(path, config, dtype, "cpu", get_attention_backend("cpu"), 1024)
+
+
+@pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plan_weight_bytes_match_the_loaded_model(tiny, arch, dtype):
+    from tokenmill.plan.memory import ModelShape, load_model_shape, memory_plan
+
+    config, model = _load(tiny(arch), dtype)
+    allocated = sum(p.numel() * p.element_size() for p in model.parameters())
+    shape = load_model_shape(tiny(arch))  # what `tokenmill plan --model <dir>` reads
+    assert shape == ModelShape.from_hf_config(config.to_dict(), name=shape.name)
+    assert shape.num_experts == 4 and shape.num_moe_layers == len(model.moe_layers())
+    plan = memory_plan(shape, str(dtype), "bf16", 1024, 2**30)
+    assert plan.weight_bytes == allocated

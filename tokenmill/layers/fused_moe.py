@@ -124,6 +124,7 @@ class FusedMoE(nn.Module):
         self.num_local_experts = num_experts // ep
         self.expert_start = ep_rank() * self.num_local_experts
         self.intermediate_size = intermediate_size // split  # this rank's part of each expert
+        self._full_intermediate = intermediate_size
         self.intermediate_rank = tp_rank() if split > 1 else 0
         self.renormalize, self.float32_scores = renormalize, float32_scores
         # The router stays a plain weight in the model dtype, like transformers' (logits in the model dtype,
@@ -173,36 +174,56 @@ class FusedMoE(nn.Module):
         return load
 
     # -- loading ------------------------------------------------------------------------------
-    def load_expert(self, expert: int, proj: str, weight: torch.Tensor) -> bool:
-        """Copy one expert's HF tensor in: proj 'gate' or 'up' ([I, H]) or 'down' ([H, I]). Returns False,
-        copying nothing, for an expert another rank holds."""
+    # Checkpoint tensors may be lazy (models/loader.py: .shape and slicing read only the sliced bytes), so they
+    # are only ever sliced here: a rank reads its experts' (and its width's) part, nothing else.
+    def _local(self, expert: int) -> Optional[int]:
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range: the layer has {self.num_experts} experts")
         local = expert - self.expert_start
-        if not 0 <= local < self.num_local_experts:
-            return False
-        n, r = self.intermediate_size, self.intermediate_rank
-        full = n * (tp_size() if ep_size() == 1 else 1)
-        expected = (self.hidden_size, full) if proj == "down" else (full, self.hidden_size)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"expert {expert} {proj} weight has shape {tuple(weight.shape)}, expected {expected}")
+        return local if 0 <= local < self.num_local_experts else None
+
+    def _check(self, what: str, shape, expected: tuple[int, ...]) -> None:
+        if tuple(shape) != expected:
+            raise ValueError(f"{what} has shape {tuple(shape)}, expected {expected}")
+
+    def _copy(self, local: int, proj: str, part: torch.Tensor) -> None:
+        n = self.intermediate_size
         if proj == "down":
-            self.w2_weight.data[local].copy_(weight.narrow(1, r * n, n))
+            self.w2_weight.data[local].copy_(part)
         else:
             offset = 0 if proj == "gate" else n
-            self.w13_weight.data[local, offset:offset + n].copy_(weight.narrow(0, r * n, n))
+            self.w13_weight.data[local, offset:offset + n].copy_(part)
         self._loaded.add((local, proj))
+
+    def load_expert(self, expert: int, proj: str, weight) -> bool:
+        """Copy in one expert's HF tensor: proj 'gate' or 'up' ([I, H]) or 'down' ([H, I]). Returns False,
+        reading nothing, for an expert another rank holds."""
+        local = self._local(expert)
+        if local is None:
+            return False
+        n, r, full, H = self.intermediate_size, self.intermediate_rank, self._full_intermediate, self.hidden_size
+        self._check(f"expert {expert} {proj} weight", weight.shape, (H, full) if proj == "down" else (full, H))
+        part = weight[:, r * n:(r + 1) * n] if proj == "down" else weight[r * n:(r + 1) * n]
+        self._copy(local, proj, part)
         return True
 
-    def load_stacked(self, kind: str, weight: torch.Tensor) -> None:
-        """transformers 5's fused layout: 'gate_up_proj' [E, 2*I, H] or 'down_proj' [E, H, I]."""
-        for e in range(self.expert_start, self.expert_start + self.num_local_experts):
-            if kind == "down_proj":
-                self.load_expert(e, "down", weight[e])
-            else:
-                gate, up = weight[e].chunk(2, dim=0)
-                self.load_expert(e, "gate", gate)
-                self.load_expert(e, "up", up)
+    def load_stacked(self, kind: str, weight) -> None:
+        """transformers 5's stacked layout: 'gate_up_proj' [E, 2*I, H] (gate rows, then up) or 'down_proj'
+        [E, H, I]; only this rank's experts and width are read."""
+        E, n, r, full, H = self.num_experts, self.intermediate_size, self.intermediate_rank, \
+            self._full_intermediate, self.hidden_size
+        if kind == "down_proj":
+            self._check("experts' down_proj", weight.shape, (E, H, full))
+        else:
+            self._check("experts' gate_up_proj", weight.shape, (E, 2 * full, H))
+        lo, hi = self.expert_start, self.expert_start + self.num_local_experts
+        if kind == "down_proj":
+            for local, part in enumerate(weight[lo:hi, :, r * n:(r + 1) * n]):
+                self._copy(local, "down", part)
+            return
+        for proj, base in (("gate", 0), ("up", full)):
+            for local, part in enumerate(weight[lo:hi, base + r * n:base + (r + 1) * n]):
+                self._copy(local, proj, part)
 
     def experts_loaded(self) -> bool:
         return len(self._loaded) == 3 * self.num_local_experts

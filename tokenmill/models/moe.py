@@ -47,27 +47,36 @@ class MoEForCausalLM(LlamaForCausalLM):
             return None
         return torch.stack([m.take_expert_load() for m in layers]).cpu()
 
-    def _moe_layer(self, name: str, idx: str) -> FusedMoE:
-        mlp = getattr(self.layers[int(idx)], "mlp", None) if int(idx) < len(self.layers) else None
+    def _moe_layer(self, name: str, idx: str) -> Optional[FusedMoE]:
+        """Layer idx's FusedMoE, or None where another pipeline stage holds the layer."""
+        local = int(idx) - getattr(self, "start_layer", 0)  # this stage's layers (llama.py's layer_range)
+        if not 0 <= local < len(self.layers):
+            if 0 <= int(idx) < self.config.num_hidden_layers:
+                return None
+            raise ValueError(f"checkpoint tensor {name!r}: layer {idx} is past the model's "
+                             f"{self.config.num_hidden_layers} layers")
+        mlp = getattr(self.layers[local], "mlp", None)
         if not isinstance(mlp, FusedMoE):
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}: "
                              f"layer {idx} is not a mixture-of-experts layer")
         return mlp
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Expert tensors go to their FusedMoE layer (other ranks' experts skipped before any copy); the
-        rest, with Mixtral's `block_sparse_moe` renamed to our `mlp`, to llama.py's loader."""
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Expert tensors go to their FusedMoE layer, which reads only this rank's experts (or their slices)
+        of them; the rest, with Mixtral's `block_sparse_moe` renamed to our `mlp`, to llama.py's loader."""
         def dense():
             for name, tensor in weights:
-                m = _EXPERT.match(name)
-                if m:
-                    self._moe_layer(name, m[1]).load_expert(int(m[2]), _PROJ[m[3]], tensor)
+                m = _EXPERT.match(name) or _STACKED.match(name)
+                if m is None:
+                    yield name.replace(".block_sparse_moe.", ".mlp."), tensor
                     continue
-                m = _STACKED.match(name)
-                if m:
-                    self._moe_layer(name, m[1]).load_stacked(m[2], tensor)
+                moe = self._moe_layer(name, m[1])
+                if moe is None:
                     continue
-                yield name.replace(".block_sparse_moe.", ".mlp."), tensor
+                if m.re is _EXPERT:
+                    moe.load_expert(int(m[2]), _PROJ[m[3]], tensor)
+                else:
+                    moe.load_stacked(m[2], tensor)
 
         loaded = super().load_weights(dense())
         for i, layer in enumerate(self.layers):
