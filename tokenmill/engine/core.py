@@ -97,11 +97,13 @@ class EngineCore:
             result = self.executor.execute_model(sched)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine for all
             self.num_failed_steps += 1
+            error = f"the engine failed to run this request: {type(e).__name__}: {e}"
             if self.num_failed_steps > MAX_FAILED_STEPS or not sched.scheduled:
+                self.scheduler.roll_back(sched, error)  # the step is over either way: its blocks come back
                 raise
             logger.exception("step failed for request(s) %s; isolating the cause",
                              ", ".join(s.request_id for s in sched.scheduled[:8]))
-            self.scheduler.roll_back(sched, f"the engine failed to run this request: {type(e).__name__}: {e}")
+            self.scheduler.roll_back(sched, error)
             return None
         self.num_failed_steps = 0
         return result

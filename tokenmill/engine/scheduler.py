@@ -60,6 +60,10 @@ class Scheduler:
         self.pending: list[EngineCoreOutput] = []  # requests finished between steps (aborts, failures)
         self.quarantine: list[str] = []  # requests of a failed step, run alone until each samples a token
         self.running: list[Request] = []
+        # Scheduled in a step whose result has not come back (pipeline parallel keeps several steps in
+        # flight): not scheduled again, never preempted, and their blocks freed only once back.
+        self.in_flight: set[str] = set()
+        self._free_when_back: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -120,7 +124,10 @@ class Scheduler:
                     queue.remove(req)
                     break
         req.status = RequestStatus.FINISHED
-        self.kv.free(req)
+        if req.request_id in self.in_flight:  # a step in flight still writes its KV
+            self._free_when_back.append(req)
+        else:
+            self.kv.free(req)
         if self.connector is not None:
             self.connector.release(req)
         self.drafts.pop(req.request_id, None)
@@ -156,6 +163,7 @@ class Scheduler:
         Otherwise every request of the step goes back to the head of the waiting queue, to be run alone
         (quarantine). Blocks allocated for the step are freed and those it would have filled are dropped
         from the prefix cache: their KV was never (fully) written."""
+        self._back(sched)
         if len(sched.scheduled) == 1:
             req = self.requests.get(sched.scheduled[0].request_id)
             if req is not None:
@@ -197,7 +205,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if suspect is not None and req.request_id != suspect:
+            if (suspect is not None and req.request_id != suspect) or req.request_id in self.in_flight:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -208,7 +216,9 @@ class Scheduler:
                 drafts, lookahead = [], 0
                 ok = self.kv.allocate_slots(req, n)
             while not ok:
-                victim = self.running.pop()
+                victim = self._preemptible()
+                if victim is None:
+                    break
                 self._preempt(victim)
                 preempted = True
                 out.num_preempted += 1
@@ -261,6 +271,7 @@ class Scheduler:
 
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
+            self.in_flight.add(req.request_id)
             req.num_computed_tokens += n + len(drafts)
             self.drafts.pop(req.request_id, None)
             out.num_batched_tokens += n + len(drafts)
@@ -330,6 +341,13 @@ class Scheduler:
             return 0
         return max(0, min(k, self.max_model_len - req.num_tokens))
 
+    def _preemptible(self) -> Optional[Request]:
+        """The newest running request not in flight (removed from running), or None."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if self.running[j].request_id not in self.in_flight:
+                return self.running.pop(j)
+        return None
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         self.drafts.pop(req.request_id, None)
@@ -345,6 +363,7 @@ class Scheduler:
         """Fold a ModelRunnerOutput into the requests: append new tokens (up to a stop), roll back rejected
         drafts, keep the next drafts."""
         outs: list[EngineCoreOutput] = []
+        self._back(sched)
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -386,6 +405,16 @@ class Scheduler:
         if self.connector is not None:
             self.connector.update(result.kv_connector_output)
         return outs
+
+    def _back(self, sched: SchedulerOutput) -> None:
+        """sched's result is in: its requests may be scheduled again, and those that finished meanwhile
+        give back their blocks."""
+        self.in_flight.difference_update(s.request_id for s in sched.scheduled)
+        if self._free_when_back:
+            back = [r for r in self._free_when_back if r.request_id not in self.in_flight]
+            for req in back:
+                self.kv.free(req)
+                self._free_when_back.remove(req)
 
     # -- stats ------------------------------------------------------------------------------
     @property
