@@ -206,3 +206,137 @@ def test_log_step_stats(tiny, caplog):
     assert len(lines) == 3  # one prefill step (+ first token), two decode steps
     assert "batch 2" in lines[-1] and "2 tokens" in lines[-1] and "MFU" in lines[-1] and "MBU" in lines[-1]
     llm.engine.shutdown()
+
+
+# -- parallelism (issue 17, item 7) -------------------------------------------------------------------------
+def _parallel(name, hw="h100", **kw):
+    return make_plan(load_model_shape(name), get_hardware(hw), "bf16", "bf16", **kw)["parallel"]
+
+
+def test_tp2_weights_per_device_by_hand():
+    """Llama-3.1-8B: every matrix is split in two (8 KV heads, 128256 vocab rows), norms replicated."""
+    h, inter, vocab = 4096, 14336, 128256
+    sharded = 32 * (2 * h * h + 2 * h * 1024 + 3 * h * inter) + 2 * vocab * h  # q,o + k,v + MLP; embed + head
+    replicated = 32 * 2 * h + h                                                 # RMSNorms + final norm
+    par = _parallel("Llama-3.1-8B", tp=2)
+    assert par["stages"][0]["weight_bytes"] == 2 * (sharded // 2 + replicated)
+    assert par["stages"][0]["kv_bytes_per_token"] == 2 * 32 * 4 * 128 * 2      # 4 of 8 KV heads per rank
+
+
+def test_kv_heads_replicate_when_fewer_than_ranks():
+    """Qwen3-235B-A22B (4 KV heads) on TP=8: each rank keeps one KV head, a quarter of the K/V weights and
+    cache, not an eighth; experts are 1/8 per rank under TP and EP alike."""
+    from tokenmill.plan.parallel import Split, attention_params_per_rank, stage_params
+
+    s = load_model_shape("Qwen3-235B-A22B")
+    h, d = 4096, 128
+    assert attention_params_per_rank(s, 8) == 2 * h * 64 * d / 8 + 2 * h * 1 * d + 2 * d  # q,o/8 + k,v + q/k norm
+    tp, ep = _parallel("Qwen3-235B-A22B", tp=8), _parallel("Qwen3-235B-A22B", tp=8, expert_parallel=True)
+    assert tp["stages"][0]["kv_bytes_per_token"] == 94 * 2 * 1 * d * 2
+    assert tp["stages"][0]["weight_bytes"] == ep["stages"][0]["weight_bytes"]
+    experts = 94 * 128 * 3 * h * 1536
+    router_norms = 94 * (h * 128 + 2 * h) + h
+    table = 151936 // 8 * h
+    expect = 94 * attention_params_per_rank(s, 8) + experts / 8 + router_norms + 2 * table
+    assert stage_params(s, Split(8, 1, True))[0] == pytest.approx(expect)
+
+
+def test_pp_stages_sum_to_the_whole_and_largest_stage():
+    from tokenmill.plan.parallel import Split, layers_per_stage, stage_params
+
+    s = load_model_shape("Llama-3.1-70B")
+    assert sum(stage_params(s, Split(1, 2))) == s.params_total
+    assert layers_per_stage(80, 3) == [27, 27, 26]
+    assert _parallel("Llama-3.1-70B", pp=3)["largest_stage"] == 0       # one more layer + the embedding
+    assert _parallel("Llama-3.1-70B", pp=2)["largest_stage"] == 1       # the LM head (+ final norm)
+    tied = load_model_shape("Qwen3-0.6B")                               # the last stage needs its own head copy
+    assert sum(stage_params(tied, Split(1, 2))) == tied.params_total + 151936 * 1024
+    pp2 = _parallel("Llama-3.1-70B", tp=4, pp=2)
+    assert [st["kv_bytes_per_token"] for st in pp2["stages"]] == [40 * 2 * 2 * 128 * 2] * 2
+
+
+def test_comm_bytes_and_time_by_hand():
+    """70B, TP=8 x PP=2 over 2 nodes: 161 all-reduces of 8192 x 2 bytes per token (2 per layer + embedding),
+    a ring sends 2 x 7/8 of each; the stage boundary sends hidden + residual on InfiniBand."""
+    par = _parallel("Llama-3.1-70B", tp=8, pp=2, batch_size=4)
+    c = par["comm_per_token"]
+    payload = 8192 * 2
+    assert (c["all_reduce_payload"], c["all_reduces"]) == (payload, 161)
+    assert c["tp_sent"] == 161 * 2 * 7 / 8 * payload
+    assert c["logits_gather_sent"] == 7 * 16032 * 2                     # 128256 / 8 rows from each other rank
+    assert c["pp_sent_per_boundary"] == 2 * payload
+    nv, ib = 450e9, 50e9
+    assert par["decode_comm"]["tp_s"] == pytest.approx(162 * 5e-6 + 4 * (c["tp_sent"] + c["logits_gather_sent"]) / nv)
+    assert par["decode_comm"]["pp_s"] == pytest.approx(10e-6 + 4 * 2 * payload / ib)
+    assert par["decode_step_s"] == pytest.approx(par["decode_compute_s"] + par["decode_comm"]["total_s"])
+    # MoE: the all-to-all comparison figure is top_k x hidden out and back per token per MoE layer
+    moe = _parallel("Qwen3-235B-A22B", tp=8, expert_parallel=True)["comm_per_token"]
+    assert moe["all_to_all_per_moe_layer"] == 2 * 8 * 4096 * 2 and moe["moe_layers"] == 94
+
+
+def test_ep_busiest_rank_matches_sampling():
+    """The expected busiest rank's experts (binomial model) against routing sampled uniformly."""
+    import random
+
+    from tokenmill.plan.parallel import Split, busiest_rank_experts
+
+    s = load_model_shape("Qwen3-235B-A22B")
+    rng = random.Random(0)
+    for tokens in (1, 4):
+        busiest = []
+        for _ in range(2000):
+            touched = {e for _ in range(tokens) for e in rng.sample(range(128), 8)}
+            busiest.append(max(sum(1 for e in touched if e // 16 == r) for r in range(8)))
+        mean, expect = busiest_rank_experts(s, Split(8, 1, True), tokens)
+        assert expect == pytest.approx(sum(busiest) / len(busiest), rel=0.03)
+        assert busiest_rank_experts(s, Split(8, 1, False), tokens) == (mean, mean)   # TP: every rank a slice
+    ep1 = _parallel("Qwen3-235B-A22B", "h200", tp=8, expert_parallel=True)
+    tp1 = _parallel("Qwen3-235B-A22B", "h200", tp=8)
+    assert ep1["decode_step_s"] > tp1["decode_step_s"]                   # batch 1: EP waits on its busiest rank
+    ep256 = _parallel("Qwen3-235B-A22B", "h200", tp=8, expert_parallel=True, batch_size=256)
+    assert ep256["moe"]["decode_imbalance_s"] == pytest.approx(0, abs=1e-9)  # every expert busy: balanced
+
+
+@pytest.mark.parametrize("model,hw,nodes,per_node,expect", [
+    ("Llama-3.1-70B", "h100", 1, 8, "TP=8"), ("Llama-3.1-70B", "h100", 2, 8, "TP=8 x PP=2"),
+    ("Qwen3-235B-A22B", "h200", 1, 8, "TP=8 with EP"), ("Qwen3-235B-A22B", "h100", 2, 8, "TP=8 x PP=2 with EP"),
+    ("SmolLM2-135M", "h100", 1, 8, "TP=1 x PP=8"), ("Qwen3-235B-A22B", "h100", 1, 8, "None")])
+def test_rules_pick(model, hw, nodes, per_node, expect):
+    from tokenmill.plan.parallel import choose_split
+
+    c = choose_split(load_model_shape(model), get_hardware(hw), "bf16", nodes, per_node)
+    assert str(c["split"]) == expect
+    if c["split"] is None:                                               # 438 GiB of bf16 weights on 8 x 80 GiB
+        assert c["min_devices"] == 9 and "does not fit" in c["reasons"][0]
+
+
+def test_cli_parallel_lines(capsys):
+    assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", "--num-nodes", "2", "--devices-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "on 16 x H100-SXM" in out and "split             TP=8 x PP=2" in out
+    for line in ("per device        stage 1 (40 layers + LM head)", "largest stage     1", "TP traffic", "PP traffic",
+                 "decode comm", "InfiniBand-NDR", "100GbE", "rules pick        TP=8 x PP=2"):
+        assert line in out, line
+    assert main(["plan", "Qwen3-235B-A22B", "--hardware", "h200", "-tp", "8", "--enable-expert-parallel",
+                 "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["parallel"]["expert_parallel"] and p["parallel"]["moe"]["experts_per_rank"] == 16
+    assert p["max_concurrent_seqs"] == p["parallel"]["max_concurrent_seqs"]
+    assert main(["plan", "Llama-3.1-8B", "--hardware", "h100", "-tp", "2", "--interconnect", "pcie",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallel"]["decode_comm"]["tp_link"] == "PCIe-Gen5-x16"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-tp", "3"], "--tensor-parallel-size 3 does not divide the model's 64 attention heads (8 KV heads); "
+                   "sizes that work: 1, 2, 4, 8, 16, 32, 64"),
+    (["-pp", "81"], "--pipeline-parallel-size 81 is more than the model's 80 layers"),
+    (["-tp", "0"], "must be at least 1"),
+    (["-tp", "2", "--enable-expert-parallel"], "needs a mixture-of-experts model; Llama-3.1-70B is dense"),
+    (["-tp", "8", "-pp", "2", "--num-nodes", "1"], "needs 16 devices; 1 node(s) x 8 have 8"),
+    (["--num-nodes", "0"], "--num-nodes must be at least 1"),
+    (["-tp", "2", "--interconnect", "carrier-pigeon"], "unknown interconnect 'carrier-pigeon'")])
+def test_cli_refuses_bad_parallel_flags(capsys, args, message):
+    assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request, check_token_ids
@@ -34,6 +38,8 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_k: int = 0                 # drafts per request in the last step (the controller's choice)
+    # MoE: tokens routed to each expert, [MoE layer][expert] (cumulative; empty for a dense model)
+    expert_load: list[list[int]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -61,6 +67,10 @@ class EngineCore:
             from tokenmill.plan.roofline import StepStatsLogger
 
             self.step_stats = StepStatsLogger(config)
+        # Pipeline parallel: steps in flight, oldest first: (scheduler output, its future, submit time).
+        self.num_in_flight = config.parallel.pipeline_parallel_size
+        self.batch_queue: deque = deque()
+        self.expert_load: Optional[np.ndarray] = None  # MoE: cumulative tokens per [MoE layer, expert]
         logger.info("engine ready in %.1fs", time.perf_counter() - t0)
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -78,23 +88,46 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.num_in_flight > 1:
+            return self._step_pipelined()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.needs_worker:
             return self.scheduler.take_pending()
         # With nothing scheduled the worker still drops finished requests' state and runs KV transfers.
-        t_exec = time.perf_counter()
-        result = self._execute(sched)
-        outputs = self.scheduler.update(sched, result, time.perf_counter() - t_exec) if result is not None else []
+        result = self._execute(sched, lambda: self.executor.execute_model(sched))
+        return self._fold_in(sched, result, t0)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline parallel: with P stages, up to P steps are in flight so that every stage works on one.
+        While there is room, schedule (requests in flight are not schedulable) and submit without waiting;
+        when the queue is full or nothing new could run, wait for the oldest step and fold it in."""
+        if len(self.batch_queue) < self.num_in_flight:
+            sched = self.scheduler.schedule()
+            if sched.needs_worker:
+                self.batch_queue.append((sched, self.executor.execute_model(sched, non_block=True),
+                                         time.perf_counter()))
+                if not sched.empty and len(self.batch_queue) < self.num_in_flight:
+                    return self.scheduler.take_pending()
+        if not self.batch_queue:
+            return self.scheduler.take_pending()
+        sched, future, t0 = self.batch_queue.popleft()
+        return self._fold_in(sched, self._execute(sched, future.result), t0)
+
+    def _fold_in(self, sched, result, t0: float) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update(sched, result, time.perf_counter() - t0) if result is not None else []
+        if result is not None and result.expert_load is not None:
+            load = np.asarray(result.expert_load, dtype=np.int64)
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
         if self.step_stats is not None and not sched.empty:
             self.step_stats.log(sched, time.perf_counter() - t0)
         return self.scheduler.take_pending() + outputs
 
-    def _execute(self, sched):
-        """The worker's result, or None when it raised: the step's requests are rolled back and run alone
-        until the culprit is found (Scheduler.roll_back), and the others keep going."""
+    def _execute(self, sched, run):
+        """run()'s result (the worker's for sched), or None when it raised: the step's requests are rolled
+        back and run alone until the culprit is found (Scheduler.roll_back), and the others keep going."""
         try:
-            result = self.executor.execute_model(sched)
+            result = run()
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine for all
             self.num_failed_steps += 1
             error = f"the engine failed to run this request: {type(e).__name__}: {e}"
@@ -118,6 +151,8 @@ class EngineCore:
             stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens
             stats.spec_num_accepted_tokens, stats.spec_accepted_per_pos = c.num_accepted_tokens, list(c.accepted_per_pos)
             stats.spec_k = s.spec.last_k
+        if self.expert_load is not None:
+            stats.expert_load = self.expert_load.tolist()
         return stats
 
     def shutdown(self) -> None:

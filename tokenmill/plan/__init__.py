@@ -1,19 +1,25 @@
 """`tokenmill plan`: memory and roofline arithmetic for a model on a piece of hardware.
 
     tokenmill plan Llama-3.1-8B --hardware h100 --batch-size 32 --input-len 2048 --output-len 256 --json
+    tokenmill plan Llama-3.1-70B --hardware h100 --num-nodes 2 --devices-per-node 8     # the rules' split
+    tokenmill plan Qwen3-235B-A22B --hardware h200 -tp 8 --enable-expert-parallel       # per device, comm
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Optional
 
-from tokenmill.plan.hardware import CATALOG, Hardware, get_hardware, hardware_names, measure_local_cpu
+from tokenmill.plan.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardware, get_interconnect,
+                                     hardware_names, measure_local_cpu)
 from tokenmill.plan.memory import PRESETS, ModelShape, load_model_shape, memory_plan, normalize_dtype
+from tokenmill.plan.parallel import Split, check_split, choose_split
 from tokenmill.plan.roofline import StepStatsLogger, default_compute_dtype, format_plan, make_plan
 
-__all__ = ["CATALOG", "Hardware", "ModelShape", "PRESETS", "StepStatsLogger", "add_plan_args", "format_plan",
-           "get_hardware", "load_model_shape", "make_plan", "measure_local_cpu", "memory_plan", "run_plan"]
+__all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Split", "StepStatsLogger", "add_plan_args",
+           "choose_split", "format_plan", "get_hardware", "get_interconnect", "load_model_shape", "make_plan",
+           "measure_local_cpu", "memory_plan", "run_plan"]
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +38,24 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="concurrent sequences")
     p.add_argument("--input-len", type=int, default=2048, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence")
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                   help="devices the model is split over (tensor parallel)")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=None,
+                   help="devices each layer is split over (tensor parallel; default 1, or the rules' pick with "
+                        "--num-nodes/--devices-per-node)")
+    p.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=None,
+                   help="consecutive stages the layers are split into (pipeline parallel; default 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE: whole experts spread over the tensor-parallel ranks instead of a slice of each")
+    p.add_argument("--num-nodes", type=int, default=None,
+                   help="machines available: with it (or --devices-per-node) the plan says which split the rules "
+                        "pick, and plans that split unless -tp/-pp are given")
+    p.add_argument("--devices-per-node", type=int, default=None,
+                   help="devices per machine (default 8; on local-cpu the ranks are processes of this machine)")
+    p.add_argument("--interconnect", default=None,
+                   help=f"link between the devices of a node: {', '.join(i.name for i in INTERCONNECTS.values())} "
+                        "(default: the hardware's NVLink generation, PCIe otherwise; loopback on local-cpu)")
+    p.add_argument("--network", default=None, help="link between nodes (default InfiniBand-NDR)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens of the largest step, for the activation estimate (the engine's default 2048)")
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of memory for weights + KV (like --gpu-memory-utilization)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -45,6 +67,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.list:
         print("models:   " + ", ".join(PRESETS))
         print("hardware: " + ", ".join(hardware_names()))
+        print("links:    " + ", ".join(f"{i.name} ({i.bandwidth / 1e9:g} GB/s, {i.latency * 1e6:g} us, nominal)"
+                                       for i in INTERCONNECTS.values()))
         return 0
     if not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
@@ -57,11 +81,39 @@ def run_plan(args: argparse.Namespace) -> int:
         weight_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
     compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)
     hw = get_hardware(args.hardware, measure_dtypes=(compute,))
+    choice, (tp, pp, ep) = resolve_split(args, shape, hw, weight_dtype)
+    links = {k: get_interconnect(v) for k, v in (("node_link", args.interconnect), ("net_link", args.network)) if v}
     plan = make_plan(shape, hw, weight_dtype, args.kv_dtype, args.batch_size, args.input_len, args.output_len,
-                     args.tp, compute, args.memory_utilization)
+                     tp, compute, args.memory_utilization, pp, ep, devices_per_node=args.devices_per_node,
+                     max_batched_tokens=args.max_num_batched_tokens, **links)
+    if choice is not None:
+        plan["rules_pick"] = {**choice, "split": str(choice["split"]) if choice["split"] else None}
     if args.json:
         json.dump(plan, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(format_plan(plan))
     return 0
+
+
+def resolve_split(args: argparse.Namespace, shape: ModelShape, hw: Hardware,
+                  weight_dtype: str) -> tuple[Optional[dict], tuple[int, int, bool]]:
+    """(the rules' pick when a device count is given, else None; the (tp, pp, ep) to plan): the user's flags,
+    or the pick when -tp/-pp are not given."""
+    for flag, value in (("--num-nodes", args.num_nodes), ("--devices-per-node", args.devices_per_node),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    split = (1 if args.tp is None else args.tp, 1 if args.pp is None else args.pp, args.enable_expert_parallel)
+    check_split(shape, Split(*split))
+    if args.num_nodes is None and args.devices_per_node is None:
+        return None, split
+    nodes, per_node = args.num_nodes or 1, args.devices_per_node or 8
+    if split[0] * split[1] > nodes * per_node:
+        raise ValueError(f"TP {split[0]} x PP {split[1]} needs {split[0] * split[1]} devices; "
+                         f"{nodes} node(s) x {per_node} have {nodes * per_node}")
+    choice = choose_split(shape, hw, weight_dtype, nodes, per_node)
+    if args.tp is None and args.pp is None and choice["split"] is not None:
+        pick = choice["split"]
+        split = (pick.tp, pick.pp, pick.ep or args.enable_expert_parallel)
+    return choice, split

@@ -4,6 +4,9 @@ Catalog FLOP/s are dense (no 2:4 sparsity) tensor-core peaks per compute dtype; 
 datasheet figure. Memory sizes are the datasheet "GB" read as GiB (HBM stacks come in powers of two; what
 a driver reports is within a few percent of that). `local-cpu` is measured on the spot: a large matmul
 per dtype for FLOP/s, a streaming reduction over a tensor much larger than the caches for bandwidth.
+
+Interconnects (for tensor/pipeline/expert parallel communication) are nominal: the datasheet link rate per
+device and direction, and a round per-collective latency of the order NCCL/gloo reach. None is measured here.
 """
 from __future__ import annotations
 
@@ -50,6 +53,49 @@ CATALOG: dict[str, Hardware] = {h.name.lower(): h for h in [
     _gpu("L40S", 48, 0.864, fp32=91.6, tf32=183, bf16=362.05, fp16=362.05, fp8=733, int8=733),
     _gpu("MI300X", 192, 5.3, fp32=163.4, tf32=653.7, bf16=1307.4, fp16=1307.4, fp8=2614.9, int8=2614.9),
 ]}
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    bandwidth: float   # bytes/s one device sends (and receives) at once: the link rate per direction
+    latency: float     # seconds per collective or point-to-point send, nominal
+    scope: str         # "node": between the devices of one machine; "network": between machines
+    about: str
+
+
+INTERCONNECTS: dict[str, Interconnect] = {i.name.lower(): i for i in [
+    Interconnect("NVLink-3", 300e9, 5e-6, "node", "A100 SXM: 12 links, 600 GB/s both directions"),
+    Interconnect("NVLink-4", 450e9, 5e-6, "node", "H100/H200 SXM: 18 links, 900 GB/s both directions"),
+    Interconnect("NVLink-5", 900e9, 5e-6, "node", "B200: 18 links, 1.8 TB/s both directions"),
+    Interconnect("PCIe-Gen5-x16", 64e9, 10e-6, "node", "~64 GB/s per direction, no NVLink"),
+    Interconnect("InfiniBand-NDR", 50e9, 10e-6, "network", "400 Gb/s, one NIC per device"),
+    Interconnect("100GbE", 12.5e9, 30e-6, "network", "100 Gb/s Ethernet (RoCE/TCP), one NIC per device"),
+    Interconnect("loopback", 3e9, 50e-6, "node", "gloo over TCP between processes of one machine"),
+]}
+# The link between the devices of one node, per catalog entry; anything else falls back to PCIe.
+_NODE_LINK = {"h100-sxm": "nvlink-4", "h200": "nvlink-4", "b200": "nvlink-5", "a100-80gb": "nvlink-3",
+              "local-cpu": "loopback"}
+
+
+def get_interconnect(name: str) -> Interconnect:
+    key = name.lower().strip().replace(" ", "-")
+    key = {"nvlink": "nvlink-4", "pcie": "pcie-gen5-x16", "pcie5": "pcie-gen5-x16", "ib": "infiniband-ndr",
+           "infiniband": "infiniband-ndr", "ndr": "infiniband-ndr", "ethernet": "100gbe"}.get(key, key)
+    if key not in INTERCONNECTS:
+        raise ValueError(f"unknown interconnect {name!r}; choose one of "
+                         f"{', '.join(i.name for i in INTERCONNECTS.values())}")
+    return INTERCONNECTS[key]
+
+
+def default_links(hw: "Hardware") -> tuple[Interconnect, Interconnect]:
+    """(within a node, between nodes) for a piece of hardware: its NVLink generation (PCIe for the others)
+    and InfiniBand NDR; the local CPU's ranks are processes on this machine (loopback both ways)."""
+    key = hw.name.lower()
+    node = INTERCONNECTS[_NODE_LINK.get(key, "pcie-gen5-x16")]
+    return node, (node if key == "local-cpu" else INTERCONNECTS["infiniband-ndr"])
+
+
 _ALIASES = {"h100": "h100-sxm", "h100sxm": "h100-sxm", "h100_sxm": "h100-sxm", "h100 sxm": "h100-sxm",
             "h200-sxm": "h200", "a100": "a100-80gb", "a100-80g": "a100-80gb", "a100_80gb": "a100-80gb",
             "mi300": "mi300x", "l40": "l40s", "cpu": "local-cpu", "local": "local-cpu"}

@@ -3,7 +3,8 @@
 A step's time is at least max(FLOPs / peak FLOP/s, bytes / bandwidth). Its arithmetic intensity
 (FLOPs per byte moved) against the hardware's ops:byte ratio says which term wins. Bytes are the weights
 the step touches (all of them for a dense model; the expected distinct experts for MoE) plus the KV cache
-it reads and writes. Activations and communication are left out, so these are bounds, not predictions.
+it reads and writes. Activations and communication are left out, so these are bounds, not predictions; a
+split over several devices adds its communication in plan["parallel"] (plan/parallel.py).
 
 `StepStatsLogger` applies the same counts to the engine's real steps (`--log-step-stats`).
 """
@@ -14,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tokenmill.plan.hardware import Hardware
+from tokenmill.plan.hardware import Hardware, Interconnect, default_links
 from tokenmill.plan.memory import ModelShape, dtype_bytes, memory_plan, normalize_dtype
 
 logger = logging.getLogger("tokenmill")
@@ -81,10 +82,13 @@ def default_compute_dtype(weight_dtype: str) -> str:
 
 def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dtype: Optional[str] = None,
               batch_size: int = 1, input_len: int = 2048, output_len: int = 256, tp: int = 1,
-              compute_dtype: Optional[str] = None, memory_utilization: float = 0.9) -> dict[str, Any]:
-    """The whole plan as a JSON-ready dict (see `tokenmill plan --help` for the meaning of each key)."""
-    if min(batch_size, input_len, tp) < 1 or output_len < 0:
-        raise ValueError("batch size, input length and TP size must be at least 1, output length at least 0")
+              compute_dtype: Optional[str] = None, memory_utilization: float = 0.9, pp: int = 1,
+              expert_parallel: bool = False, **parallel: Any) -> dict[str, Any]:
+    """The whole plan as a JSON-ready dict (see `tokenmill plan --help` for the meaning of each key). Speeds
+    are over the tp devices of one stage (a batch visits the pp stages in turn), memory over all tp x pp;
+    `parallel` (devices_per_node, node_link, net_link, max_batched_tokens) goes to attach_parallel."""
+    if min(batch_size, input_len, tp, pp) < 1 or output_len < 0:
+        raise ValueError("batch size, input length, TP and PP sizes must be at least 1, output length at least 0")
     weight_dtype = normalize_dtype(weight_dtype)
     kv_dtype = normalize_dtype(kv_dtype) if kv_dtype and kv_dtype != "auto" else \
         ("fp32" if weight_dtype == "fp32" else "bf16")
@@ -96,7 +100,7 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
     peak, bw = peak1 * tp, hw.bandwidth * tp
     ratio = peak1 / hw.bandwidth
     context = input_len + output_len
-    mem = memory_plan(shape, weight_dtype, kv_dtype, context, hw.memory_bytes, tp, memory_utilization)
+    mem = memory_plan(shape, weight_dtype, kv_dtype, context, hw.memory_bytes, tp * pp, memory_utilization)
 
     pre = prefill_cost(shape, batch_size, input_len, weight_dtype, kv_dtype)
     pre1 = prefill_cost(shape, 1, input_len, weight_dtype, kv_dtype)
@@ -107,19 +111,17 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
 
     if mem.max_concurrent_seqs == 0:
         notes.append(f"the weights ({mem.weight_bytes / 2**30:.1f} GiB) leave no room for even one sequence's KV "
-                     f"in {tp} x {hw.memory_bytes / 2**30:.0f} GiB; use more GPUs (--tp) or smaller dtypes")
+                     f"in {tp * pp} x {hw.memory_bytes / 2**30:.0f} GiB; use more GPUs (--tp) or smaller dtypes")
     elif batch_size > mem.max_concurrent_seqs:
         notes.append(f"batch size {batch_size} exceeds the {mem.max_concurrent_seqs} sequences whose KV fits")
     if crossover is not None and crossover > mem.max_concurrent_seqs:
         notes.append(f"decode turns compute-bound only at batch {crossover}, beyond what memory holds")
-    if tp > 1:
-        notes.append("TP splits FLOPs and bytes evenly; communication time is not counted")
 
     def bound(c: Cost) -> str:
         return "compute" if c.arithmetic_intensity >= ratio else "memory"
 
-    return {
-        "model": shape.name, "hardware": hw.name, "hardware_measured": hw.measured, "tp": tp,
+    plan = {
+        "model": shape.name, "hardware": hw.name, "hardware_measured": hw.measured, "tp": tp, "pp": pp,
         "weight_dtype": weight_dtype, "kv_dtype": kv_dtype, "compute_dtype": used,
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "context_len": context,
         "params_total": shape.params_total, "params_active": shape.params_active, "is_moe": shape.is_moe,
@@ -137,6 +139,29 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
                    "compute_bound_batch_size": crossover},
         "notes": notes,
     }
+    if tp * pp > 1 or expert_parallel:
+        attach_parallel(plan, shape, hw, expert_parallel, **parallel)
+    return plan
+
+
+def attach_parallel(plan: dict[str, Any], shape: ModelShape, hw: Hardware, expert_parallel: bool,
+                    devices_per_node: Optional[int] = None, node_link: Optional[Interconnect] = None,
+                    net_link: Optional[Interconnect] = None, max_batched_tokens: int = 2048) -> None:
+    """plan["parallel"]: per-device memory and communication of the plan's split (plan/parallel.py)."""
+    from tokenmill.plan.parallel import Split, parallel_plan
+
+    split = Split(plan["tp"], plan["pp"], expert_parallel)
+    links = default_links(hw)
+    dpn = devices_per_node or (split.world if hw.name == "local-cpu" else 8)
+    plan["parallel"] = parallel_plan(
+        shape, hw, split, plan["weight_dtype"], plan["kv_dtype"], plan["batch_size"], plan["input_len"],
+        plan["context_len"], plan["memory_utilization"], max_batched_tokens, dpn, node_link or links[0],
+        net_link or links[1], plan["decode"]["step_time_s"], plan["prefill"]["ttft_s"])
+    # per-device arithmetic knows replicated KV heads and activations: its count is the one that holds
+    plan["max_concurrent_seqs"] = plan["parallel"]["max_concurrent_seqs"]
+    if not shape.is_mla and shape.num_kv_heads < split.tp:
+        plan["notes"].append(f"{shape.num_kv_heads} KV heads on {split.tp} TP ranks: each KV head is held "
+                             f"{split.tp // shape.num_kv_heads} times")
 
 
 def _si(x: float, unit: str) -> str:
@@ -156,7 +181,7 @@ def format_plan(p: dict[str, Any]) -> str:
     hw = p["hardware"] + (" (measured now)" if p["hardware_measured"] else "")
     cross = dec["compute_bound_batch_size"]
     lines = [
-        f"{p['model']} on {p['tp']} x {hw}: weights {p['weight_dtype']}, KV {p['kv_dtype']}, "
+        f"{p['model']} on {p['tp'] * p['pp']} x {hw}: weights {p['weight_dtype']}, KV {p['kv_dtype']}, "
         f"matmuls {p['compute_dtype']}",
         f"  parameters        {_si(p['params_total'], '')}{active}",
         f"  weights           {_gib(p['weight_bytes'])}",
@@ -177,6 +202,11 @@ def format_plan(p: dict[str, Any]) -> str:
         "  compute-bound at  " + (f"decode batch {cross}" if cross is not None else
                                   "never (KV reads grow as fast as the FLOPs at this context)"),
     ]
+    if "parallel" in p or "rules_pick" in p:
+        from tokenmill.plan.parallel import format_choice, format_parallel
+
+        lines += format_parallel(p["parallel"]) if "parallel" in p else []
+        lines += format_choice(p["rules_pick"]) if "rules_pick" in p else []
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
 
