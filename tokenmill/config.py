@@ -508,11 +508,27 @@ class EngineConfig:
         self.model.finalize(self.device, install_default)
         self.scheduler.validate(self.model.max_model_len)
         self.parallel.finalize(self.device, self.model.hf_config)
+        self._check_parallel_features()
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
             self.speculative.finalize(self.model)
         return self
+
+    def _check_parallel_features(self) -> None:
+        """Features not built for a split model yet: refused by name rather than run wrong."""
+        par = self.parallel
+        if par.world_size == 1:
+            return
+        if self.cache.kv_offloading_size:
+            raise ValueError("--kv-offloading-size (host-RAM/disk KV tiers) does not support tensor or pipeline "
+                             "parallel yet; drop it or run with a world size of 1")
+        spec = self.speculative
+        if spec is not None and (par.pipeline_parallel_size > 1 or spec.method != "ngram"):
+            raise ValueError(f"speculative decoding ({spec.method}) with "
+                             f"{'pipeline' if par.pipeline_parallel_size > 1 else 'tensor'} parallel is not "
+                             "supported yet" + ("; n-gram speculation works with tensor parallel"
+                                                if par.pipeline_parallel_size == 1 else ""))
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "EngineConfig":

@@ -70,6 +70,12 @@ class ServerMetrics:
         self.spec_acceptance = g("spec_decode_draft_acceptance_rate", "Accepted / drafted tokens (cumulative).")
         self.spec_mean_len = g("spec_decode_mean_acceptance_length",
                                "Tokens emitted per verification round: 1 + accepted / rounds (cumulative).")
+        # MoE: expert load, what expert-parallel users tune (zero series for a dense model)
+        self._expert_tokens = Counter("tokenmill:moe_expert_tokens", "Tokens routed to each expert, by MoE layer "
+                                      "(0 = the model's first MoE layer) and expert.",
+                                      ["model_name", "layer", "expert"], registry=r)
+        self.expert_imbalance = g("moe_expert_load_imbalance", "Most-loaded expert's tokens over the mean "
+                                  "expert's, in the most imbalanced MoE layer (1 = even; cumulative).")
         self._model_name = model_name
         self._last: EngineStats | None = None
 
@@ -119,6 +125,7 @@ class ServerMetrics:
         if s.prefix_cache_queries:
             self.prefix_hit_rate.set((s.prefix_cache_hits + s.external_prefix_cache_hits) / s.prefix_cache_queries)
         self._on_spec_stats(s, last)
+        self._on_expert_load(s, last)
         self._last = s
 
     def _on_spec_stats(self, s: EngineStats, last: EngineStats | None) -> None:
@@ -135,6 +142,21 @@ class ServerMetrics:
         self.spec_acceptance.set(s.spec_num_accepted_tokens / s.spec_num_draft_tokens)
         if s.spec_num_drafts:
             self.spec_mean_len.set(1.0 + s.spec_num_accepted_tokens / s.spec_num_drafts)
+
+    def _on_expert_load(self, s: EngineStats, last: EngineStats | None) -> None:
+        if not s.expert_load:
+            return
+        prev = last.expert_load if last is not None and last.expert_load else None
+        worst = 1.0
+        for layer, counts in enumerate(s.expert_load):
+            for expert, n in enumerate(counts):
+                before = prev[layer][expert] if prev is not None else 0
+                if n > before:
+                    self._expert_tokens.labels(self._model_name, str(layer), str(expert)).inc(n - before)
+            total = sum(counts)
+            if total:
+                worst = max(worst, max(counts) * len(counts) / total)
+        self.expert_imbalance.set(worst)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

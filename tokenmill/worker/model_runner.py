@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tokenmill.distributed import IntermediateTensors, pp_rank, pp_recv, pp_send, pp_size
 from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors, logprobs_of, sample)
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
@@ -30,6 +31,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step.py)
+        self.stage, self.num_stages = pp_rank(), pp_size()  # pipeline stage: only the last one samples
+        self.count_experts = hasattr(model, "expert_load")  # MoE: tokens routed per expert, for /metrics
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.drafter = drafter
@@ -146,7 +149,9 @@ class ModelRunner:
             return out
         input_ids, meta, qsl = self._build_attention(reqs)
         self._aux.clear()
-        hidden = self.model(input_ids, meta, self.kv_caches)
+        hidden = self._forward(input_ids, meta)
+        if hidden is None:  # a pipeline stage before the last: its part is done
+            return out
 
         plain = [i for i, r in enumerate(reqs) if r.sample and not r.num_spec]
         spec = [i for i, r in enumerate(reqs) if r.sample and r.num_spec]
@@ -168,7 +173,25 @@ class ModelRunner:
         if self.drafter is not None:
             out.spec_token_ids = self._draft(reqs, qsl, hidden, out)
         self._aux.clear()
+        if self.count_experts:
+            load = self.model.expert_load()  # this stage's MoE layers; resets the layers' counters
+            out.expert_load = load.tolist() if load is not None else None
         return out
+
+    def _forward(self, input_ids: torch.Tensor, meta) -> Optional[torch.Tensor]:
+        """This stage's layers: a stage after the first takes the previous one's hidden states and residual
+        (stages run the steps in the same order, so the point-to-point messages pair up), a stage before the
+        last hands them on and returns None."""
+        intermediate = None
+        if self.stage > 0:
+            shape = (input_ids.shape[0], self.model.config.hidden_size)
+            hidden, residual = pp_recv([shape, shape], self.model.dtype, self.stage - 1, self.device)
+            intermediate = IntermediateTensors(hidden, residual)
+        out = self.model(input_ids, meta, self.kv_caches, intermediate)
+        if self.stage == self.num_stages - 1:
+            return out
+        pp_send([out.hidden, out.residual], self.stage + 1)
+        return None
 
     def _sample(self, sreqs: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         md = self._sampling_metadata(sreqs)
