@@ -464,7 +464,16 @@ class ParallelConfig:
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         ok = [n for n in range(1, heads + 1) if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
-        if tp not in ok:
+        experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+        if self.enable_expert_parallel and not experts:
+            logger.warning("--enable-expert-parallel has no effect: the model has no experts")
+        if self.enable_expert_parallel and experts % tp:
+            raise ValueError(f"--enable-expert-parallel over {tp} ranks: the model's {experts} experts do not "
+                             f"divide; sizes that work: {', '.join(str(n) for n in range(1, experts + 1) if experts % n == 0)}")
+        if tp not in ok and self.enable_expert_parallel and experts:
+            logger.info("expert parallel over %d ranks: the %d attention heads do not divide, so attention is "
+                        "replicated on every rank (the experts are still spread)", tp, heads)
+        elif tp not in ok:
             raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention heads "
                              f"({kv} KV heads); sizes that work: {', '.join(map(str, ok))}")
         if self.pipeline_parallel_size > cfg.num_hidden_layers:
