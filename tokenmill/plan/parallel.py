@@ -291,8 +291,9 @@ def choose_split(shape: ModelShape, hw: Hardware, weight_dtype: str, num_nodes: 
         where = f"across {num_nodes} nodes" if split.pp == num_nodes else "for the devices TP cannot take"
         reasons.append(f"PP={split.pp}: {where}; only stage boundaries cross the slower link")
     if split.ep:
-        reasons.append(f"EP: {shape.num_experts // tp} whole experts per rank (full-width expert matmuls for "
-                       "throughput; same weight bytes and, in this engine, the same all-reduce traffic as TP)")
+        reasons.append(f"EP: {shape.num_experts // tp} whole experts per rank for throughput (full-width expert "
+                       "matmuls, which the roofline does not credit; same weight bytes and, in this engine, the same "
+                       "all-reduce traffic as TP); at small batches its busiest rank reads more than TP's slices")
     smallest = next((n for n in sizes if n >= need), None)
     if smallest is not None and smallest < devices:
         reasons.append(f"the model fits on {smallest} device(s): {devices // smallest} replicas of TP={smallest} "
