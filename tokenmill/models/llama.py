@@ -14,7 +14,8 @@ from tokenmill.distributed import IntermediateTensors, stage_layers, state, tp_s
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize
+from tokenmill.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize,
+                                    narrow)
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.cpu_stack import CpuStack
@@ -72,6 +73,13 @@ class Attention(nn.Module):
         self.backend = backend
         self.kv_quant = None             # a KVCacheQuant when the cache is fp8/int8 (set by the worker)
         self.checkpoint_kv_scales = {}   # k_scale/v_scale tensors a checkpoint carries: {0: k, 1: v}
+
+    def load_kv_scale(self, which: int, loaded) -> None:
+        """A checkpoint's k_scale (which=0) or v_scale (1): a scalar, or one per KV head (this rank's taken)."""
+        if loaded.shape.numel() > 1:
+            start, rows = self.qkv_proj.sharding.out_ranges[1]
+            loaded = narrow(loaded, 0, start // self.head_dim, rows // self.head_dim)
+        self.checkpoint_kv_scales[which] = materialize(loaded)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -229,8 +237,7 @@ class LlamaForCausalLM(nn.Module):
             target, shard = found
             parts = target.split(".")
             if parts[-1] in ("k_scale", "v_scale") and parts[-2] == "self_attn":  # KV-cache scales
-                attn = self.get_submodule(".".join(parts[:-1]))
-                attn.checkpoint_kv_scales[0 if parts[-1] == "k_scale" else 1] = materialize(tensor)
+                self.get_submodule(".".join(parts[:-1])).load_kv_scale(0 if parts[-1] == "k_scale" else 1, tensor)
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
