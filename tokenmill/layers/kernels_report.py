@@ -44,7 +44,7 @@ def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
     this engine."""
     from tokenmill.models import cpu_stack
 
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype  # (a later pipeline stage has no embedding)
     stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
     libraries = cpu_build.library_status()
     fallbacks = _library_fallbacks(libraries)

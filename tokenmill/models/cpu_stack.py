@@ -183,11 +183,11 @@ def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, boo
     """Why the stack cannot run `model` on these caches, or None if it can: (reason, fallback), fallback being
     True where the cause is a missing kernel or the packing budget (a slower path than this machine should
     take) rather than the model's own features."""
+    if tp_size() > 1 or pp_size() > 1:  # the C stack has no collectives between its layers
+        return "tensor/pipeline parallel (no all-reduce or stage hand-off inside the C stack)", False
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         return "not on CPU", False
-    if tp_size() > 1 or pp_size() > 1:  # the C stack has no collectives between its layers
-        return "tensor/pipeline parallel (no all-reduce or stage hand-off inside the C stack)", False
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
         return "mixture-of-experts feed-forward layers", False
     if weight.dtype not in cpu_kernels.DTYPES:

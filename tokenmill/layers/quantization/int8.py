@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.distributed import tp_all_reduce_max
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.quantization import kernels
 from tokenmill.layers.quantization.base import PackedLinearMethod, QuantizationConfig, full_row_amax
@@ -61,14 +62,31 @@ class Int8LinearMethod(PackedLinearMethod):
         self.run = kernels.bind_int8(layer.weight, layer.weight_row_scale, self.act_qmax)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.run is not None and x.is_cpu and (batch_invariant.enabled() or
-                                                  x.numel() <= self.kernel_rows * layer.in_features):
+        on_grid = self.activations or (x.is_cpu and self.run is not None and
+                                       (batch_invariant.enabled() or x.numel() <= self.kernel_rows * layer.in_features))
+        if on_grid and getattr(layer, "sharding", None) is not None and layer.sharding.in_sharded:
+            return self._apply_row_shard(layer, x, bias)
+        if on_grid and self.run is not None and x.is_cpu:
             return self.run(x, bias)
         if self.activations:
             return kernels.int8_linear(x, layer.weight, layer.weight_row_scale, bias, kernels.ACT_QMAX_W8A8)
         # prefill-sized batches (or no C kernel): widen to float once, MKL GEMM with float activations
         return kernels.qlinear(self.fmt, x, layer.weight, None, layer.weight_row_scale, layer.in_features,
                                bias=bias)
+
+
+    def _apply_row_shard(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """A row-parallel rank holds part of every activation row. The kernels would size each row's grid by
+        that part's max, so ranks would round differently from one process; here the grid is the whole row's
+        (its max over the ranks), rounded as the kernel rounds, and the integer products summed in float32
+        (exact to ~1e-7: the partial sums are all-reduced in float anyway)."""
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        amax = tp_all_reduce_max(x2.abs().amax(dim=1))
+        s = torch.where(amax > 0, amax / self.act_qmax, torch.ones_like(amax))
+        q = torch.round(x2 * (1.0 / s)[:, None]).clamp_(-self.act_qmax, self.act_qmax)
+        y = (q @ layer.weight.float().t()) * s[:, None] * layer.weight_row_scale.float()[None, :]
+        y = y + bias.float() if bias is not None else y
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 class Int8Config(QuantizationConfig):
