@@ -139,7 +139,9 @@ class FusedMoE(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k]) exactly as transformers computes them."""
-        probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
+        # batch-invariant mode: the C kernel's fixed reduction order, so a token's routing ignores its batch
+        linear = cpu_linear.linear if batch_invariant.enabled() else F.linear
+        probs = linear(x, self.gate.weight).float().softmax(dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
