@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from typing import Optional
 
+import numpy as np
 import torch
 
 NUM_EXPERTS = 4
@@ -72,4 +73,90 @@ def smollm2_moe() -> str:
         if os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), path)
     _path = path
+    return path
+
+
+# -- a tiny MoE as a GGUF file (what llama.cpp's converter writes), for the GGUF loader --------------------------
+_GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen3_moe_norm": "qwen3moe"}
+_GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "block_sparse_moe.gate": "ffn_gate_inp", "mlp.gate": "ffn_gate_inp"}
+_GGUF_EXPERTS = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+                 "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+
+
+def _llama_cpp_permute(w, n_head: int):
+    # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF's rotary halves -> interleaved pairs
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensors(hf_dir: str, config: dict, arch: str) -> dict:
+    """HF tensors -> GGUF names (experts stacked per projection, llama's Q/K rows permuted), numpy float32."""
+    from safetensors.torch import load_file
+
+    out, experts = {}, {}
+    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        w = t.float().numpy()
+        name = name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            out[{"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name.split(".")[0]]
+                + ".weight"] = w
+            continue
+        parts = name.split(".")  # layers.i.<module...>.weight
+        layer, module = parts[1], ".".join(parts[2:-1])
+        if ".experts." in name:  # layers.i.<block>.experts.e.<proj>.weight
+            experts.setdefault((layer, _GGUF_EXPERTS[parts[-2]]), {})[int(parts[-3])] = w
+            continue
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"]
+            w = _llama_cpp_permute(w, heads)
+        out[f"blk.{layer}.{_GGUF_LAYER[module]}.weight"] = w
+    for (layer, stack), per_expert in experts.items():
+        out[f"blk.{layer}.{stack}.weight"] = np.stack([per_expert[e] for e in sorted(per_expert)])
+    return out
+
+
+def tiny_moe_gguf(hf_dir: str, moe_arch: str) -> str:
+    """A GGUF file (float32 tensors, the tiny tokenizer's BPE in the metadata) of the tiny model `hf_dir`."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    arch = _GGUF_ARCH[moe_arch]
+    path = os.path.join(tempfile.mkdtemp(prefix="tokenmill-moe-gguf-"), f"{moe_arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    w.add_expert_count(config["num_local_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        w.add_expert_weights_norm(config["norm_topk_prob"])
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    for name, data in _gguf_tensors(hf_dir, config, arch).items():
+        w.add_tensor(name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path

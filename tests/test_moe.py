@@ -72,7 +72,7 @@ def _greedy_vs_transformers(path, **kw):
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
 def test_greedy_matches_transformers(tiny, arch):
     llm = _greedy_vs_transformers(tiny(arch))
-    model = llm.engine.executor.collective_rpc(lambda w: w.model)[0]
+    model = llm.engine.executor.worker.model
     assert len(llm.engine.stats().expert_load) == len(model.moe_layers())
     assert model.expert_load().sum() == 0, "expert_load() resets the counts"
 
@@ -95,6 +95,26 @@ def test_batch_invariant_mode(tiny):
     one, together = ([(o.outputs[0].token_ids, [[(t, lp.logprob) for t, lp in s.items()] for s in o.outputs[0].logprobs])
                       for o in run] for run in runs)
     assert one == together
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_gguf_moe_loads_like_its_safetensors(tiny, arch, tmp_path, monkeypatch):
+    """A MoE GGUF as llama.cpp lays it out (experts stacked per projection, router ffn_gate_inp, Mixtral as
+    a 'llama' GGUF with Q/K rows permuted; qwen3_moe with norm_topk_prob off and a dense layer) converts to
+    an HF directory whose model gives the safetensors model's tokens and logprobs."""
+    import tokenmill.models.gguf as gguf_mod
+    from moe_models import tiny_moe_gguf
+
+    monkeypatch.setattr(gguf_mod, "cache_root", lambda: str(tmp_path))  # keep the conversion out of ~/.cache
+    converted = gguf_mod.gguf_to_hf_dir(tiny_moe_gguf(tiny(arch), arch))
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(400, [7, 60, 1], seed=3)]
+    runs = [[o.outputs[0] for o in LLM(path, dtype="float32").generate(prompts, sp, use_tqdm=False)]
+            for path in (tiny(arch), converted)]
+    for ref, got in zip(*runs):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-5 for t in a)
 
 
 # -- the fused layer --------------------------------------------------------------------------------------
@@ -326,7 +346,7 @@ def smollm2_moe_path():
 def smollm2_moe_single(smollm2_moe_path):
     """The single-process engine's greedy answer and expert load."""
     llm = LLM(smollm2_moe_path, dtype="float32", kv_cache_memory_bytes="64MiB")
-    model = llm.engine.executor.collective_rpc(lambda w: w.model)[0]
+    model = llm.engine.executor.worker.model
     assert len(model.moe_layers()) == 30 and model.moe_layers()[0].w13_weight.shape == (4, 2 * 1536, 576)
     out = llm.generate(PARIS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     load = torch.tensor(llm.engine.stats().expert_load)

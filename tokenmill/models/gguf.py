@@ -31,7 +31,14 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# Mixture-of-experts tensors: the router, and the experts stacked [E, ...] in one tensor per projection.
+# A "llama" GGUF with experts is Mixtral.
+_ROUTER = "ffn_gate_inp"
+_EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # -> index in _EXPERT_NAMES
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -152,6 +159,7 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "tokenmill_source": "gguf",  # no dtype on purpose: the engine picks one for dtype-less configs
     }
+    _moe_config(config, arch, meta, need, shapes)
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
         config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
@@ -164,6 +172,43 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
     elif scaling not in (None, "none"):
         raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
     return config
+
+
+def _moe_config(config: dict, arch: str, meta: dict, need, shapes: dict) -> None:
+    """Expert fields of a MoE GGUF (llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE). A
+    Qwen3-MoE layer holding a dense MLP instead of experts is listed in mlp_only_layers."""
+    experts = meta.get(f"{arch}.expert_count") or 0
+    if not experts:
+        return
+    config.update(num_local_experts=experts, num_experts_per_tok=need("expert_used_count"))
+    if arch == "llama":
+        config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", router_jitter_noise=0.0)
+    else:
+        config.update(num_experts=experts, moe_intermediate_size=need("expert_feed_forward_length"),
+                      norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
+                      decoder_sparse_step=1, mlp_only_layers=[i for i in range(config["num_hidden_layers"])
+                                                              if f"blk.{i}.ffn_gate.weight" in shapes])
+
+
+def _expert_tensors(config: dict, layer: str, stack: str, t, shape: tuple):
+    """(hf_name, shape, thunk) per expert of a stacked GGUF expert tensor; the stack is dequantized once and
+    shared by its experts' thunks (the writer takes them in order)."""
+    from gguf.quants import dequantize
+
+    block, names = _EXPERT_NAMES[config["model_type"]]
+    cache = {}
+
+    def expert(e: int) -> np.ndarray:
+        if "w" not in cache:
+            cache["w"] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        w = cache["w"][e]
+        if e == shape[0] - 1:
+            cache.clear()
+        return w
+
+    for e in range(shape[0]):
+        name = f"model.layers.{layer}.{block}.experts.{e}.{names[_EXPERT_STACKS[stack]]}.weight"
+        yield name, shape[1:], (lambda e=e: expert(e))
 
 
 def _hf_tensors(path: str, reader, arch: str, config: dict):
@@ -182,6 +227,13 @@ def _hf_tensors(path: str, reader, arch: str, config: dict):
             hf = _GLOBAL_NAMES[base]
         elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
             hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        elif len(parts) == 3 and parts[0] == "blk" and config["model_type"] in _EXPERT_NAMES and \
+                parts[2] in (_ROUTER, *_EXPERT_STACKS):
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if parts[2] in _EXPERT_STACKS:
+                yield from _expert_tensors(config, parts[1], parts[2], t, shape)
+                continue
+            hf = f"model.layers.{parts[1]}.{_EXPERT_NAMES[config['model_type']][0]}.gate"
         else:
             raise ValueError(f"{path}: unexpected tensor {t.name} for GGUF architecture {arch}")
         shape = tuple(int(d) for d in reversed(t.shape))
