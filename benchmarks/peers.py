@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from tokenmill.bench.offline import (load_average, random_workload, run_single_stream, run_tokenmill,
-                                     run_transformers, weight_bytes)
+                                     run_transformers, model_weight_bytes)
 from tokenmill.bench.serve import ServeConfig, run_benchmark
 from tokenmill.plan.hardware import read_bandwidth
 
@@ -104,7 +104,7 @@ def run_tokenmill_all(args, workload) -> tuple[dict, str, Any]:
         llm = LLM(None, dtype=args.w2_dtype)
         run_single_stream(llm, 64, 8)  # warm-up
     s = run_single_stream(llm, W2_PROMPT, W2_OUTPUT)
-    wb = weight_bytes(llm.engine.executor.worker.model)
+    wb = sum(llm.engine.executor.collective_rpc(model_weight_bytes))
     res["W2"] = {"ttft_s": s["ttft_s"], "prefill_tok_s": W2_PROMPT / s["ttft_s"], "decode_tok_s": s["decode_tok_s"],
                  "weight_bytes_per_token": wb, "dtype": str(llm.config.model.torch_dtype).removeprefix("torch.")}
     del llm

@@ -102,7 +102,7 @@ def main() -> None:
         host = run(on, prefix + suffixes[1])
         for f in fillers[1:]:                                   # ... and then the host tier: disk
             run(on, f)
-        on.engine.executor.worker.kv_connector.disk.flush()
+        on.engine.executor.collective_rpc(lambda w: w.kv_connector.disk.flush())
         disk = run(on, prefix + suffixes[2])
 
     t_re = min(r[0] for r in recompute)

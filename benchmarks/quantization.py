@@ -44,7 +44,7 @@ def _name(dtype, q, head=False):
 
 
 def _model_of(llm):
-    return llm.engine.executor.worker.model
+    return llm.engine.executor.collective_rpc(lambda w: w.model)[0]
 
 
 def _weight_bytes(model) -> tuple[int, int]:
@@ -62,8 +62,7 @@ def _weight_bytes(model) -> tuple[int, int]:
 
 
 def _kv_bytes_per_token(llm) -> int:
-    w = llm.engine.executor.worker
-    return w.bytes_per_block() // llm.config.cache.block_size
+    return llm.engine.executor.bytes_per_block() // llm.config.cache.block_size
 
 
 def _one_thread(fn):

@@ -28,7 +28,7 @@ def _run(path, dtype, use_stack, monkeypatch, **kw):
 
     monkeypatch.setattr(CpuStack, "run", counting)
     llm = LLM(path, dtype=dtype, num_gpu_blocks_override=128, block_size=16, **kw)
-    llm.engine.executor.worker.model.use_cpu_stack = use_stack
+    llm.engine.executor.collective_rpc(lambda w: setattr(w.model, "use_cpu_stack", use_stack))
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], sp, use_tqdm=False)
     assert llm.engine.scheduler.kv.is_whole()

@@ -21,7 +21,7 @@ def _engine(tiny, arch="llama", **kw):
 
 
 def _kernels(llm) -> dict:
-    return llm.engine.executor.worker.kernels
+    return llm.engine.executor.kernels()
 
 
 def _fallback_warnings(caplog) -> list[str]:

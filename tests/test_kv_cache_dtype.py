@@ -75,7 +75,7 @@ def test_engine_with_quantized_kv_chunked_prefill_prefix_caching_preemption(tiny
     llm, outs = _run(path, kv_dtype, prompts, num_gpu_blocks_override=24)
     sched = llm.engine.scheduler
     assert sched.num_preemptions > 0 and sched.kv.is_whole()
-    assert llm.engine.executor.worker.runner.kv_caches[0].dtype == KV_DTYPES[kv_dtype]
+    assert llm.engine.executor.collective_rpc(lambda w: w.runner.kv_caches[0].dtype) == [KV_DTYPES[kv_dtype]]
     # a repeated prompt hits the quantized prefix cache
     shared = {"prompt_token_ids": prompts[1][:200] + [7, 8, 9]}
     llm.generate(shared, use_tqdm=False)
@@ -107,7 +107,7 @@ def test_checkpoint_kv_scales_are_loaded(tiny, tmp_path):
     tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.25)
     save_file(tensors, dst / weights_file, metadata={"format": "pt"})
     llm = LLM(str(dst), dtype="float32", kv_cache_dtype="fp8_e4m3", num_gpu_blocks_override=32)
-    attn = llm.engine.executor.worker.model.layers[0].self_attn
+    attn = llm.engine.executor.collective_rpc(lambda w: w.model.layers[0].self_attn)[0]
     assert attn.kv_quant.scale[0].tolist() == [0.5] * attn.num_kv_heads
     assert attn.kv_quant.scale[1].tolist() == [0.25] * attn.num_kv_heads
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)

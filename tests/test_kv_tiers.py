@@ -249,7 +249,7 @@ def _rerun_a(llm, computed):
     """Push A out of the device pool with the fillers, run it again: (output, tokens the model computed)."""
     for f in FILLERS:
         _gen(llm, f)
-    disk = llm.engine.executor.worker.kv_connector.disk
+    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk)[0]
     if disk is not None:
         disk.flush()
     before = computed[0]
@@ -286,7 +286,7 @@ def test_host_tier_restores_an_evicted_prefix(tiny, reference):
 def test_disk_tier_restores_and_recomputes_corrupt_or_missing_blocks(tiny, reference, tmp_path):
     llm, computed = _tiered(tiny, host_blocks=10, disk_dir=str(tmp_path))
     connector = llm.engine.scheduler.connector
-    disk = llm.engine.executor.worker.kv_connector.disk
+    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk)[0]
     _gen(llm, A)
     out, ran = _rerun_a(llm, computed)
     assert connector.counters()["disk_hit_blocks"] >= 9  # A came back from disk, through the host tier
@@ -396,7 +396,7 @@ def test_tiers_under_preemption_n_and_aborts(tiny, tmp_path):
     _gen(llm, A)
     for seed in (20, 21, 22):  # new prompts (no tier hits holding host slots): A's blocks go down to disk
         _gen(llm, _rand(150, seed=seed))
-    llm.engine.executor.worker.kv_connector.disk.flush()
+    llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk.flush())
     eng = llm.engine
     eng.add_request(EngineCoreRequest("gone", A, GREEDY, None))
     eng.step()

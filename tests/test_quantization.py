@@ -319,7 +319,7 @@ def test_greedy_generation_with_and_without_quantized_head(tiny, arch):
     for head in (False, True):
         llm = LLM(tiny(arch), quantization="int8", quantize_lm_head=head, kv_cache_memory_bytes=2**22,
                   block_size=4, max_num_seqs=2)
-        lm_head = llm.engine.executor.worker.model.lm_head
+        lm_head = llm.engine.executor.collective_rpc(lambda w: w.model.lm_head)[0]
         assert isinstance(lm_head.quant_method, Int8LinearMethod if head else UnquantizedLinearMethod)
         outs[head] = llm.generate(prompt * 2, sp, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs[head])

@@ -148,10 +148,14 @@ def reference(paths):
     return _jobs(_job_list(paths, TP_JOBS))
 
 
-# The int8 CPU kernel rounds each activation row to a 2^-15 grid of the row's max |x|; a row-parallel rank
-# rounds its slice of the row against the slice's max, so int8 under TP differs from one process by the
-# rounding (measured up to 3e-4 on these logits), not by the weights (their scales are the unsharded ones).
-ACTIVATION_GRID = {"int8", "int8+lm_head", "int8_ckpt"}
+# An int8 LM head rounds the final hidden state to a 2^-15 grid of its row max; TP's different float summation
+# order (~1e-6 in the hidden state) flips a rounding now and then, which moves a logit by up to ~1.2e-4 here.
+# Every other job (int8 with a float head included) is within 1e-4.
+QUANTIZED_HEAD = {"int8+lm_head", "int8_ckpt"}
+
+
+def _atol(job: str) -> float:
+    return 2.5e-4 if job in QUANTIZED_HEAD else 1e-4
 
 
 def _assert_same_logits(ours, ref, what: str, atol: float = 1e-4) -> None:
@@ -164,10 +168,6 @@ def _assert_same_logits(ours, ref, what: str, atol: float = 1e-4) -> None:
         assert (a.argmax(-1) == b.argmax(-1)).all(), f"{what} step {step}: greedy tokens differ"
 
 
-def _tolerance(job: str, tp: int) -> float:
-    return 5e-4 if tp > 1 and job in ACTIVATION_GRID else 1e-4
-
-
 @pytest.fixture(scope="module")
 def tp2(paths):
     # odd_heads (3 heads) cannot be split over 2 ranks without expert parallelism: its load must be refused
@@ -177,7 +177,7 @@ def tp2(paths):
 @pytest.mark.parametrize("job", sorted(TP_JOBS))
 def test_tp2_matches_one_process(tp2, reference, job):
     for rank, results in enumerate(tp2):
-        _assert_same_logits(results[job][0], reference[job][0], f"{job} TP=2 rank {rank}", _tolerance(job, 2))
+        _assert_same_logits(results[job][0], reference[job][0], f"{job} TP=2 rank {rank}", _atol(job))
 
 
 def test_tp2_ranks_read_only_their_slices(tp2, reference):
@@ -212,8 +212,7 @@ def test_tp2_x_pp2_matches_one_process(paths, reference):
     for job in PP_JOBS:
         assert ranks[0][job][0] == [] and ranks[1][job][0] == []
         for rank in (2, 3):
-            _assert_same_logits(ranks[rank][job][0], reference[job][0], f"{job} TP=2 x PP=2 rank {rank}",
-                                _tolerance(job, 2))
+            _assert_same_logits(ranks[rank][job][0], reference[job][0], f"{job} TP=2 x PP=2 rank {rank}")
 
 
 def test_attention_replicated_under_expert_parallel(paths):

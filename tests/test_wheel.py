@@ -25,7 +25,7 @@ from tokenmill.layers import kernels_report
 libraries = kernels_report.load_all_libraries()
 llm = LLM(sys.argv[1], num_gpu_blocks_override=32, block_size=16)
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-print(json.dumps({"file": tokenmill.__file__, "libraries": libraries, "kernels": llm.engine.executor.worker.kernels,
+print(json.dumps({"file": tokenmill.__file__, "libraries": libraries, "kernels": llm.engine.executor.kernels(),
                   "tokens": len(out[0].outputs[0].token_ids)}))
 """
 

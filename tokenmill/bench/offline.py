@@ -36,6 +36,11 @@ def weight_bytes(model) -> int:
     return total
 
 
+def model_weight_bytes(worker) -> int:
+    """A rank's weight bytes (collective_rpc; their sum counts the parameters every rank replicates once each)."""
+    return weight_bytes(worker.model)
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -151,7 +156,7 @@ def run_offline(model: Optional[str], args: argparse.Namespace) -> dict[str, Any
     logger.info("tokenmill: %s", tm)
     single = run_single_stream(llm, args.single_stream_len, args.single_stream_len)
     logger.info("single stream: %s", single)
-    wbytes = weight_bytes(llm.engine.executor.worker.model)
+    wbytes = sum(llm.engine.executor.collective_rpc(model_weight_bytes))
     single["weight_bytes_per_token"] = wbytes
     single["copy_roofline_frac"] = wbytes * single["decode_tok_s"] / bw
     single["read_roofline_frac"] = wbytes * single["decode_tok_s"] / read_bw

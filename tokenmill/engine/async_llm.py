@@ -91,6 +91,8 @@ class AsyncLLM:
         self.stats: Optional[EngineStats] = None
         self.ready: Optional[EngineReady] = None
         self.dead: Optional[str] = None
+        self.fatal: Optional[str] = None  # why the engine cannot be restarted (a worker rank died): exit
+        self.on_fatal = None  # called with that reason (the server stops)
         self._shutting_down = False
         self._closing_reason: Optional[str] = None  # set when open requests were cut for shutdown
         self._closed = False
@@ -224,15 +226,20 @@ class AsyncLLM:
             self.proc.join(0.5)
             self._mark_dead(f"the engine process exited unexpectedly (exit code {self.proc.exitcode})")
 
-    def _mark_dead(self, reason: str) -> None:
+    def _mark_dead(self, reason: str, restart: bool = True) -> None:
         if self.dead is not None:
             return
         self.dead = reason
-        logger.error("engine is dead: %s; failing %d open request(s) and restarting it", reason, len(self.streams))
+        logger.error("engine is dead: %s; failing %d open request(s) and %s", reason, len(self.streams),
+                     "restarting it" if restart else "stopping the server")
         self._fail_all(EngineDeadError(reason))
         if self._output_task is not None and self._output_task is not asyncio.current_task():
             self._output_task.cancel()
-        if not self._shutting_down:
+        if not restart:  # a rank's device or node is gone: a restart would fail the same way; the operator decides
+            self.fatal = reason
+            if self.on_fatal is not None:
+                self.on_fatal(reason)
+        elif not self._shutting_down:
             self._restart_task = asyncio.get_running_loop().create_task(self._restart(), name="tokenmill-restart")
 
     async def _restart(self) -> None:
@@ -351,7 +358,7 @@ class AsyncLLM:
             while True:
                 msg = self._decoder.decode(await self._out.recv())
                 if msg.fatal is not None:
-                    self._mark_dead(f"the engine failed: {msg.fatal}")
+                    self._mark_dead(f"the engine failed: {msg.fatal}", restart=not msg.fatal_exit)
                     return
                 self._handle(msg)
         except asyncio.CancelledError:

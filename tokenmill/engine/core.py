@@ -12,7 +12,7 @@ import numpy as np
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Request, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
 
 logger = logging.getLogger("tokenmill")
@@ -128,6 +128,8 @@ class EngineCore:
         back and run alone until the culprit is found (Scheduler.roll_back), and the others keep going."""
         try:
             result = run()
+        except WorkerDiedError:
+            raise  # not a request's fault: nothing to isolate, the engine cannot go on
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine for all
             self.num_failed_steps += 1
             error = f"the engine failed to run this request: {type(e).__name__}: {e}"
@@ -154,6 +156,10 @@ class EngineCore:
         if self.expert_load is not None:
             stats.expert_load = self.expert_load.tolist()
         return stats
+
+    def check_health(self) -> None:
+        """Raises WorkerDiedError once a worker rank is gone (for loops that wait while idle)."""
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -47,6 +47,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     rejected: list[tuple[str, str]] = []      # (engine request id, why add_request refused it)
     ready: Optional[EngineReady] = None       # first message only
     fatal: Optional[str] = None               # the engine is about to exit
+    fatal_exit: bool = False                  # ... and the server with it: a worker rank died (no restart)
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
@@ -77,9 +78,12 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
             engine.vocab_size, os.getpid(), engine.executor.kernels()))))
         _EngineLoop(engine, inp, out, encoder, parent_pid).run()
     except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
-        logger.error("engine core failed:\n%s", traceback.format_exc())
+        from tokenmill.executor.base import WorkerDiedError
+
+        died = isinstance(e, WorkerDiedError)  # its message says it all; a traceback would bury it
+        logger.error("engine core failed:%s", f" {e}" if died else f"\n{traceback.format_exc()}")
         try:
-            out.send(encoder.encode(EngineCoreOutputs(fatal=f"{type(e).__name__}: {e}")))
+            out.send(encoder.encode(EngineCoreOutputs(fatal=f"{type(e).__name__}: {e}", fatal_exit=died)))
         except zmq.ZMQError:
             pass
         code = 1
@@ -114,6 +118,7 @@ class _EngineLoop:
                 logger.warning("API process is gone; engine exiting")
                 return
             if not engine.has_unfinished_requests():
+                engine.check_health()  # a worker rank that died while idle ends the engine within a poll
                 stats = engine.stats()
                 if stats != self.stats_sent or self.rejected:  # tell the API we are idle now
                     self._send([], stats, [])

@@ -1,35 +1,80 @@
 """Executors hide where the workers live (this process, child processes, Ray actors).
-The engine core talks only to this interface."""
+
+The engine core talks only to this interface. Every rank runs the same Worker; the engine sends every step to
+every rank (their runners keep per-request state between steps) and reads the result of the output rank only:
+the last pipeline stage's tensor-parallel rank 0, which holds the sampled tokens.
+"""
 from __future__ import annotations
 
+from typing import Any, Callable, Union
+
 from tokenmill.config import EngineConfig
+
+Method = Union[str, Callable[..., Any]]
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker rank is gone (killed, crashed, out of memory): the engine cannot go on without it."""
+
+
+def run_method(worker, method: Method, args: tuple, kwargs: dict) -> Any:
+    """A collective_rpc call on one rank: a Worker method by name, or fn(worker, *args, **kwargs)."""
+    fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, **k: method(worker, *a, **k))
+    return fn(*args, **kwargs)
+
+
+def _kernels(worker) -> dict:
+    return worker.kernels
 
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        pc = config.parallel
+        self.world_size = pc.world_size
+        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 
     @staticmethod
     def create(config: EngineConfig) -> "Executor":
+        backend = config.parallel.distributed_executor_backend or "uniproc"
+        if backend == "mp":
+            from tokenmill.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor(config)
+        if backend == "ray":
+            from tokenmill.executor.ray import RayExecutor
+
+            return RayExecutor(config)
         from tokenmill.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)
 
-    def determine_num_blocks(self) -> int:
+    def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call `method` on every rank's Worker (a method name, or a function taking the worker first; it
+        must pickle by reference, i.e. be module-level, outside uniproc); returns the results in rank order."""
         raise NotImplementedError
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        """The output rank's ModelRunnerOutput; with non_block, a Future of it (results in submission order)."""
+        raise NotImplementedError
+
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))  # every rank must hold every block
 
     def initialize_cache(self, num_blocks: int) -> None:
-        raise NotImplementedError
+        self.collective_rpc("initialize_cache", (num_blocks,))
 
     def bytes_per_block(self) -> int:
-        raise NotImplementedError
-
-    def execute_model(self, scheduler_output):
-        raise NotImplementedError
+        """A block's bytes over all ranks (each holds its own heads / layers of it)."""
+        return sum(self.collective_rpc("bytes_per_block"))
 
     def kernels(self) -> dict:
-        """layers/kernels_report.report of the worker(s): the kernels in use and any fallbacks."""
-        raise NotImplementedError
+        """layers/kernels_report.report of the output rank: the kernels in use and any fallbacks."""
+        return self.collective_rpc(_kernels)[self.output_rank]
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a rank is gone (the engine loop calls this while idle too)."""
 
     def shutdown(self) -> None:
         pass
+

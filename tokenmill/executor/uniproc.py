@@ -1,8 +1,10 @@
 """One worker in this process: the degenerate case of every other executor."""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor
+from tokenmill.executor.base import Executor, Method, run_method
 from tokenmill.worker.worker import Worker
 
 
@@ -11,20 +13,18 @@ class UniProcExecutor(Executor):
         super().__init__(config)
         self.worker = Worker(config)
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+    def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [run_method(self.worker, method, args, kwargs or {})]
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
-
-    def bytes_per_block(self) -> int:
-        return self.worker.bytes_per_block()
-
-    def execute_model(self, scheduler_output):
-        return self.worker.execute_model(scheduler_output)
-
-    def kernels(self) -> dict:
-        return self.worker.kernels
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        if not non_block:
+            return self.worker.execute_model(scheduler_output)
+        fut: Future = Future()
+        try:
+            fut.set_result(self.worker.execute_model(scheduler_output))
+        except Exception as e:  # noqa: BLE001 - delivered where the caller waits, as with the other executors
+            fut.set_exception(e)
+        return fut
 
     def shutdown(self) -> None:
         self.worker.shutdown()

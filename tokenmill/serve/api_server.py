@@ -368,9 +368,13 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
         server = DrainingServer.make(uv, on_deadline=lambda: engine.fail_open_requests(
             "the server is shutting down (--shutdown-timeout passed)"))
+        engine.on_fatal = lambda _: setattr(server, "should_exit", True)
         server.run(sockets=[sock])
         if not server.started:
             logger.error("server failed to start (see above)")
+            return 1
+        if engine.fatal is not None:
+            logger.error("server stopped: %s", engine.fatal)
             return 1
         logger.info("server stopped")
         return 0

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
 import torch
 
-from tokenmill.config import EngineConfig, kv_cache_torch_dtype
+from tokenmill.config import EngineConfig, kv_cache_torch_dtype, resolve_model_path, usable_cpus
+from tokenmill.distributed import init_distributed
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear, kernels_report
 from tokenmill.layers.attention import cpu_kernels
@@ -21,9 +24,34 @@ logger = logging.getLogger("tokenmill")
 DEFAULT_CPU_KV_BYTES = 4 * 2**30
 
 
+def collective_timeout_s() -> float:
+    """How long a collective waits for a peer (a backstop: executors kill all ranks when one dies)."""
+    return float(os.environ.get("TOKENMILL_COLLECTIVE_TIMEOUT_S", "120"))
+
+
+def init_worker_process(config: EngineConfig, rank: int, init_method: str, local_rank: int = 0,
+                        num_threads: Optional[int] = None) -> None:
+    """Prepare a rank's own process (mp child, Ray actor) before its Worker is built: its share of the cores
+    (default: this machine's, split between the ranks), its device, the torch.distributed world, and model paths
+    valid on this node."""
+    pc = config.parallel
+    if config.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    else:  # one thread per core in every rank would time-slice the ranks' spinning OpenMP threads
+        torch.set_num_threads(num_threads or max(1, usable_cpus() // pc.world_size))
+    init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                     "nccl" if config.device == "cuda" else "gloo", collective_timeout_s(), pc.enable_expert_parallel)
+    # The head resolved the model to a directory on its own disk (a GGUF file becomes a cache folder there).
+    # Resolve it again from the user's argument, so another node converts / finds its own copy.
+    config.model.model_dir = resolve_model_path(config.model.model)
+    if config.speculative is not None and config.speculative.draft_model_dir:
+        config.speculative.draft_model_dir = resolve_model_path(config.speculative.model)
+
+
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
         mc = config.model
         torch.manual_seed(mc.seed)
         self.device = config.device
