@@ -17,6 +17,7 @@ import pytest
 from server_utils import ROOT, ServerProc, process_alive
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.base import WorkerDiedError
+from tokenmill.step import ModelRunnerOutput, SchedulerOutput
 
 pytestmark = pytest.mark.distributed
 
@@ -66,6 +67,9 @@ def test_mp_one_rank_matches_in_process(tiny, reference):
         assert [r[:2] for r in ex.collective_rpc(rank_info)] == [(0, 0)]
         assert ex.collective_rpc(rank_info)[0][3] != os.getpid()  # it ran in the rank's own process
         assert ex.kernels()["attention"]
+        # Steps in flight (pipeline parallel keeps several): futures, resolved in submission order
+        futures = [ex.execute_model(SchedulerOutput(finished_req_ids=[f"gone-{i}"]), non_block=True) for i in range(3)]
+        assert all(isinstance(f.result(timeout=30), ModelRunnerOutput) for f in futures)
     finally:
         llm.engine.shutdown()
     assert not any(process_alive(p.pid) for p in ex.ranks.procs)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -142,7 +143,7 @@ class _Ranks:
         self.pending: dict[int, _Call] = {}
         self.lock = threading.Lock()
         self.seq = 0
-        self.thread: Optional[threading.Thread] = None
+        self.threads: list[threading.Thread] = []
         self.ipc_dir = tempfile.mkdtemp(prefix="tokenmill-mp-")
         self.ctx = zmq.Context()
         self.commands = self.ctx.socket(zmq.XPUB)
@@ -151,6 +152,7 @@ class _Ranks:
         self.commands.bind(f"ipc://{self.ipc_dir}/commands")
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.RCVHWM, 0)
+        self.replies.setsockopt(zmq.RCVTIMEO, 500)
         self.replies.bind(f"ipc://{self.ipc_dir}/replies")
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -162,8 +164,10 @@ class _Ranks:
         t0 = time.monotonic()
         self._wait_ready()
         logger.info("%d worker processes ready in %.1fs (mp executor)", self.world_size, time.monotonic() - t0)
-        self.thread = threading.Thread(target=self._receive, name="tokenmill-mp-receiver", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._receive, name="tokenmill-mp-receiver", daemon=True),
+                        threading.Thread(target=self._watch, name="tokenmill-mp-watch", daemon=True)]
+        for t in self.threads:
+            t.start()
 
     def _wait_ready(self) -> None:
         """Until every rank has subscribed to the commands and built its Worker; a rank that fails or dies
@@ -208,55 +212,54 @@ class _Ranks:
             self.seq += 1
             seq = self.seq
             self.pending[seq] = call
-        self.commands.send_multipart([struct.pack("<Q", seq), kind, payload], copy=False)
+        self.commands.send_multipart([struct.pack("<Q", seq), kind, payload])
         return call.future
 
     def check(self) -> None:
         if self.failure is not None:
             raise self.failure
-        if self.thread is not None and not self.thread.is_alive() and not self.closing:
-            raise WorkerDiedError("the mp executor's receiver thread is gone")
+        if not self.closing and not all(t.is_alive() for t in self.threads):
+            raise WorkerDiedError("the mp executor's receiver or watch thread is gone")
 
     def _receive(self) -> None:
-        """Receiver thread: replies -> Futures; a process sentinel firing -> the rank died."""
-        poller = zmq.Poller()
-        poller.register(self.replies, zmq.POLLIN)
-        self._register_procs(poller)
+        """Receiver thread: replies -> Futures (a blocking receive: the lowest latency per step)."""
         try:
             while not self.closing:
-                events = dict(poller.poll(self._poll_ms(500)))
-                if self.replies in events:  # before the deaths: a rank's last words come first
-                    self._drain_replies()
-                dead = [p for p in self.procs if p.exited(events)]
-                if dead and not self.closing:
-                    self._on_death(dead[0])
-                    return
+                try:
+                    seq_b, kind, payload = self.replies.recv_multipart()
+                except zmq.Again:  # RCVTIMEO: look at `closing` now and then
+                    continue
+                self._on_reply(struct.unpack("<Q", seq_b)[0], kind, payload)
         except zmq.ZMQError:
             if not self.closing:
                 raise
 
-    def _drain_replies(self) -> None:
-        while True:
-            try:
-                seq_b, kind, payload = self.replies.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            seq = struct.unpack("<Q", seq_b)[0]
-            with self.lock:
-                call = self.pending.get(seq)
+    def _on_reply(self, seq: int, kind: bytes, payload: bytes) -> None:
+        if kind == OUTPUT:
+            rank, value = self.output_rank, step.decode_runner_output(payload)
+        else:
+            rank, value = pickle.loads(payload)
+        with self.lock:  # whoever pops a call from `pending` owns its future
+            call = self.pending.get(seq)
             if call is None:
-                continue  # the call already failed on another rank's error
-            if kind == OUTPUT:
-                done = call.add(self.output_rank, step.decode_runner_output(payload))
-            elif kind == RESULT:
-                done = call.add(*pickle.loads(payload))
-            else:
-                rank, message = pickle.loads(payload)
-                call.future.set_exception(RuntimeError(f"worker rank {rank}: {message}"))
-                done = True
+                return  # it already failed (another rank's error, a death)
+            done = kind == ERROR or call.add(rank, value)
             if done:
-                with self.lock:
-                    self.pending.pop(seq, None)
+                del self.pending[seq]
+        if kind == ERROR:
+            call.future.set_exception(RuntimeError(f"worker rank {rank}: {value}"))
+        elif done:
+            call.resolve()
+
+    def _watch(self) -> None:
+        """Death-watch thread: a rank's pidfd becomes readable when it exits."""
+        fds = [p.fd for p in self.procs if p.fd is not None]
+        while not self.closing:
+            ready = select.select(fds, [], [], 0.2 if len(fds) < len(self.procs) else 1.0)[0]
+            dead = [p for p in self.procs if (p.fd in ready if p.fd is not None else p.popen.poll() is not None)]
+            if dead and not self.closing:
+                self._on_death(dead[0])
+                return
 
     def _on_death(self, p: _Proc) -> None:
         self.failure = WorkerDiedError(f"worker rank {p.rank} (pid {p.pid}) {describe_exit(p.exitcode)}; the "
@@ -292,8 +295,9 @@ class _Ranks:
                 except subprocess.TimeoutExpired:
                     pass
         self._kill_all()
-        if self.thread is not None:
-            self.thread.join(2)
+        for t in self.threads:
+            if t is not threading.current_thread():
+                t.join(2)
         for p in self.procs:
             p.close()
         self.commands.close(linger=0)
@@ -313,11 +317,11 @@ class _Call:
 
     def add(self, rank: int, value: Any) -> bool:
         self.results[rank] = value
-        if len(self.results) < self.expected:
-            return False
+        return len(self.results) == self.expected
+
+    def resolve(self) -> None:
         values = [self.results[r] for r in sorted(self.results)]
         self.future.set_result(values if self.as_list else values[0])
-        return True
 
 
 # -- the rank's process ------------------------------------------------------------------------------------
