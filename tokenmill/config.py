@@ -467,6 +467,10 @@ class ParallelConfig:
         experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
         if self.enable_expert_parallel and not experts:
             logger.warning("--enable-expert-parallel has no effect: the model has no experts")
+        width = getattr(cfg, "moe_intermediate_size", None) if experts else None
+        width = width or getattr(cfg, "intermediate_size", 0)
+        if tp > 1 and not (self.enable_expert_parallel and experts) and width % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's MLP width {width}")
         if self.enable_expert_parallel and experts % tp:
             raise ValueError(f"--enable-expert-parallel over {tp} ranks: the model's {experts} experts do not "
                              f"divide; sizes that work: {', '.join(str(n) for n in range(1, experts + 1) if experts % n == 0)}")
