@@ -77,6 +77,13 @@ def test_greedy_matches_transformers(tiny, arch):
     assert model.expert_load().sum() == 0, "expert_load() resets the counts"
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe_norm"])
+def test_expert_parallel_engine_matches_transformers(tiny, arch):
+    """EP=2 through the whole engine (mp executor, two worker processes): still transformers' tokens."""
+    _greedy_vs_transformers(tiny(arch), tensor_parallel_size=2, enable_expert_parallel=True)
+
+
 def test_batch_invariant_mode(tiny):
     """--batch-invariant holds for MoE layers: bit-identical logprobs one prompt at a time or all together
     (the grouping per expert changes with the batch; each token's reductions must not)."""
@@ -362,3 +369,20 @@ def test_smollm2_moe_is_coherent(smollm2_moe_single):
     assert out.outputs[0].text.startswith(" Paris"), out.outputs[0].text
     assert (load.sum(dim=1) == 2 * (len(out.prompt_token_ids) + 11)).all()
     assert (load > 0).sum() > 0.75 * load.numel(), "the random router spreads tokens over the experts"
+
+
+@pytest.mark.distributed
+def test_smollm2_moe_is_coherent_under_expert_parallel(smollm2_moe_path, smollm2_moe_single):
+    """EP=2 on a model whose 9 heads do not divide 2 ranks: attention runs replicated, each rank holds 2 of
+    the 4 experts of every layer, and the tokens and expert load are the single-process engine's."""
+    llm = LLM(smollm2_moe_path, dtype="float32", kv_cache_memory_bytes="64MiB", tensor_parallel_size=2,
+              enable_expert_parallel=True)
+    try:
+        out = llm.generate(PARIS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        load = torch.tensor(llm.engine.stats().expert_load)
+    finally:
+        llm.engine.shutdown()
+    single, single_load = smollm2_moe_single
+    assert out.outputs[0].text.startswith(" Paris"), out.outputs[0].text
+    assert out.outputs[0].token_ids == single.outputs[0].token_ids
+    assert torch.equal(load, single_load)
