@@ -180,6 +180,11 @@ def test_ray_executor_matches_in_process(tiny, reference):
         assert ex.collective_rpc(lambda w: w.rank) == [0, 1]  # Ray pickles a lambda by value
         with pytest.raises(RuntimeError, match="worker rank 0 failed during rpc: ValueError: boom on rank 0"):
             ex.collective_rpc(rank_info, kwargs={"boom_on": 0})
+        os.kill(ex.collective_rpc(rank_info)[1][3], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(Ray actor\) died"):
+            _generate(llm)
+        assert time.monotonic() - t0 < 10
     finally:
         llm.engine.shutdown()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from tokenmill import step
@@ -55,13 +55,13 @@ class _RayWorker:
 
         return free_port()
 
-    def start(self, rank: int, init_method: str, num_threads: int, visible_devices: Optional[str],
+    def start(self, rank: int, init_method: str, log_level: int, num_threads: int, visible_devices: Optional[str],
               local_rank: int) -> None:
         if visible_devices is not None:  # all of this node's ranks' GPUs, so NCCL can use peer-to-peer copies
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         from tokenmill.worker.worker import Worker, init_worker_process
 
-        logging.basicConfig(level=logging.INFO, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
+        logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")
         self.rank = rank
         init_worker_process(self.config, rank, init_method, local_rank, num_threads)
         self.worker = Worker(self.config, rank=rank)
@@ -88,6 +88,7 @@ class RayExecutor(Executor):
         self.failure: Optional[WorkerDiedError] = None
         self.actors: list = []
         self.placement = None
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-ray-steps")
         self._started_ray = self._connect()
         self._last_health = time.monotonic()
         try:
@@ -149,8 +150,9 @@ class RayExecutor(Executor):
         init_method = f"tcp://{nodes[0][1]}:{port}"
         t0 = time.monotonic()
         threads = int(bundle.get("CPU", 1))
-        self._get([a.start.remote(r, init_method, threads, *self._devices(nodes, r)) for r, a in enumerate(self.actors)],
-                  "start-up")
+        level = logging.getLogger("tokenmill").getEffectiveLevel()
+        self._get([a.start.remote(r, init_method, level, threads, *self._devices(nodes, r))
+                   for r, a in enumerate(self.actors)], "start-up")
         logger.info("%d Ray actors ready in %.1fs on %s (torch.distributed at %s)", self.world_size,
                     time.monotonic() - t0, ", ".join(sorted({n[1] for n in nodes})), init_method)
 
@@ -166,6 +168,10 @@ class RayExecutor(Executor):
         """ray.get, naming the rank whose actor failed or died."""
         ray = self.ray
         try:
+            pending = refs
+            while len(pending) > 1:  # a failed rank raises at once, while its peers may wait on it in a collective
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready)
             return ray.get(refs)
         except ray.exceptions.RayActorError as e:
             rank = self._failed_rank(refs, ray.exceptions.RayActorError)
@@ -200,20 +206,11 @@ class RayExecutor(Executor):
         data = self.ray.put(step.encode(scheduler_output))  # serialized once; every actor gets the reference
         refs = [a.execute_model.remote(data) for a in self.actors]
         if not non_block:
-            return step.decode_runner_output(self._get(refs, "a step")[self.output_rank])
-        fut: Future = Future()
-        remaining = [len(refs)]
+            return self._step_result(refs)
+        return self._waiter.submit(self._step_result, refs)  # one thread: results in submission order
 
-        def on_done(_):  # Ray resolves a ref's future on its own thread; the last one resolves ours
-            remaining[0] -= 1
-            if remaining[0] == 0:
-                try:
-                    fut.set_result(step.decode_runner_output(self._get(refs, "a step")[self.output_rank]))
-                except Exception as e:  # noqa: BLE001 - delivered to whoever waits on the future
-                    fut.set_exception(e)
-        for ref in refs:
-            ref.future().add_done_callback(on_done)
-        return fut
+    def _step_result(self, refs: list):
+        return step.decode_runner_output(self._get(refs, "a step")[self.output_rank])
 
     def check_health(self, force: bool = True) -> None:
         """While idle, ping every actor at most every HEALTH_INTERVAL_S (a dead actor fails its ping)."""
@@ -231,6 +228,7 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         ray = self.ray
+        self._waiter.shutdown(wait=False, cancel_futures=True)
         if not ray.is_initialized():
             return
         if self.failure is None and self.actors:
