@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from tokenmill.config import EngineConfig, kv_cache_torch_dtype, resolve_model_path, usable_cpus
-from tokenmill.distributed import init_distributed
+from tokenmill.distributed import init_distributed, stage_layers
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear, kernels_report
 from tokenmill.layers.attention import cpu_kernels
@@ -66,7 +66,9 @@ class Worker:
                            "decides which layers are quantized" if mc.quantization else "none given")
         self.model = load_model(mc.model_dir, mc.hf_config, mc.torch_dtype, self.device, self.backend,
                                 max_positions=mc.max_model_len, quantization=mc.online_quantization,
-                                quantize_lm_head=mc.quantize_lm_head)
+                                quantize_lm_head=mc.quantize_lm_head,
+                                layer_range=stage_layers(mc.hf_config.num_hidden_layers,
+                                                         config.parallel.layers_per_stage(mc.hf_config.num_hidden_layers)))
         self.drafter = None
         if config.speculative is not None:
             from tokenmill.spec_decode import make_proposer
