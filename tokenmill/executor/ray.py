@@ -10,6 +10,7 @@ themselves; a GGUF file is converted into each node's own cache.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -81,6 +82,15 @@ class _RayWorker:
             self.worker.shutdown()
 
 
+def _portable(config: EngineConfig) -> EngineConfig:
+    """The config the actors get: model arguments as absolute paths (an actor runs in Ray's own directory)."""
+    config = copy.deepcopy(config)
+    for part in (config.model, config.speculative):
+        if part is not None and part.model and os.path.exists(part.model):
+            part.model = os.path.abspath(part.model)
+    return config
+
+
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -136,11 +146,11 @@ class RayExecutor(Executor):
             raise RuntimeError(f"the Ray cluster cannot place {self.world_size} ranks of {bundle} within "
                                f"{PLACEMENT_TIMEOUT_S:.0f}s (available: {ray.available_resources()})") from None
         env = {k: v for k, v in os.environ.items() if k.startswith(("TOKENMILL_", "OMP_"))}
-        cls = ray.remote(_RayWorker)
+        cls, config = ray.remote(_RayWorker), _portable(self.config)
         actors = [cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                               runtime_env={"env_vars": env} if env else None,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, i))
-                  .remote(self.config) for i in range(self.world_size)]
+                  .remote(config) for i in range(self.world_size)]
         nodes = self._get([a.node.remote() for a in actors], "placement")
         here = ray.get_runtime_context().get_node_id()
         order = sorted(range(self.world_size), key=lambda i: (nodes[i][0] != here, nodes[i][0], i))
