@@ -386,3 +386,25 @@ def test_smollm2_moe_is_coherent_under_expert_parallel(smollm2_moe_path, smollm2
     assert out.outputs[0].text.startswith(" Paris"), out.outputs[0].text
     assert out.outputs[0].token_ids == single.outputs[0].token_ids
     assert torch.equal(load, single_load)
+
+
+def test_online_int8_reaches_the_experts(tiny, caplog):
+    """--quantization int8 quantizes the experts too (the router stays float); w8a8 says it leaves them."""
+    from tokenmill.layers.fused_moe import Int8MoEMethod
+
+    llm = LLM(tiny("mixtral"), dtype="float32", quantization="int8")
+    moes = llm.engine.executor.collective_rpc(_fused_moe_layers)[0]
+    assert moes and all(kind == Int8MoEMethod.__name__ and dtype == "torch.int8" for kind, dtype in moes)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=6,
+                                                                           ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        LLM(tiny("mixtral"), dtype="float32", quantization="w8a8")
+    assert "does not cover MoE experts" in caplog.text
+
+
+def _fused_moe_layers(worker):
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    return [(type(m.quant_method).__name__, str(m.w13_weight.dtype)) for m in worker.model.modules()
+            if isinstance(m, FusedMoE)]

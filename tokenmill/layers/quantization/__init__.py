@@ -106,4 +106,21 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig, quantize_lm
             del layer.weight
             method.create_weights(layer, layer.in_features, layer.out_features, dtype)
         count += 1
-    return count
+    return count + _quantize_experts(model, config)
+
+
+def _quantize_experts(model: nn.Module, config: QuantizationConfig) -> int:
+    """MoE experts (layers/fused_moe.py) take int8 weight-only under --quantization int8; another online
+    method leaves them in the model dtype, said once."""
+    from tokenmill.layers.fused_moe import FusedMoE, Int8MoEMethod
+
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not moes or not config.online:
+        return 0
+    if getattr(config, "name", None) != "int8":
+        logger.warning("--quantization %s does not cover MoE experts yet: they stay in the model dtype (int8 "
+                       "does)", getattr(config, "name", config))
+        return 0
+    for moe in moes:  # same float weights at load; quantized per expert in process_weights_after_loading
+        moe.quant_method = Int8MoEMethod()
+    return len(moes)
