@@ -70,12 +70,19 @@ def test_mp_one_rank_matches_in_process(tiny, reference):
         # Steps in flight (pipeline parallel keeps several): futures, resolved in submission order
         futures = [ex.execute_model(SchedulerOutput(finished_req_ids=[f"gone-{i}"]), non_block=True) for i in range(3)]
         assert all(isinstance(f.result(timeout=30), ModelRunnerOutput) for f in futures)
+        # A rank that dies while the engine is idle: the engine loop's health check raises within a poll
+        os.kill(ex.ranks.procs[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        with pytest.raises(WorkerDiedError, match=r"worker rank 0 \(pid \d+\) was killed by SIGKILL"):
+            while time.monotonic() < deadline:
+                llm.engine.check_health()
+                time.sleep(0.05)
     finally:
         llm.engine.shutdown()
-    assert not any(process_alive(p.pid) for p in ex.ranks.procs)
 
 
-def test_mp_tp2_rpc_errors_and_a_killed_rank(tiny, reference):
+def test_mp_tp2_rpc_errors_and_a_hung_rank(tiny, reference, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_COLLECTIVE_TIMEOUT_S", "8")  # the ranks inherit it
     llm = LLM(tiny("llama"), tensor_parallel_size=2, **ENGINE)
     ex = llm.engine.executor
     try:
@@ -87,16 +94,17 @@ def test_mp_tp2_rpc_errors_and_a_killed_rank(tiny, reference):
             ex.collective_rpc(rank_info, kwargs={"boom_on": 1})
         assert [r[0] for r in ex.collective_rpc(rank_info)] == [0, 1]  # the channel stays in order after it
 
-        os.kill(info[1][3], signal.SIGKILL)
+        # Rank 1 hangs (alive, not answering): rank 0's all-reduce times out, and rank 0 leaves the broken world.
+        os.kill(info[1][3], signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
-            while time.monotonic() - t0 < 10:  # steps until the monitor has noticed (at once, in practice)
+        with pytest.raises(WorkerDiedError, match=r"worker rank 0 \(pid \d+\) exited after a collective failed"):
+            while time.monotonic() - t0 < 30:  # the first step fails (rolled back), the next finds rank 0 gone
                 _generate(llm)
-        assert time.monotonic() - t0 < 10
-        deadline = time.monotonic() + 5  # rank 0 is killed too: it would wait in a collective for rank 1
-        while process_alive(info[0][3]) and time.monotonic() < deadline:
+        assert time.monotonic() - t0 < 8 + 5
+        deadline = time.monotonic() + 5  # the hung rank is killed with it
+        while process_alive(info[1][3]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not process_alive(info[0][3])
+        assert not process_alive(info[1][3])
     finally:
         llm.engine.shutdown()
 
@@ -114,17 +122,27 @@ def test_a_rank_that_fails_to_start_is_named(tiny, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_ranks_do_not_outlive_a_killed_engine(tiny):
-    """The engine process is SIGKILLed (no cleanup runs): its ranks notice and exit on their own."""
+def test_ranks_do_not_outlive_their_engine(tiny):
+    """An engine shut down normally takes its ranks along; so does one SIGKILLed (no cleanup runs in it):
+    its ranks notice and exit on their own."""
     script = textwrap.dedent(f"""
-        import sys, time
+        import time
         from tokenmill import LLM
-        llm = LLM({tiny("llama")!r}, distributed_executor_backend="mp", dtype="float32", num_gpu_blocks_override=8)
+        def engine():
+            return LLM({tiny("llama")!r}, distributed_executor_backend="mp", dtype="float32", num_gpu_blocks_override=8)
+        llm = engine()
+        print(*[p.pid for p in llm.engine.executor.ranks.procs], flush=True)
+        llm.engine.shutdown()
+        print("shut down", flush=True)
+        llm = engine()
         print(*[p.pid for p in llm.engine.executor.ranks.procs], flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
+        first = [int(p) for p in proc.stdout.readline().split()]
+        assert proc.stdout.readline() == "shut down\n"
+        assert first and not any(process_alive(p) for p in first)
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert pids and all(process_alive(p) for p in pids)
     finally:

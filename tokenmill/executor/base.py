@@ -11,6 +11,16 @@ from typing import Any, Callable, Union
 from tokenmill.config import EngineConfig
 
 Method = Union[str, Callable[..., Any]]
+COLLECTIVE_FAILED = 70  # a rank's exit status after a failed collective
+
+
+def collective_failed(e: BaseException, world_size: int) -> bool:
+    """A collective that timed out or lost a peer (NCCL: DistError; gloo: a RuntimeError from its transport).
+    The ranks are then out of step and the communicator cannot be trusted: the rank exits (COLLECTIVE_FAILED),
+    so the executor sees a dead rank and stops the engine instead of running on a broken world."""
+    import torch.distributed as dist
+
+    return world_size > 1 and (isinstance(e, getattr(dist, "DistError", ())) or "gloo" in str(e))
 
 
 class WorkerDiedError(RuntimeError):

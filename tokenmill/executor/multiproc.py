@@ -33,7 +33,8 @@ import zmq
 
 from tokenmill import step
 from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor, Method, WorkerDiedError, run_method
+from tokenmill.executor.base import (COLLECTIVE_FAILED, Executor, Method, WorkerDiedError, collective_failed,
+                                     run_method)
 
 logger = logging.getLogger("tokenmill")
 
@@ -49,6 +50,8 @@ def free_port() -> int:
 
 
 def describe_exit(code: Optional[int]) -> str:
+    if code == COLLECTIVE_FAILED:
+        return "exited after a collective failed (a peer hung or died; see its log)"
     if code is not None and code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -152,7 +155,8 @@ class _Ranks:
         self.commands.bind(f"ipc://{self.ipc_dir}/commands")
         self.replies = self.ctx.socket(zmq.PULL)
         self.replies.setsockopt(zmq.RCVHWM, 0)
-        self.replies.setsockopt(zmq.RCVTIMEO, 500)
+        self.replies.setsockopt(zmq.RCVTIMEO, 100)  # the receiver looks at `closing` this often
+        self.wake_r, self.wake_w = os.pipe()  # wakes the death watch at close
         self.replies.bind(f"ipc://{self.ipc_dir}/replies")
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -192,7 +196,7 @@ class _Ranks:
                     raise RuntimeError(f"worker rank {rank} failed to start: {message}")
                 ready.add(rank)
             for p in self.procs:
-                if p.exited(events):
+                if p.exited(events) and not self.replies.poll(500):  # its last words (why it failed) come first
                     raise RuntimeError(f"worker rank {p.rank} (pid {p.pid}) {describe_exit(p.exitcode)} during "
                                        "start-up; see its log above")
 
@@ -253,9 +257,9 @@ class _Ranks:
 
     def _watch(self) -> None:
         """Death-watch thread: a rank's pidfd becomes readable when it exits."""
-        fds = [p.fd for p in self.procs if p.fd is not None]
+        fds = [p.fd for p in self.procs if p.fd is not None] + [self.wake_r]
         while not self.closing:
-            ready = select.select(fds, [], [], 0.2 if len(fds) < len(self.procs) else 1.0)[0]
+            ready = select.select(fds, [], [], 0.2 if len(fds) <= len(self.procs) else None)[0]
             dead = [p for p in self.procs if (p.fd in ready if p.fd is not None else p.popen.poll() is not None)]
             if dead and not self.closing:
                 self._on_death(dead[0])
@@ -283,6 +287,7 @@ class _Ranks:
         if self.closing:
             return
         self.closing = True
+        os.write(self.wake_w, b"x")
         if self.procs and self.failure is None:
             try:
                 self.commands.send_multipart([struct.pack("<Q", 0), QUIT, b""], zmq.NOBLOCK)
@@ -300,6 +305,8 @@ class _Ranks:
                 t.join(2)
         for p in self.procs:
             p.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
         self.commands.close(linger=0)
         self.replies.close(linger=0)
         self.ctx.term()
@@ -351,24 +358,26 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, commands_add
     commands.setsockopt(zmq.RCVHWM, 0)
     commands.connect(commands_addr)
     commands.setsockopt(zmq.SUBSCRIBE, b"")
+    worker, code = None, 1
     try:
         worker = _start_worker(rank, config, init_method)
+        replies.send_multipart([b"", READY, pickle.dumps((rank, None))])
+        code = _serve(rank, worker, commands, replies, config)
     except BaseException as e:  # noqa: BLE001 - the parent reports it; the traceback goes to this rank's log
-        logger.error("start-up failed:\n%s", traceback.format_exc())
-        replies.send_multipart([b"", FAILED, pickle.dumps((rank, f"{type(e).__name__}: {e}"))])
-        replies.close(linger=5000)
-        os._exit(1)
-    replies.send_multipart([b"", READY, pickle.dumps((rank, None))])
-    try:
-        _serve(rank, worker, commands, replies, config)
+        logger.error("%s:\n%s", "start-up failed" if worker is None else "failed", traceback.format_exc())
+        if worker is None:
+            replies.send_multipart([b"", FAILED, pickle.dumps((rank, f"{type(e).__name__}: {e}"))])
     finally:
-        worker.shutdown()
-        from tokenmill.distributed import destroy_distributed
+        if worker is not None:
+            worker.shutdown()
+            if code != COLLECTIVE_FAILED:  # a broken world's teardown could wait on the lost peer
+                from tokenmill.distributed import destroy_distributed
 
-        destroy_distributed()
-        replies.close(linger=1000)
+                destroy_distributed()
+        replies.close(linger=2000)
         commands.close(linger=0)
-        ctx.term()
+        ctx.term()  # returns once the last replies (an error, a start-up failure) are delivered
+    os._exit(code)  # skips the interpreter's slow teardown of torch (the engine waits on this exit)
 
 
 def _start_worker(rank: int, config: EngineConfig, init_method: str):
@@ -385,13 +394,14 @@ def _cuda_count() -> int:
     return torch.cuda.device_count()
 
 
-def _serve(rank: int, worker, commands, replies, config: EngineConfig) -> None:
-    """Run the commands in order until QUIT. Every rank runs every step; only the output rank answers it."""
+def _serve(rank: int, worker, commands, replies, config: EngineConfig) -> int:
+    """Run the commands in order until QUIT (returns 0) or a failed collective (returns COLLECTIVE_FAILED).
+    Every rank runs every step; only the output rank answers it."""
     output_rank = (config.parallel.pipeline_parallel_size - 1) * config.parallel.tensor_parallel_size
     while True:
         seq, kind, payload = commands.recv_multipart()
         if kind == QUIT:
-            return
+            return 0
         try:
             if kind == STEP:
                 out = worker.execute_model(step.decode_scheduler_output(payload))
@@ -403,3 +413,5 @@ def _serve(rank: int, worker, commands, replies, config: EngineConfig) -> None:
         except Exception as e:  # noqa: BLE001 - the engine decides (a failed step rolls its requests back)
             logger.error("%s failed:\n%s", "step" if kind == STEP else "rpc", traceback.format_exc())
             replies.send_multipart([seq, ERROR, pickle.dumps((rank, f"{type(e).__name__}: {e}"))])
+            if collective_failed(e, config.parallel.world_size):
+                return COLLECTIVE_FAILED

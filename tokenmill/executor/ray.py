@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from tokenmill import step
 from tokenmill.config import EngineConfig
-from tokenmill.executor.base import Executor, Method, WorkerDiedError, run_method
+from tokenmill.executor.base import COLLECTIVE_FAILED, Executor, Method, WorkerDiedError, collective_failed, run_method
 
 logger = logging.getLogger("tokenmill")
 
@@ -68,7 +68,13 @@ class _RayWorker:
         self.worker = Worker(self.config, rank=rank)
 
     def execute_model(self, data: bytes) -> Optional[bytes]:
-        out = self.worker.execute_model(step.decode_scheduler_output(data))
+        try:
+            out = self.worker.execute_model(step.decode_scheduler_output(data))
+        except Exception as e:
+            if collective_failed(e, self.config.parallel.world_size):
+                logging.getLogger("tokenmill").error("a collective failed; this rank exits: %s", e)
+                os._exit(COLLECTIVE_FAILED)
+            raise
         return step.encode(out) if self.rank == self.output_rank else None
 
     def rpc(self, method: Method, args: tuple, kwargs: dict) -> Any:
