@@ -72,7 +72,7 @@ def _greedy_vs_transformers(path, **kw):
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
 def test_greedy_matches_transformers(tiny, arch):
     llm = _greedy_vs_transformers(tiny(arch))
-    model = llm.engine.executor.worker.model
+    model = llm.engine.executor.collective_rpc(lambda w: w.model)[0]
     assert len(llm.engine.stats().expert_load) == len(model.moe_layers())
     assert model.expert_load().sum() == 0, "expert_load() resets the counts"
 
@@ -353,7 +353,7 @@ def smollm2_moe_path():
 def smollm2_moe_single(smollm2_moe_path):
     """The single-process engine's greedy answer and expert load."""
     llm = LLM(smollm2_moe_path, dtype="float32", kv_cache_memory_bytes="64MiB")
-    model = llm.engine.executor.worker.model
+    model = llm.engine.executor.collective_rpc(lambda w: w.model)[0]
     assert len(model.moe_layers()) == 30 and model.moe_layers()[0].w13_weight.shape == (4, 2 * 1536, 576)
     out = llm.generate(PARIS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     load = torch.tensor(llm.engine.stats().expert_load)
