@@ -5,8 +5,8 @@ Two ZMQ channels over ipc:// in a private folder, both ordered:
   (tokenmill/step.py) and published once; every rank receives the same bytes, steps and RPCs in one order.
 - replies, every rank's PUSH -> parent PULL: [seq, kind, payload]. A step's result comes from the output rank
   only; an RPC's from every rank; an error from whichever rank raised.
-A receiver thread resolves the pending calls' Futures and watches the processes: when a rank dies it fails
-every pending call, and kills the other ranks, which would otherwise wait in a collective for the dead one.
+A receiver thread resolves the pending calls' Futures; a death-watch thread fails every pending call when a
+rank dies, and kills the other ranks, which would otherwise wait in a collective for the dead one.
 """
 from __future__ import annotations
 
@@ -99,16 +99,17 @@ class MultiprocExecutor(Executor):
 class _Proc:
     """A rank's process, started with `python -c` rather than multiprocessing's spawn, which would re-run the
     user's script (an offline `LLM(..., tensor_parallel_size=2)` in a script without a __main__ guard). A pidfd
-    (Linux >= 5.3) becomes readable when it exits; without one the receiver polls."""
+    (Linux >= 5.3) becomes readable when it exits; without one the death watch polls."""
 
-    def __init__(self, rank: int, args: tuple) -> None:
+    def __init__(self, rank: int, args: tuple, ipc_dir: str) -> None:
         self.rank = rank
+        path = os.path.join(ipc_dir, f"rank{rank}.args")  # a file, not stdin: a pipe would block past 64 KiB
+        with open(path, "wb") as f:
+            pickle.dump((rank, *args), f)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the parent's imports
         self.popen = subprocess.Popen([sys.executable, "-c", "from tokenmill.executor.multiproc import worker_entry; "
-                                       "worker_entry()"], stdin=subprocess.PIPE, env=env)
+                                       "worker_entry()", path], stdin=subprocess.DEVNULL, env=env)
         self.pid = self.popen.pid
-        self.popen.stdin.write(pickle.dumps((rank, *args)))
-        self.popen.stdin.close()
         try:
             self.fd: Optional[int] = os.pidfd_open(self.pid)
         except (AttributeError, OSError):
@@ -164,7 +165,7 @@ class _Ranks:
         init_method = f"tcp://127.0.0.1:{free_port()}"
         args = (self.config, init_method, f"ipc://{self.ipc_dir}/commands", f"ipc://{self.ipc_dir}/replies",
                 os.getpid(), logging.getLogger("tokenmill").getEffectiveLevel())
-        self.procs = [_Proc(rank, args) for rank in range(self.world_size)]
+        self.procs = [_Proc(rank, args, self.ipc_dir) for rank in range(self.world_size)]
         t0 = time.monotonic()
         self._wait_ready()
         logger.info("%d worker processes ready in %.1fs (mp executor)", self.world_size, time.monotonic() - t0)
@@ -340,8 +341,10 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_entry() -> None:
-    """A rank process's `python -c` entry: its arguments come pickled on stdin."""
-    _worker_main(*pickle.load(sys.stdin.buffer))
+    """A rank process's `python -c` entry: its arguments come pickled in the file named by argv[1]."""
+    with open(sys.argv[1], "rb") as f:
+        args = pickle.load(f)
+    _worker_main(*args)
 
 
 def _worker_main(rank: int, config: EngineConfig, init_method: str, commands_addr: str, replies_addr: str,
