@@ -200,8 +200,31 @@ class Scheduler:
             k = 0
         out.spec_k = k
         chosen: list[tuple[Request, int, list[int], bool]] = []  # (request, known tokens to run, drafts, new)
-        preempted = False
+        budget = self._schedule_running(chosen, budget, k, suspect, out)
+        if suspect is not None and not chosen:  # a suspect waiting anywhere goes first
+            req = self.requests[suspect]
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self.waiting.appendleft(req)
+        if not out.num_preempted:  # no admission in a step that had to preempt
+            self._schedule_waiting(chosen, budget, k, suspect)
 
+        for req, n, drafts, new in chosen:
+            out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
+            self.in_flight.add(req.request_id)
+            req.num_computed_tokens += n + len(drafts)
+            self.drafts.pop(req.request_id, None)
+            out.num_batched_tokens += n + len(drafts)
+            out.num_draft_tokens += len(drafts)
+            out.num_decodes += n == 1 and out.scheduled[-1].sample
+        if self.connector is not None:
+            out.kv_connector_plan = self.connector.build_plan()
+        return out
+
+    def _schedule_running(self, chosen: list, budget: int, k: int, suspect: Optional[str],
+                          out: SchedulerOutput) -> int:
+        """Running requests first, oldest first (preempting the newest when blocks run out); returns the budget
+        left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -220,7 +243,6 @@ class Scheduler:
                 if victim is None:
                     break
                 self._preempt(victim)
-                preempted = True
                 out.num_preempted += 1
                 if victim is req:
                     break
@@ -230,13 +252,11 @@ class Scheduler:
             chosen.append((req, n, drafts, False))
             budget -= n + len(drafts)
             i += 1
+        return budget
 
-        if suspect is not None and not chosen:  # a suspect waiting anywhere goes first
-            req = self.requests[suspect]
-            if req in self.waiting:
-                self.waiting.remove(req)
-                self.waiting.appendleft(req)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+    def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str]) -> None:
+        """Then waiting requests in arrival order, their prefix-cache (and lower-tier) hit counted as computed."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if suspect is not None and (req.request_id != suspect or chosen):
                 break
@@ -268,18 +288,6 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, [], True))
             budget -= n
-
-        for req, n, drafts, new in chosen:
-            out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
-            self.in_flight.add(req.request_id)
-            req.num_computed_tokens += n + len(drafts)
-            self.drafts.pop(req.request_id, None)
-            out.num_batched_tokens += n + len(drafts)
-            out.num_draft_tokens += len(drafts)
-            out.num_decodes += n == 1 and out.scheduled[-1].sample
-        if self.connector is not None:
-            out.kv_connector_plan = self.connector.build_plan()
-        return out
 
     def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
                    out: SchedulerOutput) -> ScheduledRequest:
