@@ -1,4 +1,5 @@
 """The thread count follows the cores other processes leave free (tokenmill/worker/cpu_threads.py)."""
+import itertools
 import os
 import subprocess
 import sys
@@ -46,4 +47,27 @@ def test_a_spinning_neighbour_takes_a_thread(monkeypatch):
     finally:
         spinner.kill()
         spinner.wait()
+        torch.set_num_threads(threads)
+
+
+def test_next_engine_starts_from_the_users_count(monkeypatch):
+    """A sizer that lowered the process's thread count does not cap the next engine in the same process."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "INTERVAL_S", 0.0)
+    busy = 10 * os.sysconf("SC_CLK_TCK")
+    ticks = itertools.chain([(0, 0)], itertools.repeat((busy, 0)))  # then the rest of the machine was busy
+    monkeypatch.setattr(cpu_threads, "_cpu_ticks", lambda: next(ticks))
+    try:
+        first = ThreadSizer()
+        time.sleep(0.01)
+        first.update()
+        assert first.threads == 1 and torch.get_num_threads() == 1
+        second = ThreadSizer()
+        assert second.max_threads == 2 and torch.get_num_threads() == 2
+        torch.set_num_threads(1)  # but a count the user set themselves is theirs
+        monkeypatch.setattr(cpu_threads, "_lowered", (3, 2))
+        assert ThreadSizer().max_threads == 1
+    finally:
         torch.set_num_threads(threads)

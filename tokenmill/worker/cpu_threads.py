@@ -29,6 +29,10 @@ INTERVAL_S = 0.5
 TAKE_AT = 0.75  # another process's CPU use, in cores, that takes a thread away ...
 GIVE_BACK_BELOW = 0.5  # ... and the lower figure it must fall under to give it back (no flapping at the edge)
 
+# torch's thread count is per process: (the count a sizer last set, the count it started from), so that the
+# next engine in this process starts from the user's count, not from a lowered one it would take as the max.
+_lowered: Optional[tuple[int, int]] = None
+
 
 def _cpu_ticks() -> Optional[tuple[int, int]]:
     """(busy ticks of the whole machine, ticks of this process), or None without Linux's /proc."""
@@ -53,6 +57,8 @@ class ThreadSizer:
     """Call update() once per step; it samples at most every INTERVAL_S and changes torch's thread count."""
 
     def __init__(self) -> None:
+        if _lowered is not None and torch.get_num_threads() == _lowered[0]:
+            torch.set_num_threads(_lowered[1])  # an earlier engine here lowered it and did not give it back
         self.max_threads = torch.get_num_threads()
         self.threads = self.max_threads
         enabled = os.environ.get("TOKENMILL_ADAPTIVE_THREADS", "1") != "0" and self.max_threads > 1
@@ -77,3 +83,5 @@ class ThreadSizer:
                         self.max_threads)
             torch.set_num_threads(threads)
             self.threads = threads
+            global _lowered
+            _lowered = (threads, self.max_threads)
