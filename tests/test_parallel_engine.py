@@ -48,3 +48,24 @@ def test_split_model_matches_one_process(tiny, reference, tp, pp):
 def test_int8_tensor_parallel_matches_int8_one_process(tiny, reference):
     got, _ = _run(tiny("llama"), tensor_parallel_size=2, quantization="int8")
     _assert_same(got, reference["int8"])
+
+
+def test_pipeline_keeps_a_step_in_flight_per_stage(tiny):
+    """PP=2: the running requests are spread over two steps in flight, so both stages have work."""
+    llm = LLM(tiny("llama"), dtype="float32", pipeline_parallel_size=2)
+    engine, in_flight, sizes = llm.engine, [], []
+    submit = engine.executor.execute_model
+
+    def recording(sched, non_block=False):
+        in_flight.append(len(engine.batch_queue) + 1)
+        sizes.append(len(sched.scheduled))
+        return submit(sched, non_block)
+
+    engine.executor.execute_model = recording
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], sp)
+    finally:
+        engine.shutdown()
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert max(in_flight) == 2 and 4 in sizes  # 8 decoding requests: two steps of 4

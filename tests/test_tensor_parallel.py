@@ -57,7 +57,8 @@ def _forward_steps(model) -> list[torch.Tensor]:
         with torch.inference_mode():
             out = model(input_ids, meta, caches, inter)
             if pp_rank() < pp_size() - 1:
-                pp_send([out.hidden, out.residual], pp_rank() + 1)
+                for work in pp_send([out.hidden.contiguous(), out.residual.contiguous()], pp_rank() + 1):
+                    work.wait()
             else:
                 logits.append(model.compute_logits(out))
     return logits

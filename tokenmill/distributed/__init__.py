@@ -157,11 +157,12 @@ def stage_layers(num_layers: int, counts: Optional[list[int]] = None) -> tuple[i
     return start, start + counts[_state.pp_rank]
 
 
-def pp_send(tensors: list[torch.Tensor], to_stage: int) -> None:
-    """Send tensors, in order, to pipeline stage `to_stage`'s rank with this rank's tensor shard (blocking)."""
+def pp_send(tensors: list[torch.Tensor], to_stage: int) -> list:
+    """Start sending tensors, in order, to pipeline stage `to_stage`'s rank with this rank's tensor shard.
+    Returns the pending sends: wait() on them before reusing the tensors (the caller keeps them alive), so
+    this stage can start its next step while the next stage receives (a blocking send waits for its recv)."""
     dst = pp_global_rank(to_stage)
-    for t in tensors:
-        dist.send(t.contiguous(), dst=dst, group=_state.pp_group)
+    return [dist.isend(t, dst=dst, group=_state.pp_group) for t in tensors]
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, from_stage: int,

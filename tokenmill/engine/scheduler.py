@@ -64,6 +64,7 @@ class Scheduler:
         # flight): not scheduled again, never preempted, and their blocks freed only once back.
         self.in_flight: set[str] = set()
         self._free_when_back: list[Request] = []
+        self.pipeline_depth = config.parallel.pipeline_parallel_size  # steps the engine keeps in flight
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -224,7 +225,8 @@ class Scheduler:
     def _schedule_running(self, chosen: list, budget: int, k: int, suspect: Optional[str],
                           out: SchedulerOutput) -> int:
         """Running requests first, oldest first (preempting the newest when blocks run out); returns the budget
-        left."""
+        left. Pipeline parallel spreads them over the steps in flight, so that each stage has a share."""
+        per_step = -(-len(self.running) // self.pipeline_depth)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -252,6 +254,8 @@ class Scheduler:
             chosen.append((req, n, drafts, False))
             budget -= n + len(drafts)
             i += 1
+            if len(chosen) >= per_step:
+                break
         return budget
 
     def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str]) -> None:

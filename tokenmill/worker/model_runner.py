@@ -33,6 +33,8 @@ class ModelRunner:
         self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step.py)
         self.stage, self.num_stages = pp_rank(), pp_size()  # pipeline stage: only the last one samples
         self.count_experts = hasattr(model, "expert_load")  # MoE: tokens routed per expert, for /metrics
+        self._sending: list = []  # a pipeline stage's pending sends of its last step's hidden states ...
+        self._sent: list[torch.Tensor] = []  # ... and those tensors
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
         self.drafter = drafter
@@ -190,7 +192,11 @@ class ModelRunner:
         out = self.model(input_ids, meta, self.kv_caches, intermediate)
         if self.stage == self.num_stages - 1:
             return out
-        pp_send([out.hidden, out.residual], self.stage + 1)
+        for work in self._sending:  # the previous step's hand-off has landed (stages run steps in order)
+            work.wait()
+        tensors = [out.hidden.contiguous(), out.residual.contiguous()]
+        self._sending = pp_send(tensors, self.stage + 1)
+        self._sent = tensors  # alive until those sends complete
         return None
 
     def _sample(self, sreqs: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
