@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.plan import parallel as plan_parallel
+from tokenmill.plan.memory import ModelShape
 
 pytestmark = pytest.mark.distributed
 
@@ -19,9 +21,29 @@ def _run(model: str, **kw):
     try:
         sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=3)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp)
+        _check_plan_agrees(llm)
         return [o.outputs[0] for o in outs], llm.engine.stats().num_preemptions
     finally:
         llm.engine.shutdown()
+
+
+def _rank_memory(worker) -> tuple[int, int]:
+    """(parameter bytes, KV bytes per token) of one rank."""
+    params = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    return params, worker.bytes_per_block() // worker.config.cache.block_size
+
+
+def _check_plan_agrees(llm) -> None:
+    """tokenmill plan's per-device weights and KV bytes per token are what each rank allocated."""
+    cfg = llm.engine.config
+    if cfg.model.online_quantization is not None:
+        return
+    split = plan_parallel.Split(tp=cfg.parallel.tensor_parallel_size, pp=cfg.parallel.pipeline_parallel_size)
+    stages = plan_parallel.device_memory(ModelShape.from_hf_config(cfg.model.hf_config), split, "fp32", "fp32",
+                                         2**30, 0.9, 64, 16, 1)["stages"]
+    for rank, (params, kv) in enumerate(llm.engine.executor.collective_rpc(_rank_memory)):
+        stage = stages[rank // split.tp]
+        assert (params, kv) == (stage["weight_bytes"], stage["kv_bytes_per_token"]), f"rank {rank}"
 
 
 def _assert_same(got, expected) -> None:
