@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -30,6 +30,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     # Requests with the same cache_salt may share prefix-cache blocks; others never do.
     cache_salt: Optional[str] = None
+    # Disaggregated prefill/decode (vLLM's kv_transfer_params): {"do_remote_decode": true} to a prefill
+    # instance; to a decode instance, the params the prefill instance returned (where to pull the KV from).
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
 
 def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
@@ -55,6 +58,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: Optional[int] = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     error: Optional[str] = None  # why, with finish_reason REJECTED or ERROR
+    kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill instance's finished request: where its KV is
 
     @property
     def finished(self) -> bool:
