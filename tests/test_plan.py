@@ -340,3 +340,122 @@ def test_cli_refuses_bad_parallel_flags(capsys, args, message):
     assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+# -- disaggregated prefill/decode (issue 18, item 5) --------------------------------------------------------
+def _disagg(model="Llama-3.1-70B", xpyd=(2, 2), rate=4.0, input_len=4096, output_len=256, **kw):
+    from tokenmill.plan.disagg import Traffic, disagg_plan
+
+    traffic_kw = {k: kw.pop(k) for k in ("long_fraction", "long_input_len") if k in kw}
+    return disagg_plan(load_model_shape(model), H100, *xpyd, Traffic(rate, input_len, output_len, **traffic_kw),
+                       **kw)
+
+
+def test_disagg_kv_bytes_and_transfer_time_by_hand():
+    """70B: 80 layers x 8 KV heads x 128 x (K and V) x 2 bytes per token; TP=4 ranks each send their shard on
+    their own InfiniBand NDR NIC (50 GB/s, 10 us)."""
+    from tokenmill.plan.hardware import get_interconnect
+
+    p = _disagg(input_len=4096)
+    nbytes = 4096 * 80 * 8 * 128 * 2 * 2
+    assert p["tp"] == 4 and p["devices"] == 16                  # 141 GB of weights x 1.5 -> 3 H100s -> TP=4
+    assert p["disaggregated"]["kv_bytes_per_request"][4096] == nbytes == 1_342_177_280
+    assert p["disaggregated"]["kv_transfer_s"][4096] == pytest.approx(10e-6 + nbytes / (4 * 50e9))
+    nv = _disagg(input_len=4096, kv_dtype="fp8", link=get_interconnect("nvlink"))
+    assert nv["disaggregated"]["kv_bytes_per_request"][4096] == nbytes // 2
+    assert nv["disaggregated"]["kv_transfer_s"][4096] == pytest.approx(5e-6 + nbytes / 2 / (4 * 450e9))
+    eight = _disagg("Llama-3.1-8B", (1, 1), input_len=1000)     # TP=1: one NIC
+    assert eight["tp"] == 1
+    assert eight["disaggregated"]["kv_transfer_s"][1000] == pytest.approx(10e-6 + 1000 * 32 * 8 * 128 * 4 / 50e9)
+
+
+def test_disagg_queue_and_little_law():
+    """M/D/1 wait by hand; the decode pool's batch satisfies Little's law B = rate x (output - 1) x step(B)."""
+    from tokenmill.plan.disagg import mg1
+
+    q = mg1(2.0, [(1.0, 0.1)])
+    assert q["rho"] == pytest.approx(0.2) and q["wait_s"] == pytest.approx(0.2 * 0.1 / (2 * 0.8))
+    assert q["wait_p99_s"] == pytest.approx(q["wait_s"] / 0.2 * math.log(20))
+    assert mg1(10.0, [(1.0, 0.1)])["wait_s"] == math.inf
+    p = _disagg(rate=4.0)
+    dec = p["disaggregated"]["decode"]
+    assert dec["decode_batch"] == pytest.approx(4.0 / 2 * 255 * dec["step_s"], rel=1e-6)
+    co = p["colocated"]   # every running request gets one token per step: tokens/s = B / mean step
+    assert co["decode_batch"] / co["itl_mean_s"] == pytest.approx(4.0 / 4 * 255, rel=1e-6)
+
+
+def test_disagg_colocated_itl_p99_grows_with_prompt_length():
+    """A colocated decode step that carries a prompt chunk lasts the chunk's compute: longer prompts, longer
+    chunks (up to --max-num-batched-tokens) and more of them. The decode pool's steps carry no prefill: they
+    grow only by the KV they read."""
+    co, dis = [], []
+    for n in (256, 1024, 2048, 4096, 8192):
+        p = _disagg(rate=2.0, input_len=n)
+        assert not p["colocated"]["saturated"] and not p["disaggregated"]["saturated"]
+        co.append(p["colocated"]["itl_p99_s"])
+        dis.append(p["disaggregated"]["itl_p99_s"])
+    assert co == sorted(co) and co[-1] > 5 * co[0]
+    assert max(dis) < 1.2 * min(dis)
+    assert co[-1] > 5 * dis[-1]
+    # more than 1% of the steps carry a chunk: P99 is the longest chunk's step; fewer: a plain decode step
+    busy, idle = _disagg(rate=4.0)["colocated"], _disagg(rate=0.2)["colocated"]
+    assert busy["mixed_step_fraction"] > 0.01 and busy["itl_p99_s"] == busy["chunk_step_s"]
+    assert idle["mixed_step_fraction"] < 0.01 and idle["itl_p99_s"] == idle["decode_step_s"]
+
+
+def test_disagg_verdict_flips_across_break_even():
+    p = _disagg(rate=1.0)
+    be, top = p["break_even_rate"], p["disaggregated_max_rate"]
+    assert be is not None and 0 < be < top < p["colocated_max_rate"]     # 2P2D: 4k prompts load the prefill pool
+    below, above = _disagg(rate=0.8 * be), _disagg(rate=1.2 * be)
+    assert not below["pays"] and below["verdict"].startswith("disaggregation wastes hardware here: at ")
+    assert "prefill pool is" in below["verdict"] and f"it would pay from" in below["verdict"]
+    assert above["pays"] and above["verdict"].startswith("pays: colocated ITL P99 ")
+    over = _disagg(rate=1.1 * top)                                        # xPyD's prefill pool cannot keep up
+    assert not over["pays"] and over["disaggregated"]["prefill"]["saturated"]
+    assert "the prefill pool of 2P2D saturates" in over["verdict"]
+    # the same flip over the share of long prompts at a fixed rate
+    mix = _disagg("Llama-3.1-8B", (1, 1), rate=2.0, input_len=512, long_fraction=0.05, long_input_len=8192)
+    f = mix["break_even_long_fraction"]
+    assert f is not None and 0.05 < f < 1
+    lo = _disagg("Llama-3.1-8B", (1, 1), rate=2.0, input_len=512, long_fraction=0.9 * f, long_input_len=8192)
+    hi = _disagg("Llama-3.1-8B", (1, 1), rate=2.0, input_len=512, long_fraction=min(1.0, 1.1 * f),
+                 long_input_len=8192)
+    assert not lo["pays"] and hi["pays"]
+
+
+def test_cli_disaggregate_lines(capsys):
+    assert main(["plan", "Llama-3.1-70B", "--hardware", "H100-SXM", "--disaggregate", "2P2D", "--input-len", "4096",
+                 "--output-len", "256", "--request-rate", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Llama-3.1-70B on H100-SXM, 2P2D vs colocated: 4 instances of TP=4 = 16 devices")
+    for line in ("  traffic           4 req/s (Poisson); prompts 100% of 4096 tokens, 256 output tokens",
+                 "  KV per request    1.25 GiB (4096 tokens x 320 KiB); transfer 6.7 ms over 4 x InfiniBand-NDR",
+                 "    TTFT            mean ", "    ITL             P50 ", "of steps carry a prompt chunk",
+                 "  2P2D              2 prefill + 2 decode instances", "    prefill pool    ",
+                 "    decode pool     ITL P50 = P99 = ", "  break-even        2P2D pays from ",
+                 "  verdict           pays: colocated ITL P99 ", "  assumes           step time = roofline"):
+        assert line in out, line
+    assert main(["plan", "Llama-3.1-8B", "--hardware", "h100", "--disaggregate", "1p1d", "--input-len", "512",
+                 "--request-rate", "1", "--long-fraction", "0.05", "--long-input-len", "8192", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["xpyd"] == "1P1D" and p["classes"] == [[0.95, 512], [0.05, 8192]]
+    assert p["verdict"].startswith("disaggregation wastes hardware here") and p["break_even_long_fraction"] > 0.05
+    assert set(p["colocated"]) >= {"itl_p50_s", "itl_p99_s", "ttft", "prefill_busy", "decode_batch"}
+    assert set(p["disaggregated"]) >= {"itl_p99_s", "ttft", "prefill", "decode", "kv_transfer_s"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--disaggregate", "2P0D"], "--disaggregate takes xPyD: x >= 1 prefill and y >= 1 decode instances "
+                                 "(e.g. 1P1D, 2P4D), got '2P0D'"),
+    (["--disaggregate", "PD"], "got 'PD'"),
+    (["--disaggregate", "2x2"], "got '2x2'"),
+    (["--disaggregate", "1P1D", "-pp", "2"], "--disaggregate plans instances of -tp devices each"),
+    (["--disaggregate", "1P1D", "-tp", "3"], "--tensor-parallel-size 3 does not divide"),
+    (["--disaggregate", "1P1D", "--long-fraction", "0.1"], "--long-fraction needs --long-input-len"),
+    (["--disaggregate", "1P1D", "--request-rate", "-1"], "--request-rate must be >= 0"),
+    (["--disaggregate", "1P1D", "-tp", "1"], "the weights leave no KV room")])
+def test_cli_refuses_bad_disaggregate(capsys, args, message):
+    assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

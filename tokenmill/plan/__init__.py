@@ -3,6 +3,7 @@
     tokenmill plan Llama-3.1-8B --hardware h100 --batch-size 32 --input-len 2048 --output-len 256 --json
     tokenmill plan Llama-3.1-70B --hardware h100 --num-nodes 2 --devices-per-node 8     # the rules' split
     tokenmill plan Qwen3-235B-A22B --hardware h200 -tp 8 --enable-expert-parallel       # per device, comm
+    tokenmill plan Llama-3.1-70B --hardware h100 --disaggregate 2P2D --request-rate 4   # colocated vs xPyD
 """
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of the largest step, for the activation estimate (the engine's default 2048)")
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of memory for weights + KV (like --gpu-memory-utilization)")
+    p.add_argument("--disaggregate", default=None, metavar="xPyD",
+                   help="compare x prefill + y decode instances (e.g. 1P1D, 2P2D) with the same x + y instances "
+                        "colocated: TTFT, ITL P50/P99, pool utilisation, break-even traffic and a verdict "
+                        "(docs/plan.md); each instance is -tp devices (default: the fewest that hold the weights "
+                        "with KV headroom); the KV goes over --network")
+    p.add_argument("--request-rate", type=float, default=1.0,
+                   help="with --disaggregate: requests/s arriving (Poisson), all instances together (default 1)")
+    p.add_argument("--long-fraction", type=float, default=0.0,
+                   help="with --disaggregate: share of requests whose prompt is --long-input-len tokens instead "
+                        "of --input-len (chat plus periodic long prompts; default 0)")
+    p.add_argument("--long-input-len", type=int, default=None,
+                   help="with --disaggregate: the long prompts' tokens; given alone, the plan also says from which "
+                        "share of such prompts xPyD pays")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the model presets and hardware, then exit")
     p.set_defaults(func=run_plan)
@@ -73,6 +87,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     shape = load_model_shape(args.model_flag or args.model)
+    if args.disaggregate is not None:
+        return run_disagg(args, shape)
     local = args.hardware.lower() in ("local-cpu", "local", "cpu")
     weight_dtype = args.weight_dtype
     if weight_dtype == "auto":
@@ -117,3 +133,37 @@ def resolve_split(args: argparse.Namespace, shape: ModelShape, hw: Hardware,
         pick = choice["split"]
         split = (pick.tp, pick.pp, pick.ep or args.enable_expert_parallel)
     return choice, split
+
+
+def run_disagg(args: argparse.Namespace, shape: ModelShape) -> int:
+    from tokenmill.plan.disagg import Traffic, disagg_plan, format_disagg, parse_xpyd
+
+    x, y = parse_xpyd(args.disaggregate)
+    if args.pp not in (None, 1) or args.num_nodes is not None or args.devices_per_node is not None \
+            or args.enable_expert_parallel:
+        raise ValueError("--disaggregate plans instances of -tp devices each; it does not take -pp, --num-nodes, "
+                         "--devices-per-node or --enable-expert-parallel")
+    if args.tp is not None:
+        check_split(shape, Split(args.tp))
+    local = args.hardware.lower() in ("local-cpu", "local", "cpu")
+    weight_dtype = args.weight_dtype
+    if weight_dtype == "auto":
+        from tokenmill.config import cpu_has_avx512_bf16
+
+        weight_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
+    weight_dtype = normalize_dtype(weight_dtype)
+    kv_dtype = normalize_dtype(args.kv_dtype) if args.kv_dtype != "auto" else \
+        ("fp32" if weight_dtype == "fp32" else "bf16")
+    compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)
+    hw = get_hardware(args.hardware, measure_dtypes=(compute,))
+    traffic = Traffic(args.request_rate, args.input_len, args.output_len, args.long_fraction, args.long_input_len)
+    plan = disagg_plan(shape, hw, x, y, traffic, args.tp, weight_dtype, kv_dtype, compute,
+                       args.max_num_batched_tokens, args.memory_utilization,
+                       get_interconnect(args.network) if args.network else None,
+                       get_interconnect(args.interconnect) if args.interconnect else None)
+    if args.json:
+        json.dump(plan, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(format_disagg(plan))
+    return 0
