@@ -319,6 +319,14 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
     co_max = _max_rate(lambda r: colocated(inst, x + y, traffic.replace(rate=r))["saturated"])
     dis_max = _max_rate(lambda r: disaggregated(inst, x, y, traffic.replace(rate=r), link)["saturated"])
 
+    best = None
+    if x + y <= 32:  # the xPyD of the same instances that keeps up with the most traffic
+        rates = {(a, x + y - a): dis_max if a == x else
+                 _max_rate(lambda r, a=a: disaggregated(inst, a, x + y - a, traffic.replace(rate=r), link)["saturated"])
+                 for a in range(1, x + y)}
+        (bx, by), brate = max(rates.items(), key=lambda kv: kv[1])
+        best = {"xpyd": f"{bx}P{by}D", "max_rate": brate}
+
     def pays_at(r: float) -> bool:
         return compare(inst, x, y, traffic.replace(rate=r), link)["pays"]
 
@@ -340,6 +348,7 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
         "traffic": dataclasses.asdict(traffic), "classes": traffic.classes,
         **here, "colocated_max_rate": co_max, "disaggregated_max_rate": dis_max,
         "break_even_rate": break_even_rate, "break_even_long_fraction": break_even_long,
+        "best_split": best,
         "assumptions": ASSUMPTIONS, "notes": [],
     }
     if hw.name == "local-cpu":
@@ -448,6 +457,9 @@ def format_disagg(p: dict[str, Any]) -> str:
                      f"{dec['decode_batch']:.1f} per instance, {dec['busy']:.0%} of its token capacity")
     lines.append(f"    throughput      " + (f"{dis['output_tokens_per_s']:.0f} output tok/s; " if not dis["saturated"]
                                           else "") + f"keeps up to {_rate(p['disaggregated_max_rate'])}")
+    best = p.get("best_split")
+    if best and best["xpyd"] != p["xpyd"]:
+        lines.append(f"    best split      {best['xpyd']} of the same {n} instances keeps up to {_rate(best['max_rate'])}")
     be = p["break_even_rate"]
     lines.append("  break-even        " + (
         f"{p['xpyd']} pays from {_rate(be)} (up to {_rate(p['disaggregated_max_rate'])}, where it saturates)"
