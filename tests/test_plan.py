@@ -454,6 +454,7 @@ def test_cli_disaggregate_lines(capsys):
     (["--disaggregate", "1P1D", "-tp", "3"], "--tensor-parallel-size 3 does not divide"),
     (["--disaggregate", "1P1D", "--long-fraction", "0.1"], "--long-fraction needs --long-input-len"),
     (["--disaggregate", "1P1D", "--request-rate", "-1"], "--request-rate must be >= 0"),
+    (["--disaggregate", "1P1D", "--output-len", "1"], "--output-len must be at least 2"),
     (["--disaggregate", "1P1D", "-tp", "1"], "the weights leave no KV room")])
 def test_cli_refuses_bad_disaggregate(capsys, args, message):
     assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", *args]) == 2

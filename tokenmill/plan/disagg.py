@@ -66,8 +66,10 @@ class Traffic:
     long_input_len: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.rate < 0 or self.input_len < 1 or self.output_len < 1:
-            raise ValueError("--request-rate must be >= 0, --input-len and --output-len >= 1")
+        if self.rate < 0 or self.input_len < 1:
+            raise ValueError("--request-rate must be >= 0 and --input-len >= 1")
+        if self.output_len < 2:
+            raise ValueError("--disaggregate compares inter-token latency: --output-len must be at least 2")
         if not 0 <= self.long_fraction <= 1:
             raise ValueError(f"--long-fraction must be in [0, 1], got {self.long_fraction}")
         if self.long_fraction > 0 and not self.long_input_len:
