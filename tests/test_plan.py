@@ -409,7 +409,7 @@ def test_disagg_verdict_flips_across_break_even():
     assert be is not None and 0 < be < top < p["colocated_max_rate"]     # 2P2D: 4k prompts load the prefill pool
     below, above = _disagg(rate=0.8 * be), _disagg(rate=1.2 * be)
     assert not below["pays"] and below["verdict"].startswith("disaggregation wastes hardware here: at ")
-    assert "prefill pool is" in below["verdict"] and f"it would pay from" in below["verdict"]
+    assert "prefill pool is" in below["verdict"] and "it would pay from" in below["verdict"]
     assert above["pays"] and above["verdict"].startswith("pays: colocated ITL P99 ")
     over = _disagg(rate=1.1 * top)                                        # xPyD's prefill pool cannot keep up
     assert not over["pays"] and over["disaggregated"]["prefill"]["saturated"]

@@ -26,7 +26,6 @@ prefill and not overlapped with it (added to TTFT); the first token reaches the 
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import re
@@ -457,7 +456,7 @@ def format_disagg(p: dict[str, Any]) -> str:
     else:
         lines.append(f"    decode pool     ITL P50 = P99 = {_ms(dis['itl_p99_s'])} (no prefill in its steps); batch "
                      f"{dec['decode_batch']:.1f} per instance, {dec['busy']:.0%} of its token capacity")
-    lines.append(f"    throughput      " + (f"{dis['output_tokens_per_s']:.0f} output tok/s; " if not dis["saturated"]
+    lines.append("    throughput      " + (f"{dis['output_tokens_per_s']:.0f} output tok/s; " if not dis["saturated"]
                                           else "") + f"keeps up to {_rate(p['disaggregated_max_rate'])}")
     best = p.get("best_split")
     if best and best["xpyd"] != p["xpyd"]:
