@@ -88,6 +88,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.disaggregate is not None:
+        from tokenmill.router.data_parallel import run_disaggregated
+
+        return run_disaggregated(args)
     if args.data_parallel_size != 1:
         from tokenmill.router.data_parallel import run_data_parallel
 

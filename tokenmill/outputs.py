@@ -41,3 +41,4 @@ class RequestOutput:
     prompt_logprobs: Optional[PromptLogprobs] = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: Optional[dict] = None  # a prefill instance's finished request: where its KV is

@@ -293,15 +293,19 @@ class AsyncLLM:
         Scheduler.check_fits(self._fit, len(prompt_ids), params)
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                    queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None) -> RequestStream:
+                    queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,
+                    kv_transfer_params: Optional[dict] = None) -> RequestStream:
         """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned stream's
-        queue, which several requests may share. Raises ValueError for an invalid request."""
+        queue, which several requests may share. Raises ValueError for an invalid request.
+        kv_transfer_params (disaggregated prefill/decode) goes to every engine request of it."""
         self.check_alive()
         if request_id in self.streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
                        cache_salt, time.time())
+        for r in reqs:
+            r.kv_transfer_params = kv_transfer_params
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
         stream = RequestStream(request_id, queue if queue is not None else asyncio.Queue(), ids, len(prompt_ids))
@@ -315,9 +319,11 @@ class AsyncLLM:
         return stream
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None,
+                       kv_transfer_params: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
         """Yields merged deltas until the request finishes; aborts it if the consumer stops early."""
-        stream = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt)
+        stream = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt,
+                                  kv_transfer_params=kv_transfer_params)
         try:
             while True:
                 for out in await next_outputs(stream.queue):
@@ -456,6 +462,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.num_cached_tokens = b.num_cached_tokens
     if a.prompt_logprobs is None:
         a.prompt_logprobs = b.prompt_logprobs
+    if b.kv_transfer_params is not None:
+        a.kv_transfer_params = b.kv_transfer_params
     return a
 
 

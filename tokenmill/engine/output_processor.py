@@ -72,6 +72,7 @@ class RequestState:
         self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.sent_prompt_logprobs = False
         self.num_cached_tokens = 0
+        self.kv_transfer_params: Optional[dict] = None  # reported with the finished output
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
 
@@ -103,6 +104,8 @@ class RequestState:
         """Fold one engine output into the sample. Returns True if a stop string finished it (the engine
         must then abort that request)."""
         self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
         if s.finish_reason is not None:
@@ -145,11 +148,13 @@ class RequestState:
 
     def make_output(self) -> Optional[RequestOutput]:
         """Delta mode: what is new since the last call (None if nothing). Otherwise the cumulative state."""
+        kv_params = self.kv_transfer_params if self.finished else None
         if not self.delta:
             return RequestOutput(self.request_id, self.prompt, self.prompt_ids,
                                  [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob, s.logprobs,
                                                    s.finish_reason, s.stop_reason) for s in self.samples],
-                                 self.finished, self.prompt_logprobs, self.num_cached_tokens)
+                                 self.finished, self.prompt_logprobs, self.num_cached_tokens,
+                                 kv_transfer_params=kv_params)
         outs = []
         touched, self.dirty = sorted(self.dirty.items()), {}
         for _, s in touched:
@@ -176,7 +181,8 @@ class RequestState:
             return None
         self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp_ready
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
-                             self.prompt_logprobs if plp_ready else None, self.num_cached_tokens)
+                             self.prompt_logprobs if plp_ready else None, self.num_cached_tokens,
+                             kv_transfer_params=kv_params)
 
 
 class OutputProcessor:

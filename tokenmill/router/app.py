@@ -38,11 +38,19 @@ def add_router_policy_args(p: argparse.ArgumentParser, policy_flag: str = "--pol
                    help="prefix_aware: characters per chunk of the router's prefix index")
     p.add_argument("--health-check-interval", type=float, default=1.0, help="seconds between replica probes")
     p.add_argument("--health-check-timeout", type=float, default=5.0, help="seconds before a probe counts as failed")
+    p.add_argument("--prefill-timeout", type=float, default=300.0,
+                   help="disaggregated: seconds a prefill instance may go silent before the request is retried "
+                        "on another one")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replica", action="append", default=[], metavar="URL", required=True,
+    p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="base URL of a `tokenmill serve` replica (repeat the flag for each)")
+    d = p.add_argument_group("disaggregated prefill/decode (instead of --replica)")
+    d.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="base URL of a prefill instance (kv_role kv_producer; repeat for each)")
+    d.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="base URL of a decode instance (kv_role kv_consumer; repeat for each)")
     add_router_policy_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -60,6 +68,22 @@ def router_config(args: argparse.Namespace, replicas: list[str]) -> RouterConfig
                         prefix_chunk_chars=args.router_prefix_chunk_chars,
                         health_check_interval=args.health_check_interval,
                         health_check_timeout=args.health_check_timeout).validate()
+
+
+def make_router(args: argparse.Namespace, replicas: list[str], prefill: list[str] = (),
+                decode: list[str] = ()) -> Router:
+    """The plain router over `replicas`, or the disaggregated one over `prefill` and `decode`."""
+    if not (prefill or decode):
+        return Router(router_config(args, replicas))
+    if replicas:
+        raise ValueError("use either --replica or --prefill/--decode, not both")
+    if not prefill or not decode:
+        raise ValueError("a disaggregated router needs at least one --prefill and one --decode URL")
+    if args.prefill_timeout <= 0:
+        raise ValueError(f"--prefill-timeout must be positive, got {args.prefill_timeout}")
+    from tokenmill.router.disagg import DisaggRouter
+
+    return DisaggRouter(router_config(args, [*prefill, *decode]), prefill, decode, args.prefill_timeout)
 
 
 def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
@@ -82,7 +106,7 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not router.pool.healthy():
+        if not router.ready():
             return router.unavailable([], "").response()
         return Response(status_code=200)
 
@@ -106,7 +130,7 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
     return app
 
 
-def serve_router(config: RouterConfig, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
+def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
                  uvicorn_log_level: str = "warning") -> int:
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
@@ -114,7 +138,7 @@ def serve_router(config: RouterConfig, sock: socket.socket, api_key: Optional[st
     from tokenmill.serve.api_server import DrainingServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
-    uv = uvicorn.Config(build_router_app(Router(config), api_key), log_level=uvicorn_log_level, lifespan="on",
+    uv = uvicorn.Config(build_router_app(router, api_key), log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     server = DrainingServer.make(uv)
     server.run(sockets=[sock])
@@ -128,11 +152,17 @@ def serve_router(config: RouterConfig, sock: socket.socket, api_key: Optional[st
 def run_router(args: argparse.Namespace) -> int:
     from tokenmill.serve.api_server import _bind
 
-    config = router_config(args, args.replica)
+    if not (args.replica or args.prefill or args.decode):
+        raise ValueError("the router needs --replica URLs, or --prefill and --decode URLs")
+    router = make_router(args, args.replica, args.prefill, args.decode)
     sock = _bind(args.host, args.port)
-    logger.info("routing http://%s:%d to %s (%s)", args.host, args.port, ", ".join(config.replicas),
-                config.policy)
+    if args.prefill:
+        logger.info("routing http://%s:%d disaggregated: prefill on %s (%s), decode on %s (least load)",
+                    args.host, args.port, ", ".join(args.prefill), router.config.policy, ", ".join(args.decode))
+    else:
+        logger.info("routing http://%s:%d to %s (%s)", args.host, args.port, ", ".join(router.config.replicas),
+                    router.config.policy)
     try:
-        return serve_router(config, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         sock.close()

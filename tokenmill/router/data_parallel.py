@@ -1,4 +1,5 @@
-"""`tokenmill serve --data-parallel-size N`: N engine replicas and the router in front of them, one command.
+"""`tokenmill serve --data-parallel-size N`: N engine replicas and the router in front of them, one command;
+`tokenmill serve --disaggregate xPyD`: x prefill and y decode instances and the disaggregated router (disagg.py).
 
 Each replica is a `tokenmill serve` subprocess with the user's engine flags on its own 127.0.0.1 port and
 an equal share of the CPU threads (or its own GPU); the router listens on the user's --host/--port. The
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,8 +26,8 @@ logger = logging.getLogger("tokenmill")
 
 # Flags that belong to the launcher and the router, not to a replica.
 _LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "router_load_weight", "router_prefix_chunk_chars",
-                   "health_check_interval", "health_check_timeout", "host", "port", "install_default_model",
-                   "func", "serve_parser", "command", "log_level", "help"}
+                   "health_check_interval", "health_check_timeout", "prefill_timeout", "disaggregate", "host",
+                   "port", "install_default_model", "func", "serve_parser", "command", "log_level", "help"}
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +37,9 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run N engine replicas (each its own process, threads split between them) behind a "
                         "router on --port")
+    g.add_argument("--disaggregate", default=None, metavar="xPyD",
+                   help="disaggregated prefill/decode: x prefill and y decode instances (e.g. 1P1D, 2P1D; threads "
+                        "split between them) behind a router on --port that sends each request to both in turn")
     add_router_policy_args(g, policy_flag="--router-policy")
 
 
@@ -63,7 +69,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _gpus_for(n: int, device: str) -> Optional[list[str]]:
+def _gpus_for(n: int, device: str, flag: str = "--data-parallel-size") -> Optional[list[str]]:
     """One CUDA device per replica, or None to run on CPU."""
     if device == "cpu":
         return None
@@ -74,7 +80,7 @@ def _gpus_for(n: int, device: str) -> Optional[list[str]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d for d in visible.split(",") if d] if visible else [str(i) for i in range(torch.cuda.device_count())]
     if len(ids) < n:
-        raise ValueError(f"--data-parallel-size {n} needs {n} GPUs (one per replica); {len(ids)} visible")
+        raise ValueError(f"{flag} needs {n} GPUs (one per instance); {len(ids)} visible")
     return ids[:n]
 
 
@@ -96,7 +102,9 @@ def _free_port() -> int:
 class Replicas:
     """The replica subprocesses."""
 
-    def __init__(self, argv: list[str], n: int, gpus: Optional[list[str]], log_level: str) -> None:
+    def __init__(self, argv: list[str], n: int, gpus: Optional[list[str]], log_level: str,
+                 extra: Optional[list[list[str]]] = None) -> None:
+        """extra[i]: flags for replica i only."""
         self.ports = [_free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         threads = max(1, _cpu_count() // n)
@@ -108,7 +116,7 @@ class Replicas:
             else:
                 env.setdefault("OMP_NUM_THREADS", str(threads))  # a user's own setting is per replica
             cmd = [sys.executable, "-m", "tokenmill.cli", "--log-level", log_level, "serve", *argv,
-                   "--host", "127.0.0.1", "--port", str(port)]
+                   *(extra[i] if extra else []), "--host", "127.0.0.1", "--port", str(port)]
             self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent))
         where = f"GPUs {','.join(gpus)}" if gpus is not None else f"{env['OMP_NUM_THREADS']} threads each"
         logger.info("started %d replicas on ports %s (%s)", n, ", ".join(map(str, self.ports)), where)
@@ -123,7 +131,7 @@ class Replicas:
             for i in sorted(pending):
                 code = self.procs[i].poll()
                 if code is not None:
-                    raise RuntimeError(f"data-parallel replica {i} exited with status {code} while starting "
+                    raise RuntimeError(f"instance {i} exited with status {code} while starting "
                                        "(see its log above)")
                 try:
                     if httpx.get(self.urls[i] + "/health", timeout=2).status_code == 200:
@@ -131,7 +139,7 @@ class Replicas:
                 except httpx.HTTPError:
                     pass
             if pending and time.monotonic() > deadline:
-                raise RuntimeError(f"data-parallel replicas {sorted(pending)} not healthy after {timeout:.0f}s")
+                raise RuntimeError(f"instances {sorted(pending)} not healthy after {timeout:.0f}s")
             time.sleep(0.25)
 
     def stop(self, timeout: float) -> None:
@@ -154,13 +162,13 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 def run_data_parallel(args: argparse.Namespace) -> int:
     from tokenmill.config import resolve_model_path
-    from tokenmill.router.app import router_config, serve_router
+    from tokenmill.router.app import make_router, serve_router
     from tokenmill.serve.api_server import _bind
 
     n = args.data_parallel_size
     check_data_parallel_size(n)
     # Validate the router's flags before starting anything; the replicas' URLs are known once they run.
-    config = router_config(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)])
+    make_router(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)])
     # Install / convert the model once here rather than racing N times in the replicas.
     resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
     gpus = _gpus_for(n, args.device)
@@ -171,12 +179,69 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         replicas = Replicas(flags_of(args.serve_parser, args, _LAUNCHER_DESTS), n, gpus, args.log_level)
         replicas.wait_healthy(args.engine_start_timeout)
         signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
-        config.replicas = replicas.urls
-        logger.info("data parallel: %d replicas behind the %s router on http://%s:%d", n, config.policy,
+        router = make_router(args, replicas.urls)
+        logger.info("data parallel: %d replicas behind the %s router on http://%s:%d", n, router.config.policy,
                     args.host, args.port)
-        return serve_router(config, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
         if replicas is not None:
             replicas.stop(args.shutdown_timeout + 10)
+
+
+# -- tokenmill serve --disaggregate xPyD ----------------------------------------------------------------
+def parse_disaggregate(value: str, data_parallel_size: int = 1) -> tuple[int, int]:
+    """'2P1D' -> (2, 1): the numbers of prefill and decode instances."""
+    if data_parallel_size != 1:
+        raise ValueError("--disaggregate and --data-parallel-size cannot be combined; --disaggregate xPyD already "
+                         "runs x + y instances")
+    m = re.fullmatch(r"\s*(\d+)\s*[pP]\s*(\d+)\s*[dD]\s*", value)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise ValueError(f"--disaggregate expects xPyD with x, y >= 1 (x prefill and y decode instances), "
+                         f"e.g. 1P1D or 2P1D; got {value!r}")
+    return int(m[1]), int(m[2])
+
+
+def _kv_transfer_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """--kv-transfer-config for one instance: the user's config (if any) with this role and a free port."""
+    base = args.kv_transfer_config
+    config = dict(json.loads(base) if isinstance(base, str) else base or {})
+    config.setdefault("kv_connector", "TokenmillConnector")
+    config.update(kv_role=role, kv_port=_free_port())
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+def run_disaggregated(args: argparse.Namespace) -> int:
+    """x prefill (kv_producer) and y decode (kv_consumer) instances, then the disaggregated router."""
+    from tokenmill.config import resolve_model_path
+    from tokenmill.router.app import make_router, serve_router
+    from tokenmill.serve.api_server import _bind
+
+    x, y = parse_disaggregate(args.disaggregate, args.data_parallel_size)
+    fake = [f"http://127.0.0.1:{i + 1}" for i in range(x + y)]
+    make_router(args, [], fake[:x], fake[x:])  # the router's flags are checked before anything starts
+    resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
+    gpus = _gpus_for(x + y, args.device, f"--disaggregate {args.disaggregate}")
+    connector = hasattr(args, "kv_transfer_config")  # the engine's --kv-transfer-config flag
+    if not connector:
+        logger.warning("this build has no --kv-transfer-config: decode instances will recompute every prompt")
+    extra = [_kv_transfer_flags(args, "kv_producer" if i < x else "kv_consumer") if connector else []
+             for i in range(x + y)]
+    sock = _bind(args.host, args.port)  # fail fast on a busy port
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    instances: Optional[Replicas] = None
+    try:
+        argv = flags_of(args.serve_parser, args, _LAUNCHER_DESTS | {"kv_transfer_config"})
+        instances = Replicas(argv, x + y, gpus, args.log_level, extra)
+        instances.wait_healthy(args.engine_start_timeout)
+        signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
+        router = make_router(args, [], instances.urls[:x], instances.urls[x:])
+        logger.info("disaggregated %s: prefill on %s, decode on %s, router on http://%s:%d", args.disaggregate,
+                    ", ".join(instances.urls[:x]), ", ".join(instances.urls[x:]), args.host, args.port)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
+        if instances is not None:
+            instances.stop(args.shutdown_timeout + 10)

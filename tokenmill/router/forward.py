@@ -90,6 +90,16 @@ class Router:
         if prompt > 0 and text:
             self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / prompt)
 
+    def routing_key(self, request: dict) -> tuple[str, list[int]]:
+        """The request's routing text and its prefix-chunk hashes."""
+        text = routing_text(request) if request else ""
+        salt = request.get("cache_salt")
+        return text, prefix_hashes(text, self.config.prefix_chunk_chars, salt if isinstance(salt, str) else None)
+
+    def ready(self) -> bool:
+        """/health answers 200: some replica can take requests."""
+        return bool(self.pool.healthy())
+
     # -- forwarding -------------------------------------------------------------------------------
     async def forward(self, method: str, path: str, query: str, body: bytes, headers) -> Response:
         generation = method == "POST" and path in GENERATION_PATHS
@@ -100,9 +110,7 @@ class Router:
         if not isinstance(request, dict):
             request = {}
         stream = request.get("stream") is True
-        text = routing_text(request) if request else ""
-        salt = request.get("cache_salt")
-        hashes = prefix_hashes(text, self.config.prefix_chunk_chars, salt if isinstance(salt, str) else None)
+        text, hashes = self.routing_key(request)
         url_tail = path + (f"?{query}" if query else "")
         headers = forwardable(headers)
         tried: list[Replica] = []
@@ -127,14 +135,17 @@ class Router:
             self.metrics.retries.labels(replica.url).inc()
 
     async def _attempt(self, replica: Replica, method: str, url_tail: str, body: bytes, headers: dict,
-                       stream: bool, text: str, may_retry: bool) -> Optional[Response]:
-        """The replica's response, or None when the request should go elsewhere."""
+                       stream: bool, text: str, may_retry: bool,
+                       read_timeout: Optional[float] = None) -> Optional[Response]:
+        """The replica's response, or None when the request should go elsewhere. read_timeout bounds the
+        wait for each read (none by default: generations may run long)."""
         replica.in_flight += 1
         upstream: Optional[httpx.Response] = None
         relayed = False
         try:
             upstream = await self.client.send(
-                self.client.build_request(method, replica.url + url_tail, content=body, headers=headers),
+                self.client.build_request(method, replica.url + url_tail, content=body, headers=headers,
+                                          timeout=self._timeout(read_timeout)),
                 stream=True)
             if upstream.status_code == 503 and may_retry:  # overloaded or its engine died: others may not be
                 replica.last_error = f"answered 503: {(await upstream.aread())[:200]!r}"
@@ -177,6 +188,9 @@ class Router:
         finally:
             replica.in_flight -= 1  # before awaiting: a cancelled relay must still give its slot back
             await upstream.aclose()
+
+    def _timeout(self, read: Optional[float]) -> httpx.Timeout:
+        return self.client.timeout if read is None else httpx.Timeout(connect=5.0, read=read, write=60.0, pool=None)
 
     def unavailable(self, tried: list[Replica], last_error: str) -> APIError:
         if tried:

@@ -1,7 +1,12 @@
 """The router's own /metrics (Prometheus text), named `tokenmill:router_<metric>`."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+# Why a request went to a decode instance without KV transfer params: the prefill instance answered without
+# them (no connector there), every prefill instance failed, or a batch of prompts (not split into requests).
+FALLBACK_REASONS = ("no_kv_transfer_params", "prefill_failed", "batch")
 
 
 class RouterMetrics:
@@ -47,6 +52,29 @@ class RouterMetrics:
                 m.labels(url)
             for g in (self.healthy, self.load, self.in_flight, self.est_hit_rate):
                 g.labels(url).set(0)
+
+    def add_disagg(self, prefill_urls: list[str], decode_urls: list[str]) -> None:
+        """Per-role series of the disaggregated router (tokenmill router --prefill ... --decode ...)."""
+        r = self.registry
+        self.role_requests = Counter("tokenmill:router_disagg_requests",
+                                     "Requests sent to each prefill / decode instance (retries included).",
+                                     ["role", "replica"], registry=r)
+        self.role_retries = Counter("tokenmill:router_disagg_retries",
+                                    "Requests retried on another instance of the role after one failed.",
+                                    ["role"], registry=r)
+        self.fallbacks = Counter("tokenmill:router_disagg_fallbacks",
+                                 "Requests sent to a decode instance without KV transfer params (it recomputes "
+                                 "the prompt), by reason.", ["reason"], registry=r)
+        self.prefill_seconds = Histogram("tokenmill:router_prefill_phase_seconds",
+                                         "Time from a request's arrival to the end of its prefill phase.",
+                                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                         registry=r)
+        for role, urls in (("prefill", prefill_urls), ("decode", decode_urls)):
+            self.role_retries.labels(role)
+            for url in urls:
+                self.role_requests.labels(role, url)
+        for reason in FALLBACK_REASONS:
+            self.fallbacks.labels(reason)
 
     def on_routed(self, replica: str, queried_chunks: int, cached_chunks: int) -> None:
         self.requests.labels(replica, self.policy).inc()

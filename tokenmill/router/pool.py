@@ -26,7 +26,13 @@ class Replica:
     running: float = 0.0                      # from its /metrics
     waiting: float = 0.0
     kv_capacity_tokens: Optional[int] = None  # KV blocks x block size, once the replica reports them
+    kv_usage: float = 0.0                     # share of its KV cache in use (0..1)
     last_error: str = ""
+
+    @property
+    def free_kv_tokens(self) -> float:
+        """KV tokens free there (0 while its capacity is unknown)."""
+        return (self.kv_capacity_tokens or 0) * (1.0 - self.kv_usage)
 
     @property
     def load(self) -> float:
@@ -40,6 +46,7 @@ class ReplicaLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_capacity_tokens: Optional[int] = None
+    kv_usage: float = 0.0
 
 
 def parse_replica_metrics(text: str) -> ReplicaLoad:
@@ -53,6 +60,8 @@ def parse_replica_metrics(text: str) -> ReplicaLoad:
                 out.running += s.value
             elif s.name == "tokenmill:num_requests_waiting":
                 out.waiting += s.value
+            elif s.name == "tokenmill:kv_cache_usage_perc":
+                out.kv_usage = max(out.kv_usage, s.value)
             elif s.name == "tokenmill:kv_cache_total_blocks":
                 blocks += s.value
             elif s.name == "tokenmill:cache_config_info":  # set as soon as the replica is up
@@ -89,7 +98,7 @@ class ReplicaPool:
             if m.status_code == 200:
                 load = parse_replica_metrics(m.text)
                 replica.running, replica.waiting = load.running, load.waiting
-                replica.kv_capacity_tokens = load.kv_capacity_tokens
+                replica.kv_capacity_tokens, replica.kv_usage = load.kv_capacity_tokens, load.kv_usage
             replica.healthy, replica.last_error = True, ""
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
             self._set_down(replica, f"{type(e).__name__}: {e}")

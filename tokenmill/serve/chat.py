@@ -12,7 +12,7 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
-                                     off_loop, random_id, sse, stream_response)
+                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -107,7 +107,7 @@ async def create_chat_completion(state: "ServerState", req: ChatCompletionReques
     params = req.to_sampling_params(state.limits)
     prompt = await render_request_chat(state, req)
     rid = random_id("chatcmpl")
-    gen = Generation(state, rid, [prompt], params, req.cache_salt)
+    gen = Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params)
     top_n = req.top_logprobs or 0
     if req.stream:
         return stream_response(_stream(state, req, gen, rid, top_n), gen)
@@ -139,8 +139,9 @@ async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Genera
         choices.append({"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None,
                                                 "tool_calls": []},
                         "logprobs": logprobs, "finish_reason": finish[i], "stop_reason": stop[i]})
-    return json_response({"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
-                          "choices": choices, "usage": gen.usage(), "system_fingerprint": None})
+    return json_response(with_kv_transfer_params(
+        {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
+         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
 
 
 async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
@@ -170,6 +171,8 @@ async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generat
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
+                yield sse(with_kv_transfer_params(chunk([choice]), gen))
+                continue
             yield sse(chunk([choice]))
     if include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],

@@ -11,7 +11,7 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import CompletionRequest
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response, tokenize_text)
+                                     stream_response, tokenize_text, with_kv_transfer_params)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -66,7 +66,7 @@ async def create_completion(state: "ServerState", req: CompletionRequest, raw: R
     want_lp = req.logprobs is not None
     params = req.to_sampling_params(state.limits, echo_logprobs=req.echo and want_lp)
     rid = random_id("cmpl")
-    gen = Generation(state, rid, prompts, params, req.cache_salt)
+    gen = Generation(state, rid, prompts, params, req.cache_salt, req.kv_transfer_params)
     if req.stream:
         return stream_response(_stream(state, req, gen, rid), gen)
     try:
@@ -115,8 +115,9 @@ async def _collect(state: "ServerState", req: CompletionRequest, gen: Generation
                                                                  for t, x in d.items()}
                                          for d in prompt_lps[k // n]]
         choices.append(choice)
-    return json_response({"id": rid, "object": "text_completion", "created": now_s(), "model": state.model_name,
-                          "choices": choices, "usage": gen.usage(), "system_fingerprint": None})
+    return json_response(with_kv_transfer_params(
+        {"id": rid, "object": "text_completion", "created": now_s(), "model": state.model_name,
+         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
 
 
 async def _stream(state: "ServerState", req: CompletionRequest, gen: Generation, rid: str) -> AsyncIterator[bytes]:
@@ -149,7 +150,7 @@ async def _stream(state: "ServerState", req: CompletionRequest, gen: Generation,
                                   "stop_reason": c.stop_reason}]}
             if continuous:
                 chunk["usage"] = gen.usage()
-            yield sse(chunk)
+            yield sse(with_kv_transfer_params(chunk, gen) if c.finish_reason is not None else chunk)
     if include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": gen.usage()})

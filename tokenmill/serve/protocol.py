@@ -121,6 +121,8 @@ class SamplingRequest(RequestBody):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     cache_salt: Optional[str] = None
+    # Disaggregated prefill/decode (vLLM's field): passed to the engine request as is; see docs/router.md
+    kv_transfer_params: Optional[dict[str, Any]] = None
 
     def _structured(self, limits: RequestLimits) -> Optional[StructuredOutputsParams]:
         rf = self.response_format

@@ -89,7 +89,7 @@ class Generation:
     output queue. Iterate it for (prompt index, RequestOutput delta); close() aborts what is unfinished."""
 
     def __init__(self, state: "ServerState", base_id: str, prompts: list[Prompt], params: SamplingParams,
-                 cache_salt: Optional[str] = None) -> None:
+                 cache_salt: Optional[str] = None, kv_transfer_params: Optional[dict] = None) -> None:
         engine = state.engine
         try:
             engine.check_alive()
@@ -109,9 +109,11 @@ class Generation:
         self.open: set[str] = set()
         self.cached_tokens = [0] * len(prompts)
         self.num_generated = 0
+        self.kv_transfer_params: Optional[dict] = None  # what a finished engine request returned
         try:
             for rid, p in zip(self.ids, prompts):
-                engine.add_request(rid, p.text, p.token_ids, params, queue=self.queue, cache_salt=cache_salt)
+                engine.add_request(rid, p.text, p.token_ids, params, queue=self.queue, cache_salt=cache_salt,
+                                   kv_transfer_params=kv_transfer_params)
                 self.open.add(rid)
         except ValueError as e:
             self.close()
@@ -133,6 +135,8 @@ class Generation:
                 i = self.index[ro.request_id]
                 self.cached_tokens[i] = ro.num_cached_tokens
                 self.num_generated += sum(len(c.token_ids) for c in ro.outputs)
+                if ro.kv_transfer_params is not None:
+                    self.kv_transfer_params = ro.kv_transfer_params
                 if ro.finished:
                     self.open.discard(ro.request_id)
                 yield i, ro
@@ -147,6 +151,14 @@ class Generation:
         return {"prompt_tokens": prompt, "total_tokens": prompt + self.num_generated,
                 "completion_tokens": self.num_generated,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+
+def with_kv_transfer_params(body: dict, gen: Generation) -> dict:
+    """A response (or a stream's finishing chunk) carries the finished request's kv_transfer_params as a
+    top-level field when the engine returned some, as vLLM's do."""
+    if gen.kv_transfer_params is not None:
+        body["kv_transfer_params"] = gen.kv_transfer_params
+    return body
 
 
 def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:
