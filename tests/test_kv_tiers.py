@@ -249,7 +249,7 @@ def _rerun_a(llm, computed):
     """Push A out of the device pool with the fillers, run it again: (output, tokens the model computed)."""
     for f in FILLERS:
         _gen(llm, f)
-    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk)[0]
+    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.offload.disk)[0]
     if disk is not None:
         disk.flush()
     before = computed[0]
@@ -266,7 +266,7 @@ def _assert_same(out, expected):
 
 def _assert_clean(llm):
     sched = llm.engine.scheduler
-    assert sched.kv.is_whole() and sched.connector.idle() and not sched.loading
+    assert sched.kv.is_whole() and sched.connector.offload.idle() and not sched.loading
 
 
 def test_host_tier_restores_an_evicted_prefix(tiny, reference):
@@ -276,7 +276,7 @@ def test_host_tier_restores_an_evicted_prefix(tiny, reference):
     assert out.num_cached_tokens == 144
     assert ran == (150 - 144) + (GREEDY.max_tokens - 1)  # the uncached tail, then one token per decode step
     _assert_same(out.outputs[0], reference)
-    c = llm.engine.scheduler.connector.counters()
+    c = llm.engine.scheduler.connector.offload.counters()
     assert c["host_hit_blocks"] == 9 and not c.get("disk_hit_blocks") and not c.get("dropped_blocks")
     stats = llm.engine.stats()
     assert stats.external_prefix_cache_hits == 144 and stats.prefix_cache_hits == 0
@@ -285,8 +285,8 @@ def test_host_tier_restores_an_evicted_prefix(tiny, reference):
 
 def test_disk_tier_restores_and_recomputes_corrupt_or_missing_blocks(tiny, reference, tmp_path):
     llm, computed = _tiered(tiny, host_blocks=10, disk_dir=str(tmp_path))
-    connector = llm.engine.scheduler.connector
-    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk)[0]
+    connector = llm.engine.scheduler.connector.offload
+    disk = llm.engine.executor.collective_rpc(lambda w: w.kv_connector.offload.disk)[0]
     _gen(llm, A)
     out, ran = _rerun_a(llm, computed)
     assert connector.counters()["disk_hit_blocks"] >= 9  # A came back from disk, through the host tier
@@ -396,7 +396,7 @@ def test_tiers_under_preemption_n_and_aborts(tiny, tmp_path):
     _gen(llm, A)
     for seed in (20, 21, 22):  # new prompts (no tier hits holding host slots): A's blocks go down to disk
         _gen(llm, _rand(150, seed=seed))
-    llm.engine.executor.collective_rpc(lambda w: w.kv_connector.disk.flush())
+    llm.engine.executor.collective_rpc(lambda w: w.kv_connector.offload.disk.flush())
     eng = llm.engine
     eng.add_request(EngineCoreRequest("gone", A, GREEDY, None))
     eng.step()
@@ -404,7 +404,7 @@ def test_tiers_under_preemption_n_and_aborts(tiny, tmp_path):
     eng.abort_requests(["gone"])
     while eng.has_unfinished_requests():
         eng.step()
-    while eng.scheduler.connector.reading:  # its reads still land (in host slots nobody holds)
+    while eng.scheduler.connector.offload.reading:  # its reads still land (in host slots nobody holds)
         eng.step()
     _assert_clean(llm)
 

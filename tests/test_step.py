@@ -7,6 +7,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams, step
 from tokenmill.kv_transfer.offload_plan import OffloadOutput, OffloadPlan
+from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
 from tokenmill.worker.request_states import RequestStates
 
 
@@ -30,11 +31,21 @@ def test_messages_round_trip():
         new_requests=[step.NewRequest("a", [1, 2, 3], sp, 2, [])],
         scheduled=[step.ScheduledRequest("a", [1, 2, 3], 0, [4, 9], [], True, token_bitmask=b"\xff" * 8)],
         finished_req_ids=["z"], num_batched_tokens=3,
-        kv_connector_plan=OffloadPlan(disk_ops=[("write", b"h" * 16, 3)], saves=[(1, 2)], loads=[(0, 4)]))
+        kv_connector_plan=step.ConnectorPlan(
+            offload=OffloadPlan(disk_ops=[("write", b"h" * 16, 3)], saves=[(1, 2)], loads=[(0, 4)]),
+            transfer=TransferPlan(pulls=[Pull("a", "127.0.0.1", 9000, "p-1", [3, 4], "ab" * 16)], loads=[("b", 1, [6])],
+                                  drops=["c"], expose=[("d", [1, 2])], unexpose=["e"], keep_stepping=True)))
     assert step.decode_scheduler_output(step.encode(so)) == so
     out = step.ModelRunnerOutput(sampled={"a": [5]}, logprobs={"a": [([5, 1], [-0.1, -2.5], 1)]},
-                                 kv_connector_output=OffloadOutput([(b"h" * 16, True)]), expert_load=[[1, 2]])
+                                 kv_connector_output=step.ConnectorOutput(
+                                     offload=OffloadOutput([(b"h" * 16, True)]),
+                                     transfer=TransferOutput(pulled=[("a", True)], done_sending=["d"], bytes_sent=7,
+                                                             info={"host": "h", "port": 1, "kv_fingerprint": "ab"})),
+                                 expert_load=[[1, 2]])
     assert step.decode_runner_output(step.encode(out)) == out
+    only_transfer = step.ModelRunnerOutput(
+        kv_connector_output=step.ConnectorOutput(transfer=TransferOutput(done_sending=["x"])))
+    assert step.decode_runner_output(step.encode(only_transfer)) == only_transfer
 
 
 def test_worker_copy_follows_deltas():

@@ -251,6 +251,70 @@ class CacheConfig:
         return int(self.kv_offloading_disk_size * 2**30) if self.kv_offloading_disk_dir else 0
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_CONNECTORS = ("TokenmillConnector",)
+
+
+@dataclass
+class KVTransferConfig:
+    """--kv-transfer-config '{"kv_connector": "TokenmillConnector", "kv_role": ..., "kv_host": ..., "kv_port": ...}'
+    (vLLM's flag and role names): disaggregated prefill/decode (tokenmill/kv_transfer/p2p_*.py). A producer
+    serves its finished prompts' KV on kv_host:kv_port (0: any free port); a consumer pulls it; kv_both does
+    either, as each request's kv_transfer_params say."""
+    kv_connector: str = "TokenmillConnector"
+    kv_role: str = "kv_both"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    hold_timeout_s: float = 60.0   # a producer frees the blocks of a prompt nobody pulled after this long
+    pull_timeout_s: float = 30.0   # a consumer gives up a pull after this long (and recomputes the prompt)
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["KVTransferConfig"]:
+        """From the flag's JSON text or a dict; ValueError with a one-line message when it is wrong."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-transfer-config is not valid JSON ({e.msg} at character {e.pos}); "
+                                 'expected e.g. \'{"kv_connector": "TokenmillConnector", "kv_role": "kv_both"}\'') \
+                    from None
+        if not isinstance(value, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object such as "
+                             '\'{"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"}\'')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown --kv-transfer-config key(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"--kv-transfer-config kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
+                             f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"--kv-transfer-config kv_port must be an integer port in 0..65535, got {self.kv_port!r}")
+        if not isinstance(self.kv_host, str) or not self.kv_host:
+            raise ValueError("--kv-transfer-config kv_host must be a host name or address")
+        for name in ("hold_timeout_s", "pull_timeout_s"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
+                raise ValueError(f"--kv-transfer-config {name} must be a positive number of seconds")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 def parse_gib(value: Any, name: str) -> float:
     """A size in GiB: a number (vLLM's unit for these flags) or a string with a unit ("512MiB")."""
     try:
@@ -506,6 +570,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[SpeculativeConfig] = None
+    kv_transfer: Optional[KVTransferConfig] = None  # disaggregated prefill/decode (--kv-transfer-config)
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
@@ -533,6 +598,9 @@ class EngineConfig:
         par = self.parallel
         if par.world_size == 1:
             return
+        if self.kv_transfer is not None:
+            raise ValueError("--kv-transfer-config (disaggregated prefill/decode) does not support tensor or "
+                             "pipeline parallel yet; run each prefill and decode instance with a world size of 1")
         if self.cache.kv_offloading_size:
             raise ValueError("--kv-offloading-size (host-RAM/disk KV tiers) does not support tensor or pipeline "
                              "parallel yet; drop it or run with a world size of 1")
@@ -555,6 +623,7 @@ class EngineConfig:
         log_step_stats = bool(kw.pop("log_step_stats", False))
         batch_invariant = bool(kw.pop("batch_invariant", False))
         built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
+        built["kv_transfer"] = KVTransferConfig.parse(kw.pop("kv_transfer_config", None))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
         return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant, **built)
@@ -624,6 +693,10 @@ class EngineConfig:
         p.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                             '(methods: ngram, draft_model, eagle, eagle3)')
+        p.add_argument("--kv-transfer-config", default=None,
+                       help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "TokenmillConnector", '
+                            '"kv_role": "kv_producer", "kv_host": "10.0.0.5", "kv_port": 14579}\' (roles: '
+                            'kv_producer serves its prompts\' KV, kv_consumer pulls it, kv_both either)')
         p.add_argument("--batch-invariant", action="store_true",
                        help="make each token's logits bit-identical whatever else shares its step (batch size, "
                             "position, prefill chunking, prefix-cache hits); CPU")
@@ -645,6 +718,7 @@ class EngineConfig:
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             speculative_config=getattr(a, "speculative_config", None),
+            kv_transfer_config=getattr(a, "kv_transfer_config", None),
             tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
             enable_expert_parallel=a.enable_expert_parallel,
             distributed_executor_backend=a.distributed_executor_backend, pp_layer_partition=a.pp_layer_partition)

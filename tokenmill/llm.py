@@ -48,8 +48,8 @@ class LLM:
         except BaseException:
             for rid in order:  # a failure (or Ctrl-C) must not leave requests holding KV blocks
                 self.engine.abort_requests(self.processor.abort(rid))
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            while self.engine.scheduler.requests or self.engine.scheduler.pending:  # not blocks held for
+                self.engine.step()                                                 # a KV transfer
             raise
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
@@ -101,6 +101,7 @@ class LLM:
         if bar is not None:
             bar.close()
         # Flush aborts (stop strings) so their blocks return to the pool now.
-        while self.engine.has_unfinished_requests() and not self.engine.scheduler.requests:
+        # (Blocks a KV connector holds for another instance are given back by later steps, not waited for.)
+        while self.engine.scheduler.pending and not self.engine.scheduler.requests:
             self.engine.step()
         return results

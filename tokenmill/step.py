@@ -23,6 +23,7 @@ from typing import Optional
 import msgspec
 
 from tokenmill.kv_transfer.offload_plan import OffloadOutput, OffloadPlan
+from tokenmill.kv_transfer.p2p_plan import TransferOutput, TransferPlan
 from tokenmill.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id): the sampled/prompt token first, then the top-n alternatives
@@ -56,6 +57,17 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     token_bitmask: Optional[bytes] = None
 
 
+class ConnectorPlan(msgspec.Struct, omit_defaults=True):
+    """The KV connectors' work for one step, one part per connector (kv_transfer/__init__.py composes them)."""
+    offload: Optional[OffloadPlan] = None     # KV tiers (host RAM, disk)
+    transfer: Optional[TransferPlan] = None   # disaggregated prefill/decode
+
+
+class ConnectorOutput(msgspec.Struct, omit_defaults=True):
+    offload: Optional[OffloadOutput] = None
+    transfer: Optional[TransferOutput] = None
+
+
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     new_requests: list[NewRequest] = msgspec.field(default_factory=list)
     scheduled: list[ScheduledRequest] = msgspec.field(default_factory=list)
@@ -65,7 +77,7 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     spec_k: int = 0                # drafts per request this step (0: speculation off)
     num_decodes: int = 0           # requests decoding (one known token to run) this step
     num_draft_tokens: int = 0
-    kv_connector_plan: Optional[OffloadPlan] = None  # KV transfers for the worker (before the forward pass)
+    kv_connector_plan: Optional[ConnectorPlan] = None  # KV transfers for the worker (around the forward pass)
 
     @property
     def empty(self) -> bool:
@@ -81,7 +93,7 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     logprobs: dict[str, list[PositionLogprobs]] = msgspec.field(default_factory=dict)  # one per new token
     prompt_logprobs: dict[str, list[PositionLogprobs]] = msgspec.field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)  # drafts for the next step
-    kv_connector_output: Optional[OffloadOutput] = None  # finished background KV transfers
+    kv_connector_output: Optional[ConnectorOutput] = None  # finished background KV transfers
     expert_load: Optional[list[list[int]]] = None  # MoE: tokens routed per [MoE layer][expert] this step
 
 

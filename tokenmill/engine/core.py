@@ -40,6 +40,9 @@ class EngineStats:
     spec_k: int = 0                 # drafts per request in the last step (the controller's choice)
     # MoE: tokens routed to each expert, [MoE layer][expert] (cumulative; empty for a dense model)
     expert_load: list[list[int]] = field(default_factory=list)
+    # KV connectors' counters (cumulative): tiers (saved_blocks, host_hit_blocks, ...) and disaggregated
+    # transfer (kv_pulls, kv_pull_fallbacks, kv_bytes_received/_sent, kv_held_requests, ...)
+    kv_connector: dict[str, int] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -54,7 +57,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, bs, num_blocks * bs, gib,
                     config.cache.kv_cache_dtype)
         connector = make_scheduler_connector(config, self.executor.bytes_per_block())
-        if connector is not None:
+        if connector is not None and config.cache.kv_offloading_size:
             cc = config.cache
             logger.info("KV tiers: host RAM %.2f GiB%s", cc.kv_offloading_size,
                         f", disk {cc.kv_offloading_disk_size:.4g} GiB under {cc.kv_offloading_disk_dir}"
@@ -155,6 +158,8 @@ class EngineCore:
             stats.spec_k = s.spec.last_k
         if self.expert_load is not None:
             stats.expert_load = self.expert_load.tolist()
+        if s.connector is not None:
+            stats.kv_connector = s.connector.counters()
         return stats
 
     def check_health(self) -> None:

@@ -81,6 +81,7 @@ class Request:
         self.sampling_params = req.sampling_params
         self.eos_token_id = req.eos_token_id
         self.cache_salt = req.cache_salt
+        self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
         self.arrival_time = req.arrival_time or time.time()
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -23,8 +23,11 @@ alone is finished with ERROR. No request's data can end the engine for the other
 
 KV tiers (a KV connector, tokenmill/kv_transfer): after the device prefix hit, the connector is asked how many
 more leading tokens it holds. Those get device blocks like new tokens, but count as computed: the worker
-copies them in before the forward pass. When they must first come from a slow tier (disk), the request
-steps aside into `loading` (others run) and is looked up again once the connector says it is ready.
+copies them in before the forward pass. When they must first come from a slow tier (disk) or another
+instance (a decode instance pulling a prompt's KV from the prefill instance), the request steps aside into
+`loading` (others run) and is looked up again once the connector says it is ready. A connector may also keep
+a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
+them); it names the requests whose blocks may go back, polled at the start of each step.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ class Scheduler:
         self.compiling: list[Request] = []  # waiting for their grammar to compile
         self.structured = StructuredOutputManager(config.model.tokenizer, config.model.hf_config.vocab_size)
         self.pending: list[EngineCoreOutput] = []  # requests finished between steps (aborts, failures)
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a KV connector (sent to another instance)
         self.quarantine: list[str] = []  # requests of a failed step, run alone until each samples a token
         self.running: list[Request] = []
         # Scheduled in a step whose result has not come back (pipeline parallel keeps several steps in
@@ -125,7 +129,12 @@ class Scheduler:
                     queue.remove(req)
                     break
         req.status = RequestStatus.FINISHED
-        if req.request_id in self.in_flight:  # a step in flight still writes its KV
+        hold, params = False, None
+        if self.connector is not None and req.request_id not in self.in_flight:
+            hold, params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+        if hold:  # the connector gives them back through take_freeable()
+            self.held[req.request_id] = req
+        elif req.request_id in self.in_flight:  # a step in flight still writes its KV
             self._free_when_back.append(req)
         else:
             self.kv.free(req)
@@ -138,10 +147,18 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
         return EngineCoreOutput(req.request_id, [], finish_reason=int(req.finish_reason),
-                                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0))
+                                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+                                kv_transfer_params=params)
+
+    def _free_held(self) -> None:
+        for rid in self.connector.take_freeable():
+            req = self.held.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self.pending)
+        """Also while blocks are held for a connector: the engine keeps stepping until they are given back."""
+        return bool(self.requests) or bool(self.pending) or bool(self.held)
 
     def _admit_compiled(self) -> None:
         """Constrained requests whose grammar is ready join the waiting queue; those whose grammar failed
@@ -188,6 +205,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids)
         self._finished_ids = []
+        if self.connector is not None:
+            self._free_held()
         if self.loading:
             self._resume_loaded()
         if self.compiling:
@@ -218,6 +237,8 @@ class Scheduler:
             out.num_batched_tokens += n + len(drafts)
             out.num_draft_tokens += len(drafts)
             out.num_decodes += n == 1 and out.scheduled[-1].sample
+            if self.connector is not None and out.scheduled[-1].sample and req.num_output_tokens == 0:
+                self.connector.on_prompt_scheduled(req, self.kv.block_ids(req.request_id))
         if self.connector is not None:
             out.kv_connector_plan = self.connector.build_plan()
         return out
@@ -279,9 +300,9 @@ class Scheduler:
                     break
             self.waiting.popleft()
             if self.connector is not None:
-                first = len(hits)
+                first = len(hits)  # a hit may end inside a block (the prompt's last, from another instance)
                 self.connector.on_allocated(
-                    req, self.kv.block_ids(req.request_id)[first:first + num_ext // self.block_size])
+                    req, self.kv.block_ids(req.request_id)[first:first - (-num_ext // self.block_size)])
                 self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
             else:
                 self.kv.record_lookup(req.num_tokens, num_hit)
@@ -376,6 +397,8 @@ class Scheduler:
         drafts, keep the next drafts."""
         outs: list[EngineCoreOutput] = []
         self._back(sched)
+        if self.connector is not None:  # first: a request finishing below may need what the worker reported
+            self.connector.update(result.kv_connector_output)
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
@@ -408,14 +431,13 @@ class Scheduler:
             if done:
                 fin = self._finish(req)
                 out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+                out.kv_transfer_params = fin.kv_transfer_params
             elif self.spec is not None and s.request_id in result.spec_token_ids:
                 self.drafts[s.request_id] = result.spec_token_ids[s.request_id]
             outs.append(out)
         if self.spec is not None and sched.scheduled:
             self.spec.observe_step(sched.num_batched_tokens, sched.num_decodes, sched.spec_k,
                                    sched.num_draft_tokens, step_seconds)
-        if self.connector is not None:
-            self.connector.update(result.kv_connector_output)
         return outs
 
     def _back(self, sched: SchedulerOutput) -> None:

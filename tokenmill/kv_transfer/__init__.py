@@ -1,8 +1,14 @@
 """KV transfer: connectors that move KV blocks between a worker's device cache and somewhere else.
 
-base.py holds the two-sided interface; the offloading connector (host-RAM tier, disk tier below it) is the
-first implementation: offload_scheduler.py decides (its eviction order from block_chains.py),
-offload_worker.py executes with host_pool.py and disk_store.py (files stamped by fingerprint.py).
+base.py holds the two-sided interface. Two implementations, which an engine may run at once (composite.py
+forwards each call to both; step.py's ConnectorPlan/ConnectorOutput carry their plans and outputs):
+
+- KV offloading (--kv-offloading-size): a host-RAM tier with a disk tier below it. offload_scheduler.py
+  decides (its eviction order from block_chains.py), offload_worker.py executes with host_pool.py and
+  disk_store.py (files stamped by fingerprint.py).
+- Disaggregated prefill/decode (--kv-transfer-config): a prefill instance holds a finished prompt's blocks
+  until a decode instance has pulled them over the network. p2p_scheduler.py decides, p2p_worker.py serves
+  and pulls through a transport (p2p_transport.py: the interface, and TCP), p2p_plan.py is what they say.
 """
 from __future__ import annotations
 
@@ -19,17 +25,36 @@ def _capacity(config: EngineConfig, bytes_per_block: int) -> tuple[int, int]:
 
 
 def make_scheduler_connector(config: EngineConfig, bytes_per_block: int) -> Optional[KVConnectorScheduler]:
-    if not config.cache.kv_offloading_bytes:
-        return None
-    from tokenmill.kv_transfer.offload_scheduler import OffloadingScheduler
+    """The engine's connector (the configured ones composed), or None when none is configured."""
+    offload = transfer = None
+    if config.cache.kv_offloading_bytes:
+        from tokenmill.kv_transfer.offload_scheduler import OffloadingScheduler
 
-    return OffloadingScheduler(config.cache.block_size, *_capacity(config, bytes_per_block))
+        offload = OffloadingScheduler(config.cache.block_size, *_capacity(config, bytes_per_block))
+    if config.kv_transfer is not None:
+        from tokenmill.kv_transfer.p2p_scheduler import TransferScheduler
+
+        transfer = TransferScheduler(config.kv_transfer, config.cache.block_size)
+    if offload is None and transfer is None:
+        return None
+    from tokenmill.kv_transfer.composite import CompositeScheduler
+
+    return CompositeScheduler(offload, transfer)
 
 
 def make_worker_connector(config: EngineConfig, bytes_per_block: int) -> Optional[KVConnectorWorker]:
-    if not config.cache.kv_offloading_bytes:
-        return None
-    from tokenmill.kv_transfer.offload_worker import OffloadingWorker
+    offload = transfer = None
+    if config.cache.kv_offloading_bytes:
+        from tokenmill.kv_transfer.offload_worker import OffloadingWorker
 
-    num_host_blocks, _ = _capacity(config, bytes_per_block)
-    return OffloadingWorker(config, num_host_blocks)
+        num_host_blocks, _ = _capacity(config, bytes_per_block)
+        offload = OffloadingWorker(config, num_host_blocks)
+    if config.kv_transfer is not None:
+        from tokenmill.kv_transfer.p2p_worker import TransferWorker
+
+        transfer = TransferWorker(config)
+    if offload is None and transfer is None:
+        return None
+    from tokenmill.kv_transfer.composite import CompositeWorker
+
+    return CompositeWorker(offload, transfer)

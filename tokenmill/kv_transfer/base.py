@@ -15,6 +15,20 @@ A connector has two halves, as the engine has two sides:
 Invariant: a device block named in a plan belongs to the scheduler's accounting for the whole step. Blocks
 saved are ones the pool is handing out again this step, so a worker copies them out before it loads
 anything into device blocks, and both happen before the forward pass writes new KV.
+
+Hooks for connectors that send KV to another instance (disaggregated prefill, p2p_*.py):
+
+- `on_prompt_scheduled(req, block_ids)`: req's step computes its last prompt token; once that step's forward
+  pass is done, block_ids hold the prompt's KV. The worker hears of it in the same step's plan and acts in
+  `after_step(plan)`, which runs after the forward pass (so a block is never offered before it is written).
+- `request_finished(req, block_ids) -> (hold, params)`: called before the scheduler frees a finished request.
+  hold=True keeps its blocks out of the pool (`Scheduler.held`: not running, not freed, not reused) until
+  the connector names the request in `take_freeable()`, which the scheduler polls at the start of every
+  step; params become the finishing `EngineCoreOutput.kv_transfer_params`. Invariant: every held request
+  is eventually freeable (its blocks were pulled, or a timeout passed), so the pool becomes whole again;
+  while any request is held `build_plan()` returns a plan, so the engine keeps stepping and the worker keeps
+  reporting.
+- Per-request parameters arrive as `Request.kv_transfer_params` (EngineCoreRequest's, vLLM's shape).
 """
 from __future__ import annotations
 
@@ -55,6 +69,19 @@ class KVConnectorScheduler(ABC):
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
         """The device pool is about to reuse a block that still holds cached KV for block_hash."""
 
+    def on_prompt_scheduled(self, req: Request, block_ids: list[int]) -> None:
+        """req's step computes its last prompt token; block_ids (all of its blocks) hold the prompt's KV once
+        this step's forward pass is done."""
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        """req finished (any reason), before its blocks are freed. Returns (hold: keep the blocks until
+        `take_freeable` names req, the params for its finishing output)."""
+        return False, None
+
+    def take_freeable(self) -> list[str]:
+        """Held requests whose blocks may return to the pool now (polled at the start of every step)."""
+        return []
+
     @abstractmethod
     def build_plan(self) -> Optional[Any]:
         """What the worker moves this step (None: nothing). Called once per step, after scheduling."""
@@ -74,6 +101,9 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def start_step(self, plan: Any) -> None:
         """Execute a plan's synchronous part; returns when the blocks this step reads are in place."""
+
+    def after_step(self, plan: Any) -> None:
+        """After the forward pass of the step whose plan this is: what that step wrote may be sent on."""
 
     def finished(self, wait: bool = False) -> Optional[Any]:
         """Background transfers finished since the last call. With `wait` (a step with nothing else to do)

@@ -53,5 +53,11 @@ class HostBlockPool:
         for dev, host in zip(self.device_views, self.host_views):
             dev.index_copy_(2, ids, host[idx].movedim(0, 2).to(self.device))
 
+    def load_rows(self, rows: torch.Tensor, block_ids: list[int]) -> None:
+        """Rows the caller owns ([n, block bytes], e.g. received from another instance) -> device blocks."""
+        ids = torch.tensor(block_ids, device=self.device)
+        for dev, host in zip(self.device_views, self._per_kv_tensor(rows)):
+            dev.index_copy_(2, ids, host.movedim(0, 2).to(self.device))
+
     def row(self, slot: int) -> np.ndarray:
         return self.rows_np[slot]

@@ -140,6 +140,8 @@ class Worker:
         if plan is not None:
             connector.start_step(plan)  # blocks this step reads are in place before the forward pass
         out = self.runner.execute(scheduler_output)
+        if plan is not None:
+            connector.after_step(plan)  # what this step's forward pass wrote may be sent on
         if connector is not None:
             out.kv_connector_output = connector.finished(wait=not scheduler_output.scheduled)
         return out

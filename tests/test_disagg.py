@@ -1,0 +1,185 @@
+"""Disaggregated prefill/decode (kv_transfer/p2p_*): a prefill engine and a decode engine talking over real TCP
+sockets on 127.0.0.1. Greedy outputs equal a colocated engine's; the decode engine computes only the last
+prompt token of a transferred prompt; corrupt, failed, aborted and never-pulled transfers leave both KV pools
+whole and every answer right."""
+import random
+import time
+
+import pytest
+
+from tests.models import tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig, KVTransferConfig
+from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.kv_transfer.p2p_transport import TcpTransport
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+LENGTHS = (5, 16, 17, 40, 70)
+
+
+def _prompt(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+def _llm(role=None, **kw):
+    xfer = None if role is None else {"kv_connector": "TokenmillConnector", "kv_role": role, **kw.pop("xfer", {})}
+    return LLM(tiny_model("llama"), dtype="float32", device="cpu", num_gpu_blocks_override=48,
+               kv_transfer_config=xfer, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    prefill, decode, ref = _llm("kv_producer"), _llm("kv_consumer"), _llm(None, enable_prefix_caching=False)
+    yield prefill, decode, ref
+    for llm in (prefill, decode, ref):
+        llm.engine.shutdown()
+
+
+_ids = iter(range(10**6))
+
+
+def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0):
+    """(tokens, finishing output) of one request run alone on llm's engine."""
+    rid = f"r{next(_ids)}"
+    llm.engine.add_request(EngineCoreRequest(rid, ids, sp, kv_transfer_params=params))
+    tokens, deadline, steps = [], time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        steps += 1
+        if steps == abort_after_steps:
+            llm.engine.abort_requests([rid])
+        for out in llm.engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens, out
+    raise AssertionError(f"request {rid} did not finish in {timeout}s")
+
+
+def _settle(*llms, timeout=10.0):
+    """Step each engine until it holds nothing (a prefill engine frees blocks once the puller is done)."""
+    deadline = time.monotonic() + timeout
+    for llm in llms:
+        while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            llm.engine.step()
+        assert llm.engine.scheduler.kv.is_whole(), "KV blocks leaked"
+
+
+def _counters(llm):
+    return dict(llm.engine.stats().kv_connector)
+
+
+def _disagg(prefill, decode, ids, **kw):
+    _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+    params = fin.kv_transfer_params
+    assert params["do_remote_prefill"] and params["num_tokens"] == len(ids)
+    return _run(decode, ids, GREEDY, params, **kw)
+
+
+def test_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_token(engines):
+    prefill, decode, ref = engines
+    for i, n in enumerate(LENGTHS):
+        ids = _prompt(n, seed=i)
+        expected, _ = _run(ref, ids, GREEDY)
+        kv, before = decode.engine.scheduler.kv, _counters(decode)
+        hits, ext = kv.num_hits, kv.num_external_hits
+        tokens, _ = _disagg(prefill, decode, ids)
+        assert tokens == expected, n
+        assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n - 1  # computed: the last prompt token only
+        after = _counters(decode)
+        assert after.get("kv_pulls", 0) == before.get("kv_pulls", 0) + 1 and not after.get("kv_pull_fallbacks")
+        _settle(prefill, decode)
+    assert _counters(prefill)["kv_sent_requests"] == len(LENGTHS) and not _counters(prefill).get("kv_hold_timeouts")
+
+
+def test_decode_side_prefix_hit_pulls_only_missing_blocks(engines):
+    prefill, decode, ref = engines
+    a = _prompt(50, seed=100)
+    b = a[:48] + _prompt(20, seed=101)  # shares 3 full blocks with a
+    _disagg(prefill, decode, a)
+    _settle(prefill, decode)
+    kv, before = decode.engine.scheduler.kv, _counters(decode)
+    hits = kv.num_hits
+    tokens, _ = _disagg(prefill, decode, b)
+    assert tokens == _run(ref, b, GREEDY)[0]
+    assert kv.num_hits - hits == 48
+    after = _counters(decode)
+    assert after["kv_transferred_tokens"] - before["kv_transferred_tokens"] == len(b) - 1 - 48
+    block_bytes = decode.engine.executor.bytes_per_block()
+    assert after["kv_bytes_received"] - before["kv_bytes_received"] == 2 * block_bytes  # blocks 3 and 4 only
+    _settle(prefill, decode)
+
+
+def test_corrupt_block_is_detected_and_recomputed(engines):
+    prefill, decode, ref = engines
+    ids = _prompt(45, seed=7)
+    before = _counters(decode).get("kv_pull_fallbacks", 0)
+    TcpTransport.corrupt_next_blocks = 1
+    try:
+        tokens, _ = _disagg(prefill, decode, ids)
+    finally:
+        TcpTransport.corrupt_next_blocks = 0
+    assert tokens == _run(ref, ids, GREEDY)[0]
+    assert _counters(decode)["kv_pull_fallbacks"] == before + 1
+    _settle(prefill, decode)  # the puller said done despite the corruption: the prefill side frees at once
+    assert not _counters(prefill).get("kv_hold_timeouts")
+
+
+def test_unreachable_or_refused_pull_falls_back(engines):
+    prefill, decode, ref = engines
+    ids = _prompt(30, seed=8)
+    _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+    bad = dict(fin.kv_transfer_params, kv_fingerprint="00" * 16)  # another model's KV: refused
+    before = _counters(decode).get("kv_pull_fallbacks", 0)
+    assert _run(decode, ids, GREEDY, bad)[0] == _run(ref, ids, GREEDY)[0]
+    gone = dict(fin.kv_transfer_params, remote_port=1)  # nobody listens there
+    assert _run(decode, ids, GREEDY, gone)[0] == _run(ref, ids, GREEDY)[0]
+    assert _counters(decode)["kv_pull_fallbacks"] == before + 2
+    _settle(prefill, decode)
+
+
+def test_abort_mid_transfer_leaves_both_pools_whole(engines):
+    prefill, decode, _ = engines
+    for abort_after in (1, 2, 3):  # before its lookup (it just says done), while pulling, after
+        ids = _prompt(60, seed=9 + abort_after)
+        _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+        _, out = _run(decode, ids, GREEDY, fin.kv_transfer_params, abort_after_steps=abort_after)
+        assert out.finish_reason == 2  # ABORT
+        _settle(prefill, decode)
+    assert not _counters(prefill).get("kv_hold_timeouts")
+    # A pull of blocks that are never offered is cancelled by the abort (its thread ends, nothing is staged).
+    params = dict(fin.kv_transfer_params, remote_request_id="never-offered")
+    _, fin = _run(decode, ids, GREEDY, params, abort_after_steps=3)
+    assert fin.finish_reason == 2
+    _settle(decode)
+    worker = decode.engine.executor.collective_rpc(lambda w: w.kv_connector.transfer)[0]
+    deadline = time.monotonic() + 5
+    while worker.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not worker.in_flight and not worker.staged and not worker.cancelled
+
+
+def test_never_pulled_blocks_are_freed_after_the_timeout():
+    prefill = _llm("kv_producer", xfer={"hold_timeout_s": 0.3})
+    try:
+        _, fin = _run(prefill, _prompt(40, seed=11), PREFILL_ONLY, {"do_remote_decode": True})
+        assert fin.kv_transfer_params["remote_block_ids"] and prefill.engine.scheduler.held
+        assert not prefill.engine.scheduler.kv.is_whole()  # held for the decode side
+        _settle(prefill)
+        assert _counters(prefill)["kv_hold_timeouts"] == 1
+    finally:
+        prefill.engine.shutdown()
+
+
+def test_kv_transfer_config_errors_and_world_size_refusal():
+    assert KVTransferConfig.parse('{"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"}').is_producer
+    for bad, msg in (("{nope", "not valid JSON"), ('["kv_both"]', "must be a JSON object"),
+                     ('{"kv_role": "prefill"}', "kv_role must be one of"), ('{"kv_connector": "Nixl"}', "kv_connector"),
+                     ('{"kv_port": -1}', "kv_port"), ('{"kv_rol": "kv_both"}', "unknown")):
+        with pytest.raises(ValueError, match=msg):
+            KVTransferConfig.parse(bad)
+    cfg = EngineConfig.from_kwargs(model=tiny_model("llama"), tensor_parallel_size=2,
+                                   kv_transfer_config={"kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="tensor or pipeline parallel"):
+        cfg._check_parallel_features()

@@ -1,0 +1,187 @@
+"""Scheduler half of the transfer connector: disaggregated prefill/decode (vLLM's kv_transfer_params).
+
+Producer (a request with {"do_remote_decode": true}): when the step that computes its last prompt token is
+scheduled, the plan tells the worker to offer the prompt's blocks after that step's forward pass. When the
+request finishes (STOP or LENGTH), its blocks are held, not freed, and its output carries the params a decode
+instance needs: {"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port",
+"remote_request_id", "remote_block_ids", "num_tokens" (= every prompt token: the last block may be partial),
+"kv_fingerprint"}. The blocks go back to the pool when the puller says it is done, or after hold_timeout_s.
+
+Consumer (a request carrying those params): lookup() starts a pull of the blocks it lacks beyond its own
+prefix-cache hit, up to prompt_len - 1 tokens (the last prompt token is recomputed so this instance samples
+the first token itself: the output equals a colocated run), and answers not-ready; the request waits in
+`loading`. Once the pull is reported, the next lookup supplies those tokens (the hit may end inside a
+block) and on_allocated has the staged rows copied into the request's device blocks. A failed, corrupt or
+timed-out pull supplies 0 tokens: the prompt is recomputed, `kv_pull_fallbacks` goes up.
+
+Invariants: a held request is freeable once its puller is done or its timeout passed (take_freeable), so the
+pool becomes whole again; blocks are offered only between the end of the step that wrote them and the step
+that may reuse them; staged rows are loaded or dropped exactly once per pull.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.config import KVTransferConfig
+from tokenmill.engine.request import FinishReason, Request, RequestStatus
+from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
+from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
+
+
+@dataclass
+class _PullState:
+    first_block: int          # index in the request of the first pulled block
+    end: int                  # tokens [first_block * block_size, end) are pulled
+    ready: bool = False       # the worker reported the pull
+    ok: bool = False          # ... with every block intact
+    consumed: bool = False    # loaded into device blocks or dropped: supplies nothing any more
+    hit_from: int = 0         # the device hit at the last lookup: where the supplied tokens start
+
+
+class TransferScheduler(KVConnectorScheduler):
+    def __init__(self, cfg: KVTransferConfig, block_size: int) -> None:
+        self.cfg, self.block_size = cfg, block_size
+        self.engine_id = uuid.uuid4().hex
+        self.worker_info: Optional[dict] = None   # {"host", "port", "kv_fingerprint"}, from the worker
+        self.exposed: dict[str, list[int]] = {}   # producer: request id -> blocks offered
+        self.held: dict[str, float] = {}          # producer: request id -> when its blocks are freed anyway
+        self.pulls: dict[str, _PullState] = {}    # consumer
+        self.stats: Counter[str] = Counter()
+        self._pulled_by_peer: list[str] = []      # producer: held requests whose puller said done
+        self._plan = TransferPlan()
+
+    # -- consumer ------------------------------------------------------------------------------
+    def lookup(self, req: Request, num_device_tokens: int) -> ExternalHit:
+        params = req.kv_transfer_params
+        if not (self.cfg.is_consumer and params and params.get("do_remote_prefill")):
+            return ExternalHit(0, True)
+        st = self.pulls.get(req.request_id)
+        if st is None:
+            self._start_pull(req, params, num_device_tokens)
+            return ExternalHit(0, False)
+        if not st.ready:
+            return ExternalHit(0, False)
+        bs = self.block_size
+        usable = st.ok and not st.consumed and st.first_block * bs <= num_device_tokens < st.end
+        st.hit_from = num_device_tokens
+        return ExternalHit(st.end - num_device_tokens if usable else 0, True)
+
+    def _start_pull(self, req: Request, params: dict, num_device_tokens: int) -> None:
+        """Pull the blocks after the device hit up to prompt_len - 1 tokens (none: just say done)."""
+        bs = self.block_size
+        end = max(min(int(params.get("num_tokens", 0)), req.num_prompt_tokens - 1), num_device_tokens)
+        first = num_device_tokens // bs
+        blocks = list(params.get("remote_block_ids", []))[first:-(-end // bs)]
+        if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none
+            blocks, end = [], num_device_tokens
+        self.pulls[req.request_id] = _PullState(first, end)
+        self._plan.pulls.append(self._pull(req.request_id, params, blocks))
+
+    @staticmethod
+    def _pull(rid: str, params: dict, blocks: list[int]) -> Pull:
+        return Pull(rid, str(params.get("remote_host")), int(params.get("remote_port", 0)),
+                    str(params.get("remote_request_id")), blocks, str(params.get("kv_fingerprint")))
+
+    def is_ready(self, req: Request) -> bool:
+        st = self.pulls.get(req.request_id)
+        return st is None or st.ready
+
+    def on_allocated(self, req: Request, block_ids: list[int]) -> None:
+        st = self.pulls.get(req.request_id)
+        if st is None or not st.ready or st.consumed:
+            return
+        st.consumed = True
+        if block_ids:  # the hit started at the device hit (a whole block), i.e. at this staged row
+            self._plan.loads.append((req.request_id, st.hit_from // self.block_size - st.first_block, block_ids))
+            self.stats["kv_transferred_tokens"] += st.end - st.hit_from
+        elif st.ok:
+            self._plan.drops.append(req.request_id)
+
+    def release(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.exposed and rid not in self.held:
+            self._plan.unexpose.append(rid)  # aborted (or not held): offered no more
+            del self.exposed[rid]
+        st = self.pulls.get(rid)
+        if st is None:
+            params = req.kv_transfer_params
+            if (req.status == RequestStatus.FINISHED and self.cfg.is_consumer and params
+                    and params.get("do_remote_prefill")):
+                self._plan.pulls.append(self._pull(rid, params, []))  # never looked up: just say done
+            return
+        if not st.consumed and (st.ok or not st.ready):
+            self._plan.drops.append(rid)  # staged rows, or a pull still running
+        st.consumed = True
+        if req.status == RequestStatus.FINISHED:
+            del self.pulls[rid]
+
+    # -- producer ------------------------------------------------------------------------------
+    def on_prompt_scheduled(self, req: Request, block_ids: list[int]) -> None:
+        if self.cfg.is_producer and req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"):
+            ids = block_ids[:-(-req.num_prompt_tokens // self.block_size)]
+            self.exposed[req.request_id] = ids
+            self._plan.expose.append((req.request_id, ids))
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        rid = req.request_id
+        if rid not in self.exposed:
+            return False, None
+        ids = block_ids[:-(-req.num_prompt_tokens // self.block_size)]
+        if req.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) or self.worker_info is None:
+            return False, None  # release() withdraws the offer
+        if ids != self.exposed[rid]:  # re-run after a preemption: offer the blocks it has now
+            self.exposed[rid] = ids
+            self._plan.expose.append((rid, ids))
+        self.held[rid] = time.monotonic() + self.cfg.hold_timeout_s
+        info = self.worker_info
+        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
+                      "remote_host": info["host"], "remote_port": info["port"], "remote_request_id": rid,
+                      "remote_block_ids": ids, "num_tokens": req.num_prompt_tokens,
+                      "kv_fingerprint": info["kv_fingerprint"]}
+
+    def take_freeable(self) -> list[str]:
+        now = time.monotonic()
+        expired = [rid for rid, t in self.held.items() if t <= now and rid not in self._pulled_by_peer]
+        self.stats["kv_hold_timeouts"] += len(expired)
+        done, self._pulled_by_peer = self._pulled_by_peer, []
+        return self._free(done + expired)
+
+    def _free(self, rids: list[str]) -> list[str]:
+        freed = [rid for rid in rids if self.held.pop(rid, None) is not None]
+        for rid in freed:
+            del self.exposed[rid]
+            self._plan.unexpose.append(rid)
+        return freed
+
+    # -- both ------------------------------------------------------------------------------------
+    def build_plan(self) -> Optional[TransferPlan]:
+        plan, self._plan = self._plan, TransferPlan()
+        # Held blocks or pulls in flight: the worker is called every step, to report "done" notes and pulls.
+        plan.keep_stepping = bool(self.held) or any(not st.ready for st in self.pulls.values())
+        return plan if plan else None
+
+    def update(self, output: Optional[TransferOutput]) -> None:
+        if output is None:
+            return
+        if output.info is not None:
+            self.worker_info = output.info
+        for rid, ok in output.pulled:
+            st = self.pulls.get(rid)
+            if st is not None:
+                st.ready, st.ok = True, ok
+                self.stats["kv_pulls" if ok else "kv_pull_fallbacks"] += 1
+        self._done_sending(output.done_sending)
+        self.stats["kv_bytes_received"] += output.bytes_received
+        self.stats["kv_bytes_sent"] += output.bytes_sent
+
+    def _done_sending(self, rids: list[str]) -> None:
+        sent = [rid for rid in rids if rid in self.held]
+        self.stats["kv_sent_requests"] += len(sent)
+        self._pulled_by_peer.extend(sent)
+
+    def counters(self) -> dict[str, int]:
+        return {**self.stats, "kv_held_requests": len(self.held)}
