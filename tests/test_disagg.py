@@ -172,6 +172,26 @@ def test_never_pulled_blocks_are_freed_after_the_timeout():
         prefill.engine.shutdown()
 
 
+def test_fp8_kv_cache_transfers_its_narrow_bytes():
+    prefill, decode, ref = (_llm(role, kv_cache_dtype="fp8") for role in ("kv_producer", "kv_consumer", None))
+    try:
+        assert decode.engine.executor.bytes_per_block() * 4 == _llm_block_bytes_f32()
+        for i, n in enumerate((17, 40)):
+            ids = _prompt(n, seed=50 + i)
+            tokens, _ = _disagg(prefill, decode, ids)
+            assert tokens == _run(ref, ids, GREEDY)[0]
+        c = _counters(decode)
+        assert c["kv_pulls"] == 2 and c["kv_bytes_received"] == 4 * decode.engine.executor.bytes_per_block()
+        _settle(prefill, decode)
+    finally:
+        for llm in (prefill, decode, ref):
+            llm.engine.shutdown()
+
+
+def _llm_block_bytes_f32():
+    return 2 * 2 * 2 * 16 * 16 * 4  # layers x K,V x KV heads x block tokens x head dim x float32
+
+
 def test_kv_transfer_config_errors_and_world_size_refusal():
     assert KVTransferConfig.parse('{"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"}').is_producer
     for bad, msg in (("{nope", "not valid JSON"), ('["kv_both"]', "must be a JSON object"),
@@ -183,3 +203,70 @@ def test_kv_transfer_config_errors_and_world_size_refusal():
                                    kv_transfer_config={"kv_role": "kv_both"})
     with pytest.raises(ValueError, match="tensor or pipeline parallel"):
         cfg._check_parallel_features()
+    cfg = EngineConfig.from_kwargs(model=tiny_model("llama"), kv_cache_dtype="int8", kv_transfer_config={})
+    with pytest.raises(ValueError, match="int8 KV scales are calibrated per instance"):
+        cfg._check_kv_transfer()
+
+
+_PRODUCER = r"""
+import json, queue, sys, threading
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import EngineCoreRequest
+llm = LLM(sys.argv[1], dtype="float32", device="cpu", num_gpu_blocks_override=48,
+          kv_transfer_config={"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"})
+lines = queue.Queue()
+threading.Thread(target=lambda: [lines.put(l) for l in sys.stdin], daemon=True).start()
+print(json.dumps({"ready": True}), flush=True)
+eng, n = llm.engine, 0
+while True:
+    try:
+        msg = json.loads(lines.get(timeout=0.01))
+    except queue.Empty:
+        if eng.has_unfinished_requests():
+            eng.step()  # hands back blocks the decode side is done with
+        continue
+    if msg.get("quit"):
+        print(json.dumps({"whole": eng.scheduler.kv.is_whole(), "held": len(eng.scheduler.held)}), flush=True)
+        break
+    n += 1
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    eng.add_request(EngineCoreRequest(f"p{n}", msg["ids"], sp, kv_transfer_params={"do_remote_decode": True}))
+    fin = None
+    while fin is None:
+        fin = next((o for o in eng.step() if o.finished), None)
+    print(json.dumps(fin.kv_transfer_params), flush=True)
+"""
+
+
+@pytest.mark.distributed
+def test_prefill_instance_in_another_process(engines):
+    """The prefill engine in its own process: the decode engine pulls over TCP, outputs equal colocated, and
+    the prefill process's pool is whole once the decode side is done."""
+    import json
+    import subprocess
+    import sys
+
+    _, decode, ref = engines
+    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, tiny_model("llama")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["ready"]
+        before = _counters(decode)
+        for i, n in enumerate((9, 33, 64)):
+            ids = _prompt(n, seed=200 + i)
+            proc.stdin.write(json.dumps({"ids": ids}) + "\n")
+            proc.stdin.flush()
+            params = json.loads(proc.stdout.readline())
+            kv = decode.engine.scheduler.kv
+            hits, ext = kv.num_hits, kv.num_external_hits
+            assert _run(decode, ids, GREEDY, params)[0] == _run(ref, ids, GREEDY)[0]
+            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n - 1
+        _settle(decode)
+        assert _counters(decode)["kv_pulls"] == before.get("kv_pulls", 0) + 3
+        time.sleep(0.3)  # the producer steps on its own and hands the blocks back
+        proc.stdin.write(json.dumps({"quit": True}) + "\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline()) == {"whole": True, "held": 0}
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
