@@ -8,6 +8,7 @@ command, and malformed --disaggregate values are refused with one-line errors.
 """
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 
 from models import tiny_model
 from server_utils import CliProc, ServerProc, metrics, sse_events
+from tokenmill.cli import main
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request import EngineCoreOutput, FinishReason
 from tokenmill.router.disagg import is_batch, prefill_request
@@ -60,8 +62,6 @@ def test_finished_output_carries_kv_transfer_params():
     (["router"], "needs --replica URLs, or --prefill and --decode"),
 ])
 def test_malformed_disaggregation_is_refused(argv, message, capsys):
-    from tokenmill.cli import main
-
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
@@ -165,7 +165,7 @@ def test_decode_instance_killed_before_answering_is_retried(deployment):
 
 
 # -- tokenmill serve --disaggregate 1P1D -----------------------------------------------------------------
-def test_serve_disaggregate_as_one_command(deployment):
+def test_serve_disaggregate_as_one_command(deployment, tmp_path, capsys):
     prefill, _, _ = deployment
     s = ServerProc(tiny_model("llama"), "--disaggregate", "1P1D")
     try:
@@ -174,6 +174,14 @@ def test_serve_disaggregate_as_one_command(deployment):
         m = metrics(s)
         assert _sum(m, "tokenmill:router_disagg_requests_total") == 4  # two requests, two phases each
         assert _sum(m, "tokenmill:router_replica_healthy") == 2
+        # tokenmill bench serve reports the router's disaggregation counters
+        out = tmp_path / "bench.json"
+        assert main(["bench", "serve", "--base-url", s.url, "--num-prompts", "4", "--input-len", "16",
+                     "--output-len", "4", "--tokenizer", tiny_model("llama"), "--warmup", "0", "--no-progress",
+                     "--save-result", str(out)]) == 0
+        assert "kv transfer" in capsys.readouterr().out
+        kt = json.loads(out.read_text())["summary"]["kv_transfer"]
+        assert kt["router_prefill_phases"] == 4 and kt["router_prefill_phase_mean_ms"] > 0, kt
         assert s.stop(signal.SIGINT, timeout=60) == 0, s.logs()
     finally:
         s.stop()

@@ -147,6 +147,61 @@ def spec_decode_summary(before: Optional[dict], after: Optional[dict]) -> Option
             "acceptance_per_position": [p / d["num_drafts"] for p in per_pos]}
 
 
+# Disaggregated prefill/decode counters a /metrics scrape may hold: an instance's KV connector (kv_*) and the
+# disaggregated router's (router_*), each summed over its labels.
+KV_TRANSFER_COUNTERS = {
+    **{f"tokenmill:{k}{t}": k for k in ("kv_pulls", "kv_pull_fallbacks", "kv_bytes_sent", "kv_bytes_received",
+                                         "kv_transferred_tokens", "kv_sent_requests", "kv_hold_timeouts")
+       for t in ("", "_total")},
+    "tokenmill:router_disagg_fallbacks_total": "router_fallbacks",
+    "tokenmill:router_disagg_retries_total": "router_retries",
+    "tokenmill:router_prefill_phase_seconds_sum": "router_prefill_phase_s",
+    "tokenmill:router_prefill_phase_seconds_count": "router_prefill_phases",
+}
+
+
+def kv_transfer_counters(prometheus_text: str) -> dict:
+    """The KV transfer counters in a /metrics scrape (empty for a server without disaggregation)."""
+    out: dict = {}
+    for line in prometheus_text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        name = KV_TRANSFER_COUNTERS.get(key.split("{", 1)[0])
+        if name is not None:
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def kv_transfer_summary(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """What changed over a run between two scrapes; None when nothing disaggregated happened."""
+    if not before and not after:
+        return None
+    before, after = before or {}, after or {}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    if not any(d.values()):
+        return None
+    out = {k: (round(v, 6) if k == "router_prefill_phase_s" else int(v)) for k, v in d.items()}
+    if d.get("router_prefill_phases"):
+        out["router_prefill_phase_mean_ms"] = 1e3 * d["router_prefill_phase_s"] / d["router_prefill_phases"]
+    return out
+
+
+def _kv_transfer_line(kt: dict) -> str:
+    parts = []
+    if "kv_pulls" in kt or "kv_pull_fallbacks" in kt:
+        parts.append(f"{kt.get('kv_pulls', 0)} pulls ({kt.get('kv_pull_fallbacks', 0)} fell back to recomputing)")
+    for key, label in (("kv_bytes_received", "received"), ("kv_bytes_sent", "sent")):
+        if kt.get(key):
+            parts.append(f"{kt[key] / 2**20:.1f} MiB {label}")
+    if kt.get("kv_transferred_tokens"):
+        parts.append(f"{kt['kv_transferred_tokens']} prompt tokens transferred")
+    if "router_prefill_phase_mean_ms" in kt:
+        parts.append(f"router: prefill phase mean {kt['router_prefill_phase_mean_ms']:.1f} ms, "
+                     f"{kt.get('router_retries', 0)} retries, {kt.get('router_fallbacks', 0)} sent without KV params")
+    return f"{'kv transfer':<24}" + "; ".join(parts)
+
+
 def format_table(summary: dict[str, Any], title: str = "") -> str:
     s = summary
     lines = [f"===== {title} =====" if title else "=" * 40]
@@ -171,6 +226,8 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         pos = ", ".join(f"{a:.2f}" for a in sd["acceptance_per_position"])
         lines.append(f"{'spec decode':<24}acceptance {sd['acceptance_rate']:.1%} of {sd['num_draft_tokens']} drafted "
                      f"tokens, mean accepted length {sd['mean_acceptance_length']:.2f}, per position [{pos}]")
+    if s.get("kv_transfer"):
+        lines.append(_kv_transfer_line(s["kv_transfer"]))
     if s.get("usage_missing"):
         lines.append(f"{'note':<24}{s['usage_missing']} responses had no usage: their tokens were counted "
                      "from stream chunks")

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 
 from tokenmill.bench.datasets import BenchRequest, build_dataset, load_tokenizer
 from tokenmill.bench.report import (format_sweep_table, format_table, parse_slo, plot_pareto, plot_serve,
-                                    spec_decode_summary, summarize)
+                                    kv_transfer_counters, kv_transfer_summary, spec_decode_summary, summarize)
 
 logger = logging.getLogger("tokenmill")
 
@@ -258,7 +258,7 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
                 logger.warning("%d of %d warm-up requests failed (%s: %s)", len(bad), len(recs), bad[0]["error_kind"],
                                bad[0]["error"])
 
-        spec_before = await _scrape_spec_counters(client, cfg)
+        spec_before, kv_before = await _scrape_counters(client, cfg)
         bar = tqdm(total=n, desc=progress_desc, unit="req", disable=not cfg.progress, file=sys.stderr,
                    dynamic_ncols=True, leave=True)
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -300,13 +300,16 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         bar.close()
-        spec = spec_decode_summary(spec_before, await _scrape_spec_counters(client, cfg))
+        spec_after, kv_after = await _scrape_counters(client, cfg)
+        extra = {"spec_decode": spec_decode_summary(spec_before, spec_after),
+                 "kv_transfer": kv_transfer_summary(kv_before, kv_after)}
     records.sort(key=lambda r: r["index"])
-    return records, duration, spec
+    return records, duration, extra
 
 
-async def _scrape_spec_counters(client, cfg: ServeConfig) -> Optional[dict]:
-    """The server's speculative-decoding counters from /metrics, or None (no /metrics, another engine)."""
+async def _scrape_counters(client, cfg: ServeConfig) -> tuple[Optional[dict], Optional[dict]]:
+    """The server's speculative-decoding and KV transfer counters from /metrics, or Nones (no /metrics,
+    another engine)."""
     import httpx
 
     from tokenmill.serve.metrics import spec_decode_counters
@@ -314,8 +317,10 @@ async def _scrape_spec_counters(client, cfg: ServeConfig) -> Optional[dict]:
     try:
         resp = await client.get(cfg.api_base + "/metrics", headers=cfg.headers, timeout=10)
     except httpx.HTTPError:
-        return None
-    return spec_decode_counters(resp.text) if resp.status_code == 200 else None
+        return None, None
+    if resp.status_code != 200:
+        return None, None
+    return spec_decode_counters(resp.text), kv_transfer_counters(resp.text)
 
 
 async def _first_model(client, cfg: ServeConfig) -> str:
@@ -345,10 +350,9 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
     warmup = [next(warm_source) for _ in range(cfg.warmup)]
     n = None if cfg.duration is not None else cfg.num_prompts
     cpu = time.process_time()
-    records, duration, spec = asyncio.run(_run(cfg, source, n, warmup, title or "bench"))
+    records, duration, extra = asyncio.run(_run(cfg, source, n, warmup, title or "bench"))
     summary = summarize(records, duration, cfg.slo)
-    if spec:
-        summary["spec_decode"] = spec
+    summary.update({k: v for k, v in extra.items() if v})  # spec_decode, kv_transfer: when the server has them
     # a busy client delays its own timestamps: its CPU share says whether the numbers can be trusted
     summary["client_cpu_s"] = time.process_time() - cpu
     conf = dataclasses.asdict(cfg)
