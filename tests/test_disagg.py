@@ -270,3 +270,28 @@ def test_prefill_instance_in_another_process(engines):
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+def test_portable_fingerprint_survives_a_copied_checkpoint(tiny, tmp_path):
+    """A prefill and a decode instance on two machines load copies of the model: same portable fingerprint;
+    a changed weight file differs."""
+    import shutil
+
+    import torch
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.kv_transfer.fingerprint import kv_fingerprint
+
+    kv = [torch.zeros(2, 2, 4, 16, 8)]
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny("llama"), copy)
+    a = EngineConfig.from_kwargs(model=tiny("llama"), dtype="float32").finalize()
+    b = EngineConfig.from_kwargs(model=str(copy), dtype="float32").finalize()
+    assert kv_fingerprint(a, kv, portable=True) == kv_fingerprint(b, kv, portable=True)
+    assert kv_fingerprint(a, kv) != kv_fingerprint(b, kv)  # the disk tier's stays path-bound
+    weights = next(copy.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    assert len(data) < 2**20  # a tiny model: the hashed first MiB is the whole file
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    assert kv_fingerprint(a, kv, portable=True) != kv_fingerprint(b, kv, portable=True)

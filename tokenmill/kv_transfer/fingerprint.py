@@ -5,6 +5,10 @@ a stored block is valid only for a worker with the same fingerprint: the same mo
 files' names, sizes and modification times), weights dtype and quantization, drafter, KV cache dtype, block
 size, and every KV tensor's layout (layers, KV heads, head dim, dtype). Calibrated int8 KV scales are not
 covered: they change per run, and disk files never outlive their process (disk_store.py).
+
+Between instances (disaggregated prefill/decode, possibly on two machines) the fingerprint is `portable`:
+the same checkpoint copied elsewhere has another path and other modification times, so the files count by
+name, size and a hash of their first MiB instead.
 """
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ from tokenmill.config import EngineConfig
 FINGERPRINT_BYTES = 16
 
 
-def kv_fingerprint(config: EngineConfig, kv_caches: list[torch.Tensor]) -> bytes:
+def kv_fingerprint(config: EngineConfig, kv_caches: list[torch.Tensor], portable: bool = False) -> bytes:
     """kv_caches: the tensors a block spans, each [2, heads, blocks, block_size, dim] (blocks on dim 2)."""
     model, cache, spec = config.model, config.cache, config.speculative
     identity = {
-        "model": model.model,
-        "model_dir": _files_identity(model.model_dir),
+        "model": None if portable else model.model,
+        "model_dir": _portable_identity(model.model_dir) if portable else _files_identity(model.model_dir),
         "hf_config": model.hf_config.to_json_string() if model.hf_config is not None else None,
         "dtype": str(model.torch_dtype),
         "quantization": model.quantization,
@@ -48,3 +52,16 @@ def _files_identity(path: Optional[str]) -> Any:
         return [real]
     stats = {e.name: e.stat() for e in os.scandir(real) if e.is_file()}
     return [real, sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats.items())]
+
+
+def _portable_identity(path: Optional[str]) -> Any:
+    """A model directory's files by (name, size, hash of the first MiB): equal for copies on other machines."""
+    if not path or not os.path.isdir(path):
+        return None
+    out = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.is_file():
+            with open(entry.path, "rb") as f:
+                head = hashlib.blake2b(f.read(2**20), digest_size=8).hexdigest()
+            out.append((entry.name, entry.stat().st_size, head))
+    return out

@@ -53,7 +53,7 @@ class TransferWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.io = HostBlockPool(kv_caches, 0)  # batched device <-> row copies, no slots of its own
-        self.fingerprint = kv_fingerprint(self.config, kv_caches).hex()
+        self.fingerprint = kv_fingerprint(self.config, kv_caches, portable=True).hex()  # other machines too
         port = 0
         if self.cfg.is_producer:
             port = self.transport.serve(self, self.cfg.kv_host, self.cfg.kv_port)
