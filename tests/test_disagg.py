@@ -295,3 +295,13 @@ def test_portable_fingerprint_survives_a_copied_checkpoint(tiny, tmp_path):
     data[len(data) // 2] ^= 1
     weights.write_bytes(bytes(data))
     assert kv_fingerprint(a, kv, portable=True) != kv_fingerprint(b, kv, portable=True)
+
+
+def test_wildcard_bind_advertises_a_reachable_address():
+    import ipaddress
+
+    from tokenmill.kv_transfer.p2p_worker import advertised_host
+
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    addr = ipaddress.ip_address(advertised_host("0.0.0.0"))
+    assert not addr.is_unspecified

@@ -14,6 +14,7 @@ its rows discarded.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +59,7 @@ class TransferWorker(KVConnectorWorker):
         if self.cfg.is_producer:
             port = self.transport.serve(self, self.cfg.kv_host, self.cfg.kv_port)
             logger.info("KV transfer: serving prefilled blocks on %s:%d", self.cfg.kv_host, port)
-        self.info = {"host": self.cfg.kv_host, "port": port, "kv_fingerprint": self.fingerprint}
+        self.info = {"host": advertised_host(self.cfg.kv_host), "port": port, "kv_fingerprint": self.fingerprint}
 
     # -- producer: the transport's BlockSource -------------------------------------------------
     def read_blocks(self, request_id: str, block_ids: list[int], fingerprint: str) -> np.ndarray:
@@ -143,3 +144,16 @@ class TransferWorker(KVConnectorWorker):
         with self.cond:
             self.cancelled.update(self.in_flight)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address a decode instance should pull from: the bind address, or for a wildcard bind (0.0.0.0, ::)
+    this machine's address on its default route (no packet is sent: a UDP socket only picks the route)."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere, only chosen a route for
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
