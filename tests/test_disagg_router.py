@@ -4,7 +4,8 @@ The API carries kv_transfer_params in and out; `tokenmill router --prefill URL -
 request's prefill phase on the prefill instance and relays the decode instance's answer, which equals a
 direct request to one instance (greedy, streamed and not); a decode instance killed while it holds a
 request makes the router retry the other with nothing lost; `tokenmill serve --disaggregate 1P1D` is one
-command, and malformed --disaggregate values are refused with one-line errors.
+command whose decode instance computes only a transferred prompt's last token, and malformed --disaggregate
+values are refused with one-line errors.
 """
 from __future__ import annotations
 
@@ -171,8 +172,15 @@ def test_serve_disaggregate_as_one_command(deployment, tmp_path, capsys):
     try:
         for prompt, stream in [(PROMPTS[0], False), (PROMPTS[3], True)]:
             assert _generate(s.url, _body(prompt, stream))[:2] == _generate(prefill.url, _body(prompt, False))[:2]
+        # The connector moved the prompt's KV: the decode instance computed only its last token.
+        long_prompt = " ".join(PROMPTS[:3])
+        text, finish, response = _generate(s.url, _body(long_prompt, False))
+        assert (text, finish) == _generate(prefill.url, _body(long_prompt, False))[:2]
+        usage = response["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1 > 16, usage
         m = metrics(s)
-        assert _sum(m, "tokenmill:router_disagg_requests_total") == 4  # two requests, two phases each
+        assert m["tokenmill:router_disagg_fallbacks_total{reason=no_kv_transfer_params}"] == 0
+        assert _sum(m, "tokenmill:router_disagg_requests_total") == 6  # three requests, two phases each
         assert _sum(m, "tokenmill:router_replica_healthy") == 2
         # tokenmill bench serve reports the router's disaggregation counters
         out = tmp_path / "bench.json"
@@ -182,6 +190,7 @@ def test_serve_disaggregate_as_one_command(deployment, tmp_path, capsys):
         assert "kv transfer" in capsys.readouterr().out
         kt = json.loads(out.read_text())["summary"]["kv_transfer"]
         assert kt["router_prefill_phases"] == 4 and kt["router_prefill_phase_mean_ms"] > 0, kt
+        assert kt.get("router_fallbacks", 0) == 0, kt
         assert s.stop(signal.SIGINT, timeout=60) == 0, s.logs()
     finally:
         s.stop()
