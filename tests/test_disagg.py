@@ -305,3 +305,23 @@ def test_wildcard_bind_advertises_a_reachable_address():
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     addr = ipaddress.ip_address(advertised_host("0.0.0.0"))
     assert not addr.is_unspecified
+
+
+def test_transfer_counters_and_time_histogram_reach_metrics():
+    """The decode side's pull counters and transfer time histogram in /metrics' Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.engine.core import EngineStats
+    from tokenmill.kv_transfer.p2p_plan import pull_seconds_counters
+    from tokenmill.serve.metrics import ServerMetrics
+
+    kv = {"kv_pulls": 3, "kv_pull_fallbacks": 1, "kv_bytes_received": 4096, "kv_held_requests": 0,
+          **pull_seconds_counters([0.004, 0.02, 0.3])}
+    metrics = ServerMetrics("m")
+    metrics.on_engine_stats(EngineStats(0, 0, 0.0, 0, 0, 0, 1, 1, kv_connector=kv))
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert fams["tokenmill:kv_pulls"].samples[0].value == 3
+    assert fams["tokenmill:kv_bytes_received"].samples[0].value == 4096
+    hist = {s.labels.get("le"): s.value for s in fams["tokenmill:kv_transfer_seconds"].samples
+            if s.name.endswith("_bucket")}
+    assert (hist["0.005"], hist["0.025"], hist["0.5"], hist["+Inf"]) == (1, 2, 3, 3)

@@ -47,6 +47,20 @@ class TransferOutput:
     bytes_sent: int = 0
     # Reported once, on the worker's first finished(): where it serves blocks and what they mean
     info: Optional[dict] = None   # {"host", "port", "kv_fingerprint" (hex)}
+    pull_seconds: list[float] = field(default_factory=list)  # how long each finished, intact pull took
 
     def __bool__(self) -> bool:
         return bool(self.pulled or self.done_sending or self.bytes_received or self.bytes_sent or self.info)
+
+
+# Upper bounds (seconds) of the KV transfer time histogram; counts are cumulative per bucket, as Prometheus'.
+PULL_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def pull_seconds_counters(seconds: list[float]) -> dict[str, int]:
+    """The histogram's counter increments for these pull times: kv_pull_seconds_le_<bound> (cumulative, so a
+    pull counts in every bucket at or above it), kv_pull_seconds_count and kv_pull_microseconds_sum."""
+    out = {f"kv_pull_seconds_le_{b:g}": sum(1 for t in seconds if t <= b) for b in PULL_SECONDS_BUCKETS}
+    out["kv_pull_seconds_count"] = len(seconds)
+    out["kv_pull_microseconds_sum"] = int(sum(seconds) * 1e6)
+    return out

@@ -29,7 +29,7 @@ from typing import Optional
 from tokenmill.config import KVTransferConfig
 from tokenmill.engine.request import FinishReason, Request, RequestStatus
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
-from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
+from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters
 
 
 @dataclass
@@ -177,6 +177,8 @@ class TransferScheduler(KVConnectorScheduler):
         self._done_sending(output.done_sending)
         self.stats["kv_bytes_received"] += output.bytes_received
         self.stats["kv_bytes_sent"] += output.bytes_sent
+        for key, n in pull_seconds_counters(output.pull_seconds).items():
+            self.stats[key] = self.stats.get(key, 0) + n
 
     def _done_sending(self, rids: list[str]) -> None:
         sent = [rid for rid in rids if rid in self.held]

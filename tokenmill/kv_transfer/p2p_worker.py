@@ -45,6 +45,7 @@ class TransferWorker(KVConnectorWorker):
         self.in_flight: set[str] = set()
         self.cancelled: set[str] = set()
         self.pulled: list[tuple[str, bool]] = []
+        self.pull_seconds: list[float] = []
         self.done_sending: list[str] = []
         self.bytes_sent = self.bytes_received = 0
         self.info: Optional[dict] = None
@@ -105,7 +106,7 @@ class TransferWorker(KVConnectorWorker):
                     self.exposed[rid] = set(block_ids)
 
     def _pull(self, pull: Pull) -> None:
-        rid, rows = pull.request_id, None
+        rid, rows, t0 = pull.request_id, None, time.monotonic()
         try:
             rows = self.transport.pull(pull.host, pull.port, pull.remote_request_id, pull.remote_block_ids,
                                        self.fingerprint, time.monotonic() + self.cfg.pull_timeout_s,
@@ -127,6 +128,7 @@ class TransferWorker(KVConnectorWorker):
             if rows is not None and rows.size:  # (an empty pull only said done)
                 self.staged[rid] = rows
                 self.bytes_received += rows.nbytes
+                self.pull_seconds.append(time.monotonic() - t0)
             self.pulled.append((rid, rows is not None))
             self.cond.notify_all()
 
@@ -134,8 +136,9 @@ class TransferWorker(KVConnectorWorker):
         with self.cond:
             if wait and not (self.pulled or self.done_sending):
                 self.cond.wait(_WAIT_S)
-            out = TransferOutput(self.pulled, self.done_sending, self.bytes_received, self.bytes_sent, self.info)
-            self.pulled, self.done_sending, self.info = [], [], None
+            out = TransferOutput(self.pulled, self.done_sending, self.bytes_received, self.bytes_sent, self.info,
+                                 self.pull_seconds)
+            self.pulled, self.done_sending, self.info, self.pull_seconds = [], [], None, []
             self.bytes_received = self.bytes_sent = 0
         return out if out else None
 

@@ -78,6 +78,7 @@ class ServerMetrics:
                                   "expert's, in the most imbalanced MoE layer (1 = even; cumulative).")
         self._model_name = model_name
         self._last: EngineStats | None = None
+        r.register(_TransferCollector(self))
 
     def set_cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vLLM's cache_config_info, set once the engine is up: a router sizes its view of our cache by it."""
@@ -184,3 +185,50 @@ def spec_decode_counters(prometheus_text: str) -> dict:
     if per_pos:
         out["accepted_per_pos"] = [per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)]
     return out
+
+
+# Disaggregated prefill/decode: the transfer connector's cumulative counters (EngineStats.kv_connector).
+_TRANSFER_DOCS = {
+    "kv_pulls": "Requests whose prompt KV this (decode) instance pulled intact from a prefill instance.",
+    "kv_pull_fallbacks": "Pulls that failed (corrupt, timed out, refused): the prompt was recomputed here.",
+    "kv_transferred_tokens": "Prompt tokens whose KV arrived by transfer instead of being computed here.",
+    "kv_bytes_received": "KV bytes pulled from prefill instances.",
+    "kv_bytes_sent": "KV bytes served to decode instances.",
+    "kv_sent_requests": "Prefilled requests a decode instance finished pulling from this instance.",
+    "kv_hold_timeouts": "Prefilled requests whose blocks were freed unpulled after the hold timeout.",
+}
+
+
+class _TransferCollector:
+    """Reads the last EngineStats at scrape time: counters, held requests, and the transfer time histogram
+    (its buckets are cumulative counts kept by the connector, kv_transfer/p2p_plan.py)."""
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        from tokenmill.kv_transfer.p2p_plan import PULL_SECONDS_BUCKETS
+
+        last, name = self.metrics._last, self.metrics._model_name
+        kv = last.kv_connector if last is not None else {}
+        for key, doc in _TRANSFER_DOCS.items():
+            if key in kv:
+                yield _family(CounterMetricFamily, key, doc, name, kv[key])
+        if "kv_held_requests" in kv:
+            yield _family(GaugeMetricFamily, "kv_held_requests", "Prefilled requests whose blocks wait for a "
+                          "decode instance to pull them.", name, kv["kv_held_requests"])
+        if kv.get("kv_pull_seconds_count"):
+            hist = HistogramMetricFamily("tokenmill:kv_transfer_seconds", "Time to pull one request's prompt KV "
+                                         "from a prefill instance (intact pulls).", labels=["model_name"])
+            buckets = [(f"{b:g}", kv.get(f"kv_pull_seconds_le_{b:g}", 0)) for b in PULL_SECONDS_BUCKETS]
+            hist.add_metric([name], buckets + [("+Inf", kv["kv_pull_seconds_count"])],
+                            kv.get("kv_pull_microseconds_sum", 0) / 1e6)
+            yield hist
+
+
+def _family(kind, key: str, doc: str, model_name: str, value: float):
+    family = kind(f"tokenmill:{key}", doc, labels=["model_name"])
+    family.add_metric([model_name], value)
+    return family
