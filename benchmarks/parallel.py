@@ -9,23 +9,22 @@ SmolLM2-135M has 9 query heads of 64 and 3 KV heads; the variant has 8 heads of 
 - TP=1, 2 threads fixed: TOKENMILL_ADAPTIVE_THREADS=0 (what the issue asks for: TP=1 with 2 threads);
 - TP=1 layers: C stack off (`model.use_cpu_stack = False`): the layer-by-layer path every rank of a split model
   runs (the C stack steps aside under TP/PP), so TP=2 against this row is the cost of the split itself;
-- TP=2 and PP=2 (two processes, 1 thread each). PP=2 at one batch has one step in flight: the scheduler puts
-  every running request into a step, so the second step has nobody to run and the stages take turns;
-- PP=2, 2 steps in flight: --max-num-batched-tokens B and 2B requests, so decode runs two steps of B at once
-  (what the plan's PP throughput, pp batches in flight, assumes); with 1-token prompts, since longer prompts
-  are prefilled in budget-sized chunks one request after another and the steps then mix prefill and decode
-  to the end; beside it PP=2 at 2B with the same prompts and one step in flight.
+- TP=2 and PP=2 (two processes, 1 thread each); PP=2 also at 2B. Under PP the scheduler spreads the running
+  requests over the pp steps in flight (ceil(running / pp) per step), so B requests decode as two steps of
+  B/2, one on each stage (what the plan's PP throughput, pp batches in flight, assumes; its batch is one
+  step's, B/2 here).
 Measured per row:
-- interval: (time of N output tokens - time of 1) / (N - 1), best of --repeats: the time between two tokens
-  of one request; tokens_per_s = requests / interval (throughput). steady_decode_tokens_per_s: the same from
-  the engine core's own step times over its longest run of pure decode steps;
+- tokens_per_s (the headline): the engine core's decode rate from its own step times over its longest run of
+  pure decode steps, the best of --repeats; interval: (time of N output tokens - time of 1) / (N - 1), best
+  times of the repeats, and tokens_per_s_from_interval = requests / interval, as a cross-check;
 - step_latency: the engine core's time from submitting a decode step to its result (median; mean), and the
   most steps in flight;
 - inside every rank (probes installed through collective_rpc): the worker's execute_model time per decode step
-  and the time inside each torch.distributed call of the step (all_reduce, all_gather, send, recv), with the
-  bytes sent. compute = execute - that. Each call's enter and exit times (CLOCK_MONOTONIC, shared by the
-  processes) are paired with the other rank's same call, which splits a rank's collective time into waiting
-  for the peer to arrive and the collective after both arrived;
+  and the time inside each torch.distributed call of the step (all_reduce, all_gather, send, isend, recv),
+  with the bytes sent, and a PP stage's wait() on its previous hand-off's isend (isend_wait). compute =
+  execute - that. Each call's enter and exit times (CLOCK_MONOTONIC, shared by the processes) are paired
+  with the other rank's same call, which splits a rank's collective time into waiting for the peer to arrive
+  and the collective after both arrived;
 - the same collectives at the step's sizes apart, between two otherwise idle gloo processes (1 thread each),
   run just before the row: back to back, and after ~1 ms of matmuls on both ranks (as inside a step; the
   median time after both arrived, from the paired clocks);
@@ -49,7 +48,7 @@ A split the engine refuses is reported with its error, never a number. On 2 core
 vehicle: two processes share two cores and one memory bus and add collectives, so they are not expected to beat
 one process; the win is on GPUs (Part B).
 
-Prints a JSON result and one summary line: `python benchmarks/parallel.py` (about 3 minutes here).
+Prints a JSON result and one summary line: `python benchmarks/parallel.py` (2-3.5 minutes here).
 """
 from __future__ import annotations
 
@@ -102,7 +101,27 @@ def _error(e: BaseException) -> dict:
 # ranks import: this file as `parallel`, its folder being on the path the mp executor hands its ranks) --------
 _probe: dict = {"kind": "other", "stats": defaultdict(lambda: defaultdict(float)), "calls": []}
 _SENT = {"all_reduce": lambda n, b: 2 * (n - 1) / n * b, "all_gather": lambda n, b: (n - 1) * b,
-         "send": lambda n, b: b, "recv": lambda n, b: 0}
+         "send": lambda n, b: b, "isend": lambda n, b: b, "recv": lambda n, b: 0}
+
+
+class _TimedWork:
+    """A pending isend (a pipeline stage's hand-off) whose wait() is timed: the stage waits on it before its
+    next hand-off, inside a later step, so the time goes to that step's kind as "isend_wait"."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            b = _probe["stats"][_probe["kind"]]
+            b["isend_wait_s"] += time.perf_counter() - t
+            b["isend_wait_calls"] += 1
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def _timed_collective(name: str, fn):
@@ -121,7 +140,7 @@ def _timed_collective(name: str, fn):
         b["sent_bytes"] += _SENT[name](dist.get_world_size(kwargs.get("group")), payload)
         if _probe["kind"] == "decode":  # enter and exit on CLOCK_MONOTONIC, which all processes share
             _probe["calls"].append((name, t, t + dt))
-        return out
+        return _TimedWork(out) if name == "isend" else out
     call.probed = True
     return call
 
@@ -165,7 +184,7 @@ def probe_take(worker) -> dict:
     _probe["calls"] = []
     if not steps:
         return {"threads": torch.get_num_threads(), "decode_steps": 0}
-    ops = [n for n in _SENT if d.get(f"{n}_calls")]
+    ops = [n for n in [*_SENT, "isend_wait"] if d.get(f"{n}_calls")]
     comm = sum(d[f"{n}_s"] for n in ops)
     return {"threads": torch.get_num_threads(), "decode_steps": int(steps),
             "execute_ms": round(d["execute_s"] / steps * 1e3, 3),
@@ -173,15 +192,16 @@ def probe_take(worker) -> dict:
             "compute_ms": round((d["execute_s"] - comm) / steps * 1e3, 3),
             "per_op_ms": {n: round(d[f"{n}_s"] / steps * 1e3, 3) for n in ops},
             "calls_per_step": {n: round(d[f"{n}_calls"] / steps, 2) for n in ops},
-            "payload_bytes_per_call": {n: int(d[f"{n}_payload_bytes"] / d[f"{n}_calls"]) for n in ops},
+            "payload_bytes_per_call": {n: int(d[f"{n}_payload_bytes"] / d[f"{n}_calls"]) for n in ops
+                                       if n in _SENT},
             "sent_bytes_per_token": int(d.get("sent_bytes", 0) / tokens), "calls": calls}
 
 
 def split_waits(ranks: list[dict]) -> None:
     """Split each rank's time inside collectives into waiting for the peer and the collective itself, from the
     two ranks' enter/exit times of the same call (the i-th decode-step collective of one rank pairs with the
-    i-th of the other: TP ranks call the same sequence, a PP stage's send pairs with the next stage's recv).
-    A call that returned before the peer entered (a buffered send) is all its own time."""
+    i-th of the other: TP ranks call the same sequence, a PP stage's isend pairs with the next stage's recv).
+    A call that returned before the peer entered (an isend, a buffered send) is all its own time."""
     calls = [r.pop("calls", []) for r in ranks]
     if len(ranks) != 2 or not calls[0] or len(calls[0]) != len(calls[1]):
         for r in ranks:
@@ -244,15 +264,9 @@ def steady_tokens_per_s(seen: list) -> float | None:
     return sum(s[2] for s in best[1:]) / (best[-1][0] - best[0][0])
 
 
-THREADS = torch.get_num_threads()
-
-
 def start(model: str, split: dict, max_seqs: int, cpu_stack: bool = True):
     from tokenmill import LLM
 
-    # An in-process (TP=1) engine runs at this process's torch thread count and its thread sizer lowers it
-    # under load without restoring it: without this, a TP=1 engine started after another runs on 1 thread.
-    torch.set_num_threads(THREADS)
     llm = LLM(model, dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes="256MiB",
               enable_prefix_caching=False, max_num_seqs=max_seqs, **split)
     llm.engine.executor.collective_rpc(_self().probe_install, (cpu_stack,))
@@ -296,15 +310,14 @@ def measure(llm, batch: int, prompt_len: int, tokens: int, repeats: int) -> dict
     return r
 
 
-def run_split(model: str, split: dict, batches: list[int], args, cpu_stack: bool = True,
-              prompt_len: int | None = None) -> dict:
+def run_split(model: str, split: dict, batches: list[int], args, cpu_stack: bool = True) -> dict:
     """Every batch of one split in one engine, or the engine's refusal."""
     try:
         llm = start(model, split, max(batches), cpu_stack)
     except Exception as e:  # noqa: BLE001 - a refusal is a result here
         return _error(e)
     try:
-        out = {f"batch {b}": measure(llm, b, prompt_len or args.prompt_len, args.tokens, args.repeats)
+        out = {f"batch {b}": measure(llm, b, args.prompt_len, args.tokens, args.repeats)
                for b in batches}
         load = getattr(llm.engine, "expert_load", None)
         if load is not None:
@@ -521,19 +534,12 @@ def predict(shape, hw, tp: int, pp: int, batch: int, prompt_len: int, tokens: in
 
 # -- Part A ----------------------------------------------------------------------------------------------------
 def part_a_splits(b: int) -> dict:
-    """name -> (engine arguments, batches, C stack on, prompt length or None for --prompt-len)."""
-    return {"TP=1": (dict(tensor_parallel_size=1), [b, 2 * b], True, None),
-            "TP=1, 2 threads fixed": (dict(tensor_parallel_size=1), [b], True, None),
-            "TP=1 layers": (dict(tensor_parallel_size=1), [b], False, None),
-            "TP=2": (dict(tensor_parallel_size=2), [b], True, None),
-            "PP=2": (dict(pipeline_parallel_size=2), [b], True, None),
-            # PP=2 with its 2 steps in flight: the scheduler puts every running request into one step, so a
-            # second step only exists when the token budget leaves requests over. Budget b, 2b requests:
-            # two decode steps of b, what the plan's PP throughput (pp batches in flight) assumes. 1-token
-            # prompts, so the two halves start decoding together (longer prompts are prefilled in budget-sized
-            # chunks one request after another, and the steps then mix prefill and decode to the end)
-            "PP=2, 2 steps in flight": (dict(pipeline_parallel_size=2, max_num_batched_tokens=b), [2 * b], True, 1),
-            "PP=2, 1-token prompts": (dict(pipeline_parallel_size=2), [2 * b], True, 1)}
+    """name -> (engine arguments, batches, C stack on)."""
+    return {"TP=1": (dict(tensor_parallel_size=1), [b, 2 * b], True),
+            "TP=1, 2 threads fixed": (dict(tensor_parallel_size=1), [b], True),
+            "TP=1 layers": (dict(tensor_parallel_size=1), [b], False),
+            "TP=2": (dict(tensor_parallel_size=2), [b], True),
+            "PP=2": (dict(pipeline_parallel_size=2), [b, 2 * b], True)}
 
 
 def apart_figures(c: dict, layers: int, tp: bool) -> dict:
@@ -558,15 +564,15 @@ def part_a(args, world: CommWorld, hw: dict) -> dict:
     first = {**world.run(kind="link"), **world.run(**step_job, batch=args.batch)}
     link = measured_link(first, args.batch * SHAPE["hidden_size"] * 4)
     out = {}
-    for name, (split, batches, stack, prompt_len) in part_a_splits(args.batch).items():
+    for name, (split, batches, stack) in part_a_splits(args.batch).items():
         tp, pp = split.get("tensor_parallel_size", 1), split.get("pipeline_parallel_size", 1)
-        per_step = split.get("max_num_batched_tokens")
-        apart = world.run(**step_job, batch=per_step or batches[0]) if tp * pp > 1 else None
+        # the collectives' sizes and the plan's batch are one step's: PP spreads b requests over pp steps
+        apart = world.run(**step_job, batch=-(-batches[0] // pp)) if tp * pp > 1 else None
         fixed = "threads fixed" in name and "TOKENMILL_ADAPTIVE_THREADS" not in os.environ
         if fixed:  # read when the (in-process) worker is built
             os.environ["TOKENMILL_ADAPTIVE_THREADS"] = "0"
         try:
-            res = run_split(model, split, batches, args, cpu_stack=stack, prompt_len=prompt_len)
+            res = run_split(model, split, batches, args, cpu_stack=stack)
         finally:
             if fixed:
                 del os.environ["TOKENMILL_ADAPTIVE_THREADS"]
@@ -575,11 +581,11 @@ def part_a(args, world: CommWorld, hw: dict) -> dict:
             continue
         for b in batches:
             r = res[f"batch {b}"]
-            r["batch"], r["prompt_len"] = b, prompt_len or args.prompt_len
+            r["batch"], r["prompt_len"] = b, args.prompt_len
             if apart is not None and b == batches[0]:
                 r["collectives_apart"] = apart_figures(apart, args.layers, tp > 1)
             hwk = 1 if tp * pp == 1 else ("tp" if tp > 1 else "pp")
-            plan_b = per_step or b  # the plan's batch is one step's
+            plan_b = -(-b // pp)  # the plan's batch is one step's
             r["plan_nominal_link"] = predict(shape, hw[hwk], tp, pp, plan_b, args.prompt_len, args.tokens)
             r["plan_measured_link"] = predict(shape, hw[hwk], tp, pp, plan_b, args.prompt_len, args.tokens, link)
             out[name if b == args.batch or len(batches) == 1 else f"{name}, batch {b}"] = r
@@ -671,6 +677,8 @@ def summary(result: dict) -> str:
         comm = max((x.get("collectives_ms", 0) for x in r["ranks"]), default=0)
         parts.append(f"{name} (b{r['batch']}) {r['tokens_per_s']:.0f} tok/s, step {r['step_latency_ms']:.1f} ms"
                      + (f" ({comm:.1f} in collectives)" if comm else "")
+                     + (f", {r['steps_in_flight_max']} steps in flight of {r['requests_per_step']:g}"
+                        if r["steps_in_flight_max"] > 1 else "")
                      + f" [plan {r['plan_measured_link']['tokens_per_s']:.0f} tok/s]")
     moe = []
     for name, r in result.get("part_c", {}).get("splits", {}).items():
