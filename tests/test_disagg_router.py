@@ -1,11 +1,15 @@
 """Disaggregated prefill/decode behind the router, with real `tokenmill serve` processes on 127.0.0.1.
 
-The API carries kv_transfer_params in and out; `tokenmill router --prefill URL --decode URL...` runs each
-request's prefill phase on the prefill instance and relays the decode instance's answer, which equals a
-direct request to one instance (greedy, streamed and not); a decode instance killed while it holds a
-request makes the router retry the other with nothing lost; `tokenmill serve --disaggregate 1P1D` is one
-command whose decode instance computes only a transferred prompt's last token, and malformed --disaggregate
-values are refused with one-line errors.
+One module-wide deployment: `tokenmill serve --disaggregate 2P1D` (two prefill instances, one decode
+instance, the router; instance URLs read from the router's /metrics) beside one plain colocated instance
+(the reference, and an instance without a connector). Checked: the API carries kv_transfer_params in and out;
+2P1D greedy outputs equal the colocated instance for a concurrent batch of varied prompts (float32, streamed
+and not, completions and chat), and the decode instance computed only each transferred prompt's last token;
+`tokenmill router --prefill URL --decode URL...` in front of an instance without a connector relays its
+answers unchanged and counts the fallback; every instance's KV cache returns to zero usage after the requests,
+a client abort mid-stream included; a killed prefill instance makes the router use the other one; a decode
+instance killed while it holds a request makes the router retry the other with nothing lost; tokenmill bench
+serve reports the router's counters; malformed --disaggregate values are refused with one-line errors.
 """
 from __future__ import annotations
 
@@ -68,21 +72,59 @@ def test_malformed_disaggregation_is_refused(argv, message, capsys):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-# -- a prefill instance, two decode instances, the router ----------------------------------------------
+# -- one deployment: tokenmill serve --disaggregate 2P1D, and a plain colocated instance -------------------
+HC = ("--health-check-interval", "60", "--health-check-timeout", "60")  # failures are found by requests alone
+LONG = " ".join(PROMPTS[:3])  # four blocks of tokens
+
+
+class Deployment:
+    def __init__(self) -> None:
+        model = tiny_model("llama")
+        with ThreadPoolExecutor(2) as pool:
+            ref = pool.submit(ServerProc, model)
+            self.launcher = ServerProc(model, "--disaggregate", "2P1D", *HC)
+            self.ref = ref.result()  # colocated reference; it has no connector
+        roles: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for key in metrics(self.launcher):
+            if key.startswith("tokenmill:router_disagg_requests_total{"):
+                labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1:-1].split(","))
+                roles[labels["role"]].append(labels["replica"])
+        self.prefill, self.decode = sorted(roles["prefill"]), roles["decode"]
+        assert len(self.prefill) == 2 and len(self.decode) == 1, roles
+        self.routers: list[CliProc] = []
+
+    def router(self, prefill: list[str], decode: list[str]) -> CliProc:
+        """A `tokenmill router` in front of some of the instances."""
+        self.routers.append(CliProc(["router", *[a for u in prefill for a in ("--prefill", u)],
+                                     *[a for u in decode for a in ("--decode", u)], *HC], startup_timeout=60))
+        return self.routers[-1]
+
+    def instance_pid(self, url: str) -> int:
+        """The launcher's child `tokenmill serve` process listening on url's port."""
+        port = url.rsplit(":", 1)[1]
+        with open(f"/proc/{self.launcher.proc.pid}/task/{self.launcher.proc.pid}/children") as f:
+            pids = [int(p) for p in f.read().split()]
+        for pid in pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+                return pid
+        raise RuntimeError(f"no instance on port {port} among {pids}")
+
+    def stop(self) -> None:
+        for p in (*self.routers, self.launcher, self.ref):
+            p.stop()
+
+
 @pytest.fixture(scope="module")
 def deployment():
-    model = tiny_model("llama")
-    with ThreadPoolExecutor(3) as pool:
-        prefill, *decode = list(pool.map(lambda _: ServerProc(model), range(3)))
-    router = CliProc(["router", "--prefill", prefill.url, *[a for d in decode for a in ("--decode", d.url)],
-                      "--health-check-interval", "60", "--health-check-timeout", "60"], startup_timeout=60)
-    yield prefill, decode, router
-    for p in (router, prefill, *decode):
-        p.stop()
+    d = Deployment()
+    yield d
+    d.stop()
 
 
-def _body(prompt, stream: bool, chat: bool = False) -> dict:
-    body = {"temperature": 0, "max_tokens": 8, "stream": stream}
+def _body(prompt, stream: bool, chat: bool = False, max_tokens: int = 8) -> dict:
+    body = {"temperature": 0, "max_tokens": max_tokens, "stream": stream}
     return {**body, "messages": prompt} if chat else {**body, "prompt": prompt}
 
 
@@ -109,41 +151,149 @@ def _sum(m: dict, prefix: str) -> float:
     return sum(v for k, v in m.items() if k.startswith(prefix))
 
 
+def _url_metrics(url: str) -> dict[str, float]:
+    class _At:
+        pass
+    at = _At()
+    at.url = url
+    return metrics(at)
+
+
+def _counter(url: str, name: str) -> float:
+    """A counter on an instance's /metrics (its _total sample, whatever its labels)."""
+    m = _url_metrics(url)
+    return m.get(f"tokenmill:{name}_total", 0)  # the connector's counters appear once they count
+
+
+CASES = [(p, False) for p in (*PROMPTS, LONG)] + [(CHAT, True)]
+
+
 def test_kv_transfer_params_accepted_by_an_instance(deployment):
-    prefill, _, _ = deployment
     for chat in (False, True):
         body = {**_body(CHAT if chat else PROMPTS[0], False, chat), "kv_transfer_params": {"do_remote_decode": True}}
-        _, finish, response = _generate(prefill.url, body)
+        _, finish, response = _generate(deployment.ref.url, body)
         # An instance without a connector ignores the params and returns none.
         assert finish == "length" and response["usage"]["completion_tokens"] == 8
         assert "kv_transfer_params" not in response
 
 
-def test_two_phase_output_equals_a_direct_request(deployment):
-    prefill, decode, router = deployment
-    cases = [(p, s, False) for p in PROMPTS for s in (False, True)] + [(CHAT, s, True) for s in (False, True)]
-    before = metrics(router)
+def test_2p1d_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_token(deployment):
+    d, decode = deployment, deployment.decode[0]
+    expected = {json.dumps(p): _generate(d.ref.url, _body(p, False, chat))[:2] for p, chat in CASES}
+    counted = ("kv_pulls", "kv_transferred_tokens", "prefix_cache_hits", "prompt_tokens")
+    start = {c: _counter(decode, c) for c in counted}
+    before = metrics(d.launcher)
+    jobs = [(p, s, chat) for p, chat in CASES for s in (False, True)]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # one concurrent batch
+        results = list(pool.map(lambda j: _generate(d.launcher.url, _body(j[0], j[1], j[2])), jobs))
+    prompt_tokens = 0
+    for (prompt, stream, chat), (text, finish, last) in zip(jobs, results):
+        assert (text, finish) == expected[json.dumps(prompt)], (prompt, stream)
+        if not stream:  # the decode instance found every prompt token but the last one already in its cache
+            usage = last["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, (prompt, usage)
+            prompt_tokens += 2 * usage["prompt_tokens"]  # the streamed twin has the same prompt
+    n, m = len(jobs), metrics(d.launcher)
+    delta = {c: _counter(decode, c) - start[c] for c in counted}
+    assert delta["kv_pulls"] == n and delta["prompt_tokens"] == prompt_tokens, delta
+    # Every prompt token but the last came by transfer, or from the decode instance's own prefix cache (the
+    # twins run concurrently: the second may find the first's blocks there and pull only the rest).
+    assert 0 < delta["kv_transferred_tokens"] <= prompt_tokens - n, delta
+    assert delta["kv_transferred_tokens"] + delta["prefix_cache_hits"] == prompt_tokens - n, delta
+    assert _counter(decode, "kv_pull_fallbacks") == 0
+    assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == 0
+    phases = {u: _sum(m, f"tokenmill:router_disagg_requests_total{{replica={u},role=prefill}}")
+              - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={u},role=prefill}}") for u in d.prefill}
+    assert sum(phases.values()) == n, phases
+    assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") \
+        - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") == n
+
+
+def test_router_in_front_of_an_instance_without_a_connector(deployment):
+    d = deployment
+    router = d.router([d.ref.url], d.decode)  # (one URL cannot be both a prefill and a decode instance)
+    cases = [(PROMPTS[0], False, False), (PROMPTS[3], True, False), (CHAT, False, True), (CHAT, True, True)]
     for prompt, stream, chat in cases:
-        direct = _generate(prefill.url, _body(prompt, False, chat))[:2]
+        direct = _generate(d.ref.url, _body(prompt, False, chat))[:2]
         assert _generate(router.url, _body(prompt, stream, chat))[:2] == direct, (prompt, stream)
     m, n = metrics(router), len(cases)
-    assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={prefill.url},role=prefill}}") \
-        - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={prefill.url},role=prefill}}") == n
-    decoded = [_sum(m, f"tokenmill:router_disagg_requests_total{{replica={d.url},role=decode}}") for d in decode]
-    assert sum(decoded) == n and min(decoded) >= 1, decoded  # least load, equals rotate
-    # These instances run without --kv-transfer-config: each decode instance recomputed the prompt.
+    assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={d.ref.url},role=prefill}}") == n
+    assert m[f"tokenmill:router_disagg_requests_total{{replica={d.decode[0]},role=decode}}"] == n
+    # Its prefill instance has no connector: each decode instance recomputed the prompt.
     assert m["tokenmill:router_disagg_fallbacks_total{reason=no_kv_transfer_params}"] == n
     assert m["tokenmill:router_prefill_phase_seconds_count"] == n
 
 
+def _wait_kv_empty(urls: list[str], timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        scraped = {u: _url_metrics(u) for u in urls}
+        usage = {u: m["tokenmill:kv_cache_usage_perc"] for u, m in scraped.items()}
+        held = {u: _sum(m, "tokenmill:kv_held_requests") for u, m in scraped.items()}  # producers only
+        if not any(usage.values()) and not any(held.values()) or time.monotonic() > deadline:
+            return {"usage": usage, "held": held}
+        time.sleep(0.2)
+
+
+def test_kv_caches_empty_after_requests_and_a_client_abort(deployment):
+    d = deployment
+    with httpx.Client(base_url=d.launcher.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=_body(LONG, True, max_tokens=400)) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # one token arrived: the decode instance pulled the prompt and is decoding; then the abort
+    assert _generate(d.launcher.url, _body(PROMPTS[1], False))[1] == "length"  # the engine serves on
+    state = _wait_kv_empty([*d.prefill, *d.decode, d.ref.url])
+    assert not any(state["usage"].values()) and not any(state["held"].values()), state
+    assert _counter(d.decode[0], "kv_pull_fallbacks") == 0
+
+
+def test_prefill_instance_killed_the_other_one_serves(deployment):
+    import os
+
+    d = deployment
+    dead, alive = d.prefill
+    before = metrics(d.launcher)
+    assert before[f"tokenmill:router_disagg_requests_total{{replica={dead},role=prefill}}"] >= 1, before
+    expected = {json.dumps(p): _generate(d.ref.url, _body(p, False, chat))[:2] for p, chat in CASES}
+    os.killpg(d.instance_pid(dead), signal.SIGKILL)  # its engine process too (same session)
+    pulls = _counter(d.decode[0], "kv_pulls")
+    for prompt, chat in CASES:  # the prefix-aware policy sends the prompts it sent to `dead` there again
+        assert _generate(d.launcher.url, _body(prompt, True, chat))[:2] == expected[json.dumps(prompt)], prompt
+    m = metrics(d.launcher)
+    assert m["tokenmill:router_disagg_retries_total{role=prefill}"] >= 1
+    assert m[f"tokenmill:router_replica_healthy{{replica={dead}}}"] == 0
+    assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={alive},role=prefill}}") \
+        - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={alive},role=prefill}}") == len(CASES)
+    assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == 0  # the KV still came by transfer
+    assert _counter(d.decode[0], "kv_pulls") - pulls == len(CASES)
+    state = _wait_kv_empty([alive, *d.decode])
+    assert not any(state["usage"].values()) and not any(state["held"].values()), state
+
+
+def test_bench_serve_reports_the_routers_counters(deployment, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "serve", "--base-url", deployment.launcher.url, "--num-prompts", "4", "--input-len", "16",
+                 "--output-len", "4", "--tokenizer", tiny_model("llama"), "--warmup", "0", "--no-progress",
+                 "--save-result", str(out)]) == 0
+    assert "kv transfer" in capsys.readouterr().out
+    kt = json.loads(out.read_text())["summary"]["kv_transfer"]
+    assert kt["router_prefill_phases"] == 4 and kt["router_prefill_phase_mean_ms"] > 0, kt
+    assert kt.get("router_fallbacks", 0) == 0, kt
+
+
 def test_decode_instance_killed_before_answering_is_retried(deployment):
-    prefill, (d1, d2), router = deployment
-    expected = _generate(prefill.url, _body(PROMPTS[1], False))[:2]
-    d1.proc.send_signal(signal.SIGSTOP)  # it accepts connections but never answers
-    key = f"tokenmill:router_replica_in_flight{{replica={d1.url}}}"
+    """Last: it kills the colocated instance (here a second decode instance)."""
+    d = deployment
+    victim = d.ref
+    router = d.router([d.prefill[1]], [d.decode[0], victim.url])
+    expected = _generate(victim.url, _body(PROMPTS[1], False))[:2]
+    victim.proc.send_signal(signal.SIGSTOP)  # it accepts connections but never answers
+    key = f"tokenmill:router_replica_in_flight{{replica={victim.url}}}"
     results: list = []
     try:
-        for _ in range(4):  # decode instances alternate on equal load: one of the first two requests goes to d1
+        for _ in range(4):  # decode instances alternate on equal load: one of the first two requests goes to it
             t = threading.Thread(target=lambda: results.append(_generate(router.url, _body(PROMPTS[1], False))))
             t.start()
             deadline = time.monotonic() + 20
@@ -152,45 +302,19 @@ def test_decode_instance_killed_before_answering_is_retried(deployment):
             if t.is_alive():
                 break
         assert metrics(router).get(key, 0) == 1, "no request reached the stopped decode instance"
-        d1.proc.kill()  # it dies holding the request: the router retries on d2
+        victim.proc.kill()  # it dies holding the request: the router retries on the launcher's decode instance
         t.join(60)
         assert not t.is_alive()
     finally:
-        d1.proc.kill()
-        d1.proc.wait(10)
+        victim.proc.kill()
+        victim.proc.wait(10)
     assert all(r[:2] == expected for r in results), results
     m = metrics(router)
     assert m["tokenmill:router_disagg_retries_total{role=decode}"] >= 1
-    assert m[f"tokenmill:router_replica_healthy{{replica={d1.url}}}"] == 0
-    assert _generate(router.url, _body(PROMPTS[2], True))[1] == "length"  # d2 serves on
-
-
-# -- tokenmill serve --disaggregate 1P1D -----------------------------------------------------------------
-def test_serve_disaggregate_as_one_command(deployment, tmp_path, capsys):
-    prefill, _, _ = deployment
-    s = ServerProc(tiny_model("llama"), "--disaggregate", "1P1D")
-    try:
-        for prompt, stream in [(PROMPTS[0], False), (PROMPTS[3], True)]:
-            assert _generate(s.url, _body(prompt, stream))[:2] == _generate(prefill.url, _body(prompt, False))[:2]
-        # The connector moved the prompt's KV: the decode instance computed only its last token.
-        long_prompt = " ".join(PROMPTS[:3])
-        text, finish, response = _generate(s.url, _body(long_prompt, False))
-        assert (text, finish) == _generate(prefill.url, _body(long_prompt, False))[:2]
-        usage = response["usage"]
-        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1 > 16, usage
-        m = metrics(s)
-        assert m["tokenmill:router_disagg_fallbacks_total{reason=no_kv_transfer_params}"] == 0
-        assert _sum(m, "tokenmill:router_disagg_requests_total") == 6  # three requests, two phases each
-        assert _sum(m, "tokenmill:router_replica_healthy") == 2
-        # tokenmill bench serve reports the router's disaggregation counters
-        out = tmp_path / "bench.json"
-        assert main(["bench", "serve", "--base-url", s.url, "--num-prompts", "4", "--input-len", "16",
-                     "--output-len", "4", "--tokenizer", tiny_model("llama"), "--warmup", "0", "--no-progress",
-                     "--save-result", str(out)]) == 0
-        assert "kv transfer" in capsys.readouterr().out
-        kt = json.loads(out.read_text())["summary"]["kv_transfer"]
-        assert kt["router_prefill_phases"] == 4 and kt["router_prefill_phase_mean_ms"] > 0, kt
-        assert kt.get("router_fallbacks", 0) == 0, kt
-        assert s.stop(signal.SIGINT, timeout=60) == 0, s.logs()
-    finally:
-        s.stop()
+    assert m[f"tokenmill:router_replica_healthy{{replica={victim.url}}}"] == 0
+    assert _generate(router.url, _body(PROMPTS[2], True))[1] == "length"  # the other decode instance serves on
+    # The retried request's KV came from the prefill instance that still held it: nothing recomputed.
+    assert _counter(d.decode[0], "kv_pull_fallbacks") == 0
+    state = _wait_kv_empty([d.prefill[1], *d.decode])
+    assert not any(state["usage"].values()) and not any(state["held"].values()), state
+    assert d.launcher.stop(signal.SIGINT, timeout=60) == 0, d.launcher.logs()
