@@ -150,12 +150,12 @@ def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], sh
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from tokenmill.serve.api_server import _bind
+    from tokenmill.serve.api_server import bind_listening_socket
 
     if not (args.replica or args.prefill or args.decode):
         raise ValueError("the router needs --replica URLs, or --prefill and --decode URLs")
     router = make_router(args, args.replica, args.prefill, args.decode)
-    sock = _bind(args.host, args.port)
+    sock = bind_listening_socket(args.host, args.port)
     if args.prefill:
         logger.info("routing http://%s:%d disaggregated: prefill on %s (%s), decode on %s (least load)",
                     args.host, args.port, ", ".join(args.prefill), router.config.policy, ", ".join(args.decode))

@@ -162,8 +162,7 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 def run_data_parallel(args: argparse.Namespace) -> int:
     from tokenmill.config import resolve_model_path
-    from tokenmill.router.app import make_router, serve_router
-    from tokenmill.serve.api_server import _bind
+    from tokenmill.router.app import make_router
 
     n = args.data_parallel_size
     check_data_parallel_size(n)
@@ -171,23 +170,34 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     make_router(args, [f"http://127.0.0.1:{i + 1}" for i in range(n)])
     # Install / convert the model once here rather than racing N times in the replicas.
     resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
-    gpus = _gpus_for(n, args.device)
-    sock = _bind(args.host, args.port)  # fail fast on a busy port
+    argv = flags_of(args.serve_parser, args, _LAUNCHER_DESTS)
+    return _serve_behind_router(args, argv, n, _gpus_for(n, args.device), None,
+                                lambda urls: (make_router(args, urls), f"data parallel: {n} replicas"))
+
+
+def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus, extra,
+                         build_router) -> int:
+    """Start n `tokenmill serve` instances (argv, plus extra[i] for instance i), wait until all are healthy,
+    then serve build_router(urls) -> (router, description) on the user's --host/--port; stop them after."""
+    from tokenmill.router.app import serve_router
+    from tokenmill.serve.api_server import bind_listening_socket
+
+    sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    replicas: Optional[Replicas] = None
+    instances: Optional[Replicas] = None
     try:
-        replicas = Replicas(flags_of(args.serve_parser, args, _LAUNCHER_DESTS), n, gpus, args.log_level)
-        replicas.wait_healthy(args.engine_start_timeout)
+        instances = Replicas(argv, n, gpus, args.log_level, extra)
+        instances.wait_healthy(args.engine_start_timeout)
         signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
-        router = make_router(args, replicas.urls)
-        logger.info("data parallel: %d replicas behind the %s router on http://%s:%d", n, router.config.policy,
-                    args.host, args.port)
+        router, description = build_router(instances.urls)
+        logger.info("%s behind the %s router on http://%s:%d", description, router.config.policy, args.host,
+                    args.port)
         return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
-        if replicas is not None:
-            replicas.stop(args.shutdown_timeout + 10)
+        if instances is not None:
+            instances.stop(args.shutdown_timeout + 10)
 
 
 # -- tokenmill serve --disaggregate xPyD ----------------------------------------------------------------
@@ -215,33 +225,18 @@ def _kv_transfer_flags(args: argparse.Namespace, role: str) -> list[str]:
 def run_disaggregated(args: argparse.Namespace) -> int:
     """x prefill (kv_producer) and y decode (kv_consumer) instances, then the disaggregated router."""
     from tokenmill.config import resolve_model_path
-    from tokenmill.router.app import make_router, serve_router
-    from tokenmill.serve.api_server import _bind
+    from tokenmill.router.app import make_router
 
     x, y = parse_disaggregate(args.disaggregate, args.data_parallel_size)
     fake = [f"http://127.0.0.1:{i + 1}" for i in range(x + y)]
     make_router(args, [], fake[:x], fake[x:])  # the router's flags are checked before anything starts
     resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
     gpus = _gpus_for(x + y, args.device, f"--disaggregate {args.disaggregate}")
-    connector = hasattr(args, "kv_transfer_config")  # the engine's --kv-transfer-config flag
-    if not connector:
-        logger.warning("this build has no --kv-transfer-config: decode instances will recompute every prompt")
-    extra = [_kv_transfer_flags(args, "kv_producer" if i < x else "kv_consumer") if connector else []
-             for i in range(x + y)]
-    sock = _bind(args.host, args.port)  # fail fast on a busy port
-    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    instances: Optional[Replicas] = None
-    try:
-        argv = flags_of(args.serve_parser, args, _LAUNCHER_DESTS | {"kv_transfer_config"})
-        instances = Replicas(argv, x + y, gpus, args.log_level, extra)
-        instances.wait_healthy(args.engine_start_timeout)
-        signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
-        router = make_router(args, [], instances.urls[:x], instances.urls[x:])
-        logger.info("disaggregated %s: prefill on %s, decode on %s, router on http://%s:%d", args.disaggregate,
-                    ", ".join(instances.urls[:x]), ", ".join(instances.urls[x:]), args.host, args.port)
-        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        sock.close()
-        if instances is not None:
-            instances.stop(args.shutdown_timeout + 10)
+    extra = [_kv_transfer_flags(args, "kv_producer" if i < x else "kv_consumer") for i in range(x + y)]
+    argv = flags_of(args.serve_parser, args, _LAUNCHER_DESTS | {"kv_transfer_config"})
+
+    def build(urls):
+        return (make_router(args, [], urls[:x], urls[x:]), f"disaggregated {args.disaggregate}: prefill on "
+                f"{', '.join(urls[:x])}, decode on {', '.join(urls[x:])}")
+
+    return _serve_behind_router(args, argv, x + y, gpus, extra, build)

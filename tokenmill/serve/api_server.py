@@ -314,7 +314,7 @@ class DrainingServer:
         return Server(config)
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def bind_listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -354,7 +354,7 @@ def run_server(args: argparse.Namespace) -> int:
     config = EngineConfig.from_cli_args(args)
     config.finalize(install_default=getattr(args, "install_default_model", False))
     chat_template = _read_chat_template(args.chat_template)
-    sock = _bind(args.host, args.port)  # fail fast on a busy port, before loading the model
+    sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
     try:
         engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
