@@ -751,7 +751,9 @@ class RouterConfig:
             if not re.match(r"^https?://[^/\s]+/?$", url):
                 raise ValueError(f"--replica {url!r} is not a base URL such as http://127.0.0.1:8001")
         if len({u.rstrip("/") for u in self.replicas}) != len(self.replicas):
-            raise ValueError("the same --replica URL is given twice")
+            dup = next(u for u in self.replicas if [v.rstrip("/") for v in self.replicas].count(u.rstrip("/")) > 1)
+            raise ValueError(f"{dup} is given twice (a URL is one instance: one --replica, or one --prefill or "
+                             "--decode)")
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown router policy {self.policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
         if self.load_weight < 0:
