@@ -325,3 +325,20 @@ def test_transfer_counters_and_time_histogram_reach_metrics():
     hist = {s.labels.get("le"): s.value for s in fams["tokenmill:kv_transfer_seconds"].samples
             if s.name.endswith("_bucket")}
     assert (hist["0.005"], hist["0.025"], hist["0.5"], hist["+Inf"]) == (1, 2, 3, 3)
+
+
+def test_offline_generate_carries_kv_transfer_params(engines):
+    """LLM.generate takes kv_transfer_params in a prompt dict (like cache_salt) and returns the prefill side's
+    in RequestOutput.kv_transfer_params; the decode side's output equals the colocated one."""
+    prefill, decode, ref = engines
+    ids = _prompt(37, seed=99)
+    pulls = decode.engine.stats().kv_connector.get("kv_pulls", 0)
+    first = prefill.generate([{"prompt_token_ids": ids, "kv_transfer_params": {"do_remote_decode": True}}],
+                             PREFILL_ONLY, use_tqdm=False)[0]
+    params = first.kv_transfer_params
+    assert params["do_remote_prefill"] and params["num_tokens"] == len(ids)
+    got = decode.generate([{"prompt_token_ids": ids, "kv_transfer_params": params}], GREEDY, use_tqdm=False)[0]
+    want = ref.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert decode.engine.stats().kv_connector.get("kv_pulls", 0) == pulls + 1
+    _settle(prefill, decode)

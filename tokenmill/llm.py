@@ -73,8 +73,9 @@ class LLM:
     # -- internals --------------------------------------------------------------------------
     def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # as vLLM's prompt dicts
-        reqs = fan_out(rid, ids, sp, self.eos_token_id, self.config.cache.enable_prefix_caching, salt)
+        extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
+        reqs = fan_out(rid, ids, sp, self.eos_token_id, self.config.cache.enable_prefix_caching,
+                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"))
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

@@ -303,9 +303,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
-                       cache_salt, time.time())
-        for r in reqs:
-            r.kv_transfer_params = kv_transfer_params
+                       cache_salt, time.time(), kv_transfer_params)
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
         stream = RequestStream(request_id, queue if queue is not None else asyncio.Queue(), ids, len(prompt_ids))

@@ -47,17 +47,19 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[
 
 def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos: Optional[int],
             enable_prefix_caching: bool, cache_salt: Optional[str] = None,
-            arrival_time: float = 0.0) -> list[EngineCoreRequest]:
+            arrival_time: float = 0.0, kv_transfer_params: Optional[dict] = None) -> list[EngineCoreRequest]:
     """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
-    (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM."""
+    (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM.
+    kv_transfer_params (disaggregated prefill/decode) goes to every one of them."""
     if params.n == 1:
         return [EngineCoreRequest(request_id, prompt_ids, params, eos, arrival_time,
-                                  cache_salt if enable_prefix_caching else None)]
+                                  cache_salt if enable_prefix_caching else None, kv_transfer_params)]
     salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
     reqs = []
     for i in range(params.n):
         # seed + i, wrapped to stay a signed 64-bit integer
         seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
         child = params.clone(n=1, seed=seed)
-        reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos, arrival_time, salt))
+        reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos, arrival_time, salt,
+                                      kv_transfer_params))
     return reqs
