@@ -177,8 +177,9 @@ class KVCacheManager:
         if not self.enable_caching:
             req.block_hashes.clear()
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its start-th block on (the step message sends only the new ones)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
 
     @property
     def usage(self) -> float:

@@ -302,7 +302,7 @@ class Scheduler:
             if self.connector is not None:
                 first = len(hits)  # a hit may end inside a block (the prompt's last, from another instance)
                 self.connector.on_allocated(
-                    req, self.kv.block_ids(req.request_id)[first:first - (-num_ext // self.block_size)])
+                    req, self.kv.block_ids(req.request_id, first)[:-(-num_ext // self.block_size)])
                 self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
             else:
                 self.kv.record_lookup(req.num_tokens, num_hit)
@@ -323,8 +323,8 @@ class Scheduler:
             out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_id,
                                                req.output_token_ids))
             req.num_blocks_sent = req.num_outputs_sent = 0
-        new_blocks = self.kv.block_ids(req.request_id)[req.num_blocks_sent:]
-        new_outputs = req.output_token_ids[req.num_outputs_sent:] if not new else []
+        new_blocks = self.kv.block_ids(req.request_id, req.num_blocks_sent)
+        new_outputs = req.all_token_ids[req.num_prompt_tokens + req.num_outputs_sent:] if not new else []
         req.num_blocks_sent += len(new_blocks)
         req.num_outputs_sent = req.num_output_tokens
         sample = start + n == req.num_tokens

@@ -167,7 +167,7 @@ class FusedMoE(nn.Module):
                 offset += n
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, tokens, out)
-        return tp_all_reduce(y) if tp_size() > 1 else y
+        return tp_all_reduce(y)  # (a no-op on one rank)
 
     def take_expert_load(self) -> torch.Tensor:
         """Tokens routed to each of the E experts since the last call (and reset)."""
