@@ -587,18 +587,11 @@ class EngineConfig:
         self.scheduler.validate(self.model.max_model_len)
         self.parallel.finalize(self.device, self.model.hf_config)
         self._check_parallel_features()
-        self._check_kv_transfer()
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
             self.speculative.finalize(self.model)
         return self
-
-    def _check_kv_transfer(self) -> None:
-        if self.kv_transfer is not None and self.cache.kv_cache_dtype == "int8":
-            raise ValueError("--kv-transfer-config with --kv-cache-dtype int8 is not supported: int8 KV scales are "
-                             "calibrated per instance, so a prefill instance's blocks would mean something else on "
-                             "the decode instance; use --kv-cache-dtype fp8 or auto")
 
     def _check_parallel_features(self) -> None:
         """Features not built for a split model yet: refused by name rather than run wrong."""

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
 if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this package's plan types
     from tokenmill.engine.request import Request
+    from tokenmill.layers.attention.kv_quant import KVCacheQuant
 
 
 @dataclass
@@ -95,8 +96,11 @@ class KVConnectorScheduler(ABC):
 
 class KVConnectorWorker(ABC):
     @abstractmethod
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """The device KV tensors, each with the block index on dim 2 ([2, heads, blocks, block_size, dim])."""
+    def register_kv_caches(self, kv_caches: list[torch.Tensor],
+                           kv_quants: Sequence[Optional["KVCacheQuant"]] = ()) -> None:
+        """The device KV tensors, each with the block index on dim 2 ([2, heads, blocks, block_size, dim]), and
+        for an 8-bit cache the leading ones' quantizers (their scales say what the bytes mean; None: not
+        quantized, as a drafter's cache)."""
 
     @abstractmethod
     def start_step(self, plan: Any) -> None:

@@ -7,7 +7,7 @@ prefill instance; else the tiers). The part that answered owns the request's hit
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -86,9 +86,9 @@ class CompositeWorker(KVConnectorWorker):
         self.offload, self.transfer = offload, transfer
         self.parts = [c for c in (offload, transfer) if c is not None]
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], kv_quants: Sequence = ()) -> None:
         for part in self.parts:
-            part.register_kv_caches(kv_caches)
+            part.register_kv_caches(kv_caches, kv_quants)
 
     def start_step(self, plan: ConnectorPlan) -> None:
         # Tiers first: their saves copy out blocks the pool hands out again this step, before any load.

@@ -4,7 +4,8 @@ A block hash names only tokens (and a salt), not the model that computed their K
 a stored block is valid only for a worker with the same fingerprint: the same model (path, config, weight
 files' names, sizes and modification times), weights dtype and quantization, drafter, KV cache dtype, block
 size, and every KV tensor's layout (layers, KV heads, head dim, dtype). Calibrated int8 KV scales are not
-covered: they change per run, and disk files never outlive their process (disk_store.py).
+covered: they change per run, disk files never outlive their process (disk_store.py), and a pull from another
+instance carries that instance's scales with the blocks (p2p_worker.py adopts or requantizes).
 
 Between instances (disaggregated prefill/decode, possibly on two machines) the fingerprint is `portable`:
 the same checkpoint copied elsewhere has another path and other modification times, so the files count by

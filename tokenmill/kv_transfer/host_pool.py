@@ -2,7 +2,8 @@
 
 A slot is one contiguous row of bytes holding a block of every registered KV tensor (each layer's K and V,
 then a KV-keeping drafter's), which is also exactly what a disk file holds. Blocks move as raw bytes, so every
-KV dtype round-trips exactly (fp8/int8 scales are per layer, not per block, and stay on the worker).
+KV dtype round-trips exactly (fp8/int8 scales are per layer, not per block: they stay on the worker; a transfer
+to another instance sends them beside the rows, p2p_worker.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ class HostBlockPool:
         self.rows = torch.empty((num_slots, self.block_nbytes), dtype=torch.uint8,
                                 pin_memory=self.device.type == "cuda")
         self.rows_np = self.rows.numpy()
-        self.host_views = self._per_kv_tensor(self.rows)
+        self.host_views = self.per_kv_tensor(self.rows)
 
-    def _per_kv_tensor(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def per_kv_tensor(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Views of rows ([n, block bytes]) per KV tensor: [n, 2, heads, block_size, bytes], a column range each."""
         views, offset = [], 0
         for shape in self.block_shapes:
@@ -38,7 +39,7 @@ class HostBlockPool:
     def copy_out(self, block_ids: list[int]) -> np.ndarray:
         """Device blocks -> new host rows ([n, block bytes]) that belong to the caller (a disk write)."""
         rows = torch.empty((len(block_ids), self.block_nbytes), dtype=torch.uint8)
-        self._gather(block_ids, torch.arange(len(block_ids)), self._per_kv_tensor(rows))
+        self._gather(block_ids, torch.arange(len(block_ids)), self.per_kv_tensor(rows))
         return rows.numpy()
 
     def _gather(self, block_ids: list[int], idx: torch.Tensor, host_views: list[torch.Tensor]) -> None:
@@ -56,7 +57,7 @@ class HostBlockPool:
     def load_rows(self, rows: torch.Tensor, block_ids: list[int]) -> None:
         """Rows the caller owns ([n, block bytes], e.g. received from another instance) -> device blocks."""
         ids = torch.tensor(block_ids, device=self.device)
-        for dev, host in zip(self.device_views, self._per_kv_tensor(rows)):
+        for dev, host in zip(self.device_views, self.per_kv_tensor(rows)):
             dev.index_copy_(2, ids, host.movedim(0, 2).to(self.device))
 
     def row(self, slot: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Worker half of KV offloading: executes the scheduler's plans against the host pool and the disk store."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -21,7 +21,8 @@ class OffloadingWorker(KVConnectorWorker):
         self.host: Optional[HostBlockPool] = None
         self.disk: Optional[DiskBlockStore] = None
 
-    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], kv_quants: Sequence = ()) -> None:
+        # Scales need not travel: the tiers' blocks only ever come back to this instance, whose scales they are.
         self.host = HostBlockPool(kv_caches, self.num_host_blocks)
         if self.disk_dir is not None:
             self.disk = DiskBlockStore(self.disk_dir, self.host.rows_np, kv_fingerprint(self.config, kv_caches))

@@ -1,8 +1,10 @@
 """Moving KV blocks between instances: the transport interface and its TCP implementation.
 
 A transport moves a request's blocks, named by (remote request id, block ids), as raw byte rows (one row per
-block: every layer's K and V as the KV cache stores them, so fp8/int8 caches move their narrow bytes). Each
-block travels with a CRC-32 that the puller checks; a pull ends with a "done" note that lets the serving side
+block: every layer's K and V as the KV cache stores them, so fp8/int8 caches move their narrow bytes). An
+8-bit cache's bytes mean value / scale, so a pull also carries the serving side's per-layer K/V scales (a few
+floats per layer; int8 ones are calibrated per instance). Each block, and the scales, travel with a CRC-32 that
+the puller checks; a pull ends with a "done" note that lets the serving side
 free the blocks, sent whatever happened (success, corruption, refusal, cancellation). An RDMA/NVLink transport
 (NIXL) can implement the same interface, reading straight from the remote device memory.
 
@@ -18,6 +20,7 @@ import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import msgspec
@@ -36,10 +39,18 @@ class NotReady(Exception):
     """The serving side does not offer this request's blocks (yet): the puller may ask again."""
 
 
+@dataclass
+class Blocks:
+    """What a pull moves: the blocks' byte rows [n, block bytes] and, for an 8-bit KV cache, the K/V scales
+    those bytes were quantized with (fp32, each layer's [2, KV heads] in layer order, flattened); else None."""
+    rows: np.ndarray
+    scales: Optional[np.ndarray] = None
+
+
 class BlockSource(Protocol):
     """What a transport serves from (the prefill worker)."""
-    def read_blocks(self, request_id: str, block_ids: list[int], kv_fingerprint: str) -> np.ndarray:
-        """Rows [n, block bytes] of the offered blocks; raises NotReady, or TransferError with the reason."""
+    def read_blocks(self, request_id: str, block_ids: list[int], kv_fingerprint: str) -> Blocks:
+        """The offered blocks (and scales); raises NotReady, or TransferError with the reason."""
 
     def done(self, request_id: str) -> None:
         """The puller is done with request_id's blocks."""
@@ -52,17 +63,19 @@ class BlockTransport(ABC):
 
     @abstractmethod
     def pull(self, host: str, port: int, request_id: str, block_ids: list[int], kv_fingerprint: str,
-             deadline: float, cancelled: Callable[[], bool]) -> np.ndarray:
-        """The blocks' rows [n, block bytes], each checked against its CRC; then tells the server it is done
-        (also when failing). Raises TransferError. With no block_ids it only says done."""
+             deadline: float, cancelled: Callable[[], bool]) -> Blocks:
+        """The blocks (rows and scales), each checked against its CRC; then tells the server it is done (also
+        when failing). Raises TransferError. With no block_ids it only says done."""
 
     def close(self) -> None:
         pass
 
 
 class TcpTransport(BlockTransport):
-    # Test hook: the server flips one byte in this many of the next blocks it sends (after their checksum).
+    # Test hooks: the server flips one byte in this many of the next blocks / scale frames it sends (after
+    # their checksum).
     corrupt_next_blocks = 0
+    corrupt_next_scales = 0
 
     def __init__(self) -> None:
         self._listener: Optional[socket.socket] = None
@@ -101,25 +114,24 @@ class TcpTransport(BlockTransport):
 
     def _serve_pull(self, conn: socket.socket, source: BlockSource, msg: dict) -> None:
         try:
-            rows = source.read_blocks(msg["rid"], msg["blocks"], msg["fp"])
+            blocks = source.read_blocks(msg["rid"], msg["blocks"], msg["fp"])
         except NotReady:
             _send(conn, {"status": "not_ready"})
             return
         except TransferError as e:
             _send(conn, {"status": "error", "error": str(e)})
             return
-        _send(conn, {"status": "ok", "n": len(rows), "row_bytes": rows.shape[1]})
+        rows, scales = blocks.rows, blocks.scales
+        _send(conn, {"status": "ok", "n": len(rows), "row_bytes": rows.shape[1],
+                     "num_scales": 0 if scales is None else scales.size})
+        if scales is not None:
+            _send_checked(conn, scales.view(np.uint8), "corrupt_next_scales")
         for row in rows:
-            crc = zlib.crc32(row)
-            if TcpTransport.corrupt_next_blocks > 0:
-                TcpTransport.corrupt_next_blocks -= 1
-                row = row.copy()
-                row[len(row) // 2] ^= 0xFF
-            _send(conn, {"crc": crc}, row)
+            _send_checked(conn, row, "corrupt_next_blocks")
 
     # -- pulling side -------------------------------------------------------------------------
     def pull(self, host: str, port: int, request_id: str, block_ids: list[int], kv_fingerprint: str,
-             deadline: float, cancelled: Callable[[], bool]) -> np.ndarray:
+             deadline: float, cancelled: Callable[[], bool]) -> Blocks:
         try:
             with socket.create_connection((host, port), timeout=_IO_TIMEOUT_S) as conn:
                 try:
@@ -130,9 +142,9 @@ class TcpTransport(BlockTransport):
             raise TransferError(f"KV pull from {host}:{port} failed: {type(e).__name__}: {e}") from None
 
     def _pull_rows(self, conn: socket.socket, request_id: str, block_ids: list[int], kv_fingerprint: str,
-                   deadline: float, cancelled: Callable[[], bool]) -> np.ndarray:
+                   deadline: float, cancelled: Callable[[], bool]) -> Blocks:
         if not block_ids:
-            return np.empty((0, 0), dtype=np.uint8)
+            return Blocks(np.empty((0, 0), dtype=np.uint8))
         while True:
             if cancelled():
                 raise TransferError("cancelled")
@@ -146,13 +158,15 @@ class TcpTransport(BlockTransport):
                 raise TransferError(head["error"])
             time.sleep(0.005)  # not offered yet: the prefill step that writes them is finishing
         # Every frame is read even after a bad one, so the stream stays in step for the "done" note.
+        scales = np.empty(head.get("num_scales", 0), dtype=np.float32) if head.get("num_scales") else None
+        bad = ["scales"] if scales is not None and not _recv_checked(conn, scales.view(np.uint8)) else []
         rows = np.empty((head["n"], head["row_bytes"]), dtype=np.uint8)
-        bad = [block_ids[i] for i in range(head["n"]) if _recv(conn, into=rows[i])[0]["crc"] != zlib.crc32(rows[i])]
+        bad += [f"block {block_ids[i]}" for i in range(head["n"]) if not _recv_checked(conn, rows[i])]
         if bad:
-            raise TransferError(f"block(s) {bad} of request {request_id!r} arrived corrupt (CRC mismatch)")
+            raise TransferError(f"{', '.join(bad)} of request {request_id!r} arrived corrupt (CRC mismatch)")
         if cancelled() or time.monotonic() > deadline:
             raise TransferError("cancelled" if cancelled() else "timed out")
-        return rows
+        return Blocks(rows, scales)
 
     def close(self) -> None:
         self._closed.set()
@@ -166,6 +180,21 @@ def _say_done(conn: socket.socket, request_id: str) -> None:
         _recv(conn)
     except (OSError, ConnectionError, ValueError) as e:
         logger.debug("KV transfer: could not say done for %s: %s", request_id, e)
+
+
+def _send_checked(conn: socket.socket, data: np.ndarray, corrupt_hook: str) -> None:
+    """One frame of bytes with its CRC-32 (the named test hook may flip a byte after the checksum)."""
+    crc = zlib.crc32(data)
+    if getattr(TcpTransport, corrupt_hook) > 0:
+        setattr(TcpTransport, corrupt_hook, getattr(TcpTransport, corrupt_hook) - 1)
+        data = data.copy()
+        data[len(data) // 2] ^= 0xFF
+    _send(conn, {"crc": crc}, data)
+
+
+def _recv_checked(conn: socket.socket, into: np.ndarray) -> bool:
+    """Receive a _send_checked frame into `into`; whether it matches its CRC."""
+    return _recv(conn, into=into)[0]["crc"] == zlib.crc32(into)
 
 
 _encoder = msgspec.msgpack.Encoder()

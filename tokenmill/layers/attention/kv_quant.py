@@ -11,6 +11,10 @@ Where the scales come from (the documented default):
   activations without scaling (vLLM's default too);
 - int8: calibrated on the first step that writes the layer's KV: max |x| per head x 2 / 127, so values up
   to twice the first prompt's range fit before they clip. Calibration happens once; later steps reuse it.
+
+KV received from another instance (disaggregated prefill/decode, kv_transfer/p2p_worker.py) comes quantized
+with that instance's scales: an uncalibrated layer adopts them (the bytes are used as they arrived), a layer
+calibrated differently requantizes the received values into its own.
 """
 from __future__ import annotations
 
@@ -49,6 +53,22 @@ class KVCacheQuant:
             amax = x.detach().abs().float().amax(dim=(0, 2)).clamp_(min=1e-6)
             self.scale[which] = amax * INT8_CALIBRATION_HEADROOM / self.qmax
         self.calibrated = True
+
+    def adopt(self, scale: torch.Tensor) -> None:
+        """Take another instance's scales ([2, Hkv]) as this layer's calibration. In place: kernels and
+        captured graphs hold the tensor."""
+        self.scale.copy_(scale.to(self.scale.device, torch.float32))
+        self.calibrated = True
+
+    def requantize(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Cache values [..., 2, Hkv, T, D] quantized with `scale` ([2, Hkv], another instance's) -> the same
+        values quantized with this layer's scales (dequantize, then quantize, per K/V and head)."""
+        theirs = scale.float().to(x.device)[:, :, None, None]
+        ours = self.scale.to(x.device)[:, :, None, None]
+        y = x.float() * theirs / ours
+        if self.dtype == torch.int8:
+            y = y.round_()
+        return y.clamp_(-self.qmax, self.qmax).to(self.dtype)
 
     def quantize(self, x: torch.Tensor, which: int) -> torch.Tensor:
         """[T, Hkv, D] -> the cache dtype."""
