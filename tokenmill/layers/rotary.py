@@ -30,7 +30,8 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-    return inv_freq.float(), float(scaling)
+    # on the device the model is being built on (the loader's torch.device context), like the default branch
+    return inv_freq.float().to(torch.get_default_device()), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
