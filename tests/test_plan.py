@@ -445,6 +445,58 @@ def test_cli_disaggregate_lines(capsys):
     assert set(p["disaggregated"]) >= {"itl_p99_s", "ttft", "prefill", "decode", "kv_transfer_s"}
 
 
+# local-cpu: one machine (2 threads), served whole or split; a fixed stand-in for the measured loopback KV link
+LOCAL_CPU = Hardware("local-cpu", 24 * GiB, 20e9, {"fp32": 100e9}, measured=True, details={"threads": 2})
+
+
+def test_disagg_local_cpu_is_one_machine_split_or_not():
+    """On local-cpu colocated is one instance with every core (what `tokenmill serve` runs) and 1P1D two instances
+    with half of them each (what --disaggregate starts): half the FLOP/s and bandwidth, so their steps take twice
+    as long and every prompt queues on one half-machine. The KV a decode instance receives is CPU work on its
+    own cores: each pull stretches the decode step beside it by the transfer time."""
+    from tokenmill.plan.disagg import Traffic, disagg_plan, layouts
+    from tokenmill.plan.hardware import Interconnect
+
+    shape = load_model_shape("SmolLM2-135M")
+    kw = dict(weight_dtype="fp32", kv_dtype="fp32", compute_dtype="fp32")
+    lay = layouts(shape, LOCAL_CPU, 1, 1, 1, chunk=2048, **kw)
+    assert lay.colocated_instances == 1 and lay.receive_on_decode_cores
+    assert (lay.colocated.peak, lay.colocated.bandwidth) == (100e9, 20e9)
+    assert (lay.disaggregated.peak, lay.disaggregated.bandwidth) == (50e9, 10e9)
+    assert sum(lay.disaggregated.prefill_chunks(1024)) == pytest.approx(2 * sum(lay.colocated.prefill_chunks(1024)))
+    assert lay.disaggregated.decode_step(1, 100) == pytest.approx(2 * lay.colocated.decode_step(1, 100))
+    gpu = layouts(shape, H100, 1, 1, 1, chunk=2048, **kw)   # catalog hardware: x + y like instances either way
+    assert gpu.colocated is gpu.disaggregated and gpu.colocated_instances == 2 and not gpu.receive_on_decode_cores
+
+    link = Interconnect("loopback-TCP", 150e6, 1e-3, "node", "a stand-in for the measured link")
+    # benchmarks/disagg.py's traffic: 0.5 chat req/s (64 tokens) + one 1024-token prompt per 15 s, 32 out
+    p = disagg_plan(shape, LOCAL_CPU, 1, 1, Traffic(0.5667, 64, 32, 0.1176, 1024), link=link, **kw)
+    co, dis = p["colocated"], p["disaggregated"]
+    assert co["instances"] == 1 and co["rate_per_instance"] == pytest.approx(0.5667)
+    xfer = dis["kv_transfer_s"]
+    assert xfer[1024] == pytest.approx(1e-3 + 1024 * 2 * 30 * 3 * 64 * 4 / 150e6)  # 30 layers x 3 KV heads x 64
+    dec = dis["decode"]
+    assert dec["receiving"] == pytest.approx(0.5667 * (0.8824 * xfer[64] + 0.1176 * xfer[1024]), rel=1e-3)
+    assert dis["itl_p50_s"] == dec["step_s"] == pytest.approx(2 * co["itl_p50_s"], rel=0.05)
+    assert dis["itl_p99_s"] == pytest.approx(dec["step_s"] + xfer[64])  # > 1% of the gaps wait on a chat pull
+    assert dis["ttft"]["mean_s"] > 2 * co["ttft"]["mean_s"]
+    assert p["verdict"].startswith("pays: colocated ITL P99 ")     # a chat prompt's chunk step vs a pull's stall
+    assert "1/2 of its FLOP/s and memory bandwidth" in p["notes"][0]
+
+
+def test_cli_disaggregate_local_cpu_measures_the_kv_link(capsys):
+    import torch
+
+    threads = torch.get_num_threads()
+    assert main(["plan", "SmolLM2-135M", "--hardware", "local-cpu", "--disaggregate", "1P1D", "--input-len", "64",
+                 "--output-len", "32", "--long-input-len", "1024", "--long-fraction", "0.12", "--request-rate", "0.5",
+                 "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["kv_link"] == "loopback-TCP" and "measured now" in p["kv_link_about"]
+    assert 0 < p["kv_link_bandwidth"] < math.inf and p["kv_link_latency"] >= 0
+    assert p["colocated"]["instances"] == 1 and torch.get_num_threads() == threads
+
+
 @pytest.mark.parametrize("args,message", [
     (["--disaggregate", "2P0D"], "--disaggregate takes xPyD: x >= 1 prefill and y >= 1 decode instances "
                                  "(e.g. 1P1D, 2P4D), got '2P0D'"),

@@ -1,6 +1,9 @@
 """`tokenmill plan --disaggregate xPyD`: colocated vs disaggregated prefill/decode, from the roofline and queues.
 
-The same x + y instances (each TP devices) are served two ways:
+The same hardware is served two ways. On catalog hardware that is x + y instances of TP devices each, every one
+running both phases (colocated) or one phase (xPyD). On local-cpu it is this one machine, as `tokenmill serve`
+and `tokenmill serve --disaggregate xPyD` run it: colocated is one instance with all the cores; xPyD is x + y
+instances with 1/(x+y) of the cores each, i.e. that share of the measured FLOP/s and memory bandwidth.
 
 - **colocated**: every instance runs both phases. Chunked prefill: a step carries the running decodes (batch B,
   one token each) plus up to `--max-num-batched-tokens` tokens of a waiting prompt. A step is the roofline of
@@ -21,8 +24,10 @@ P(W > t) ~ rho exp(-t rho / E[W]). The decode batch B per instance is what Littl
 B x (steps per second) = requests/s x (output_len - 1) tokens, solved for B; a pool saturates when its
 prefill work reaches 100% of its time or B outgrows the KV room.
 KV transfer: prompt tokens x KV bytes per token, each of the TP ranks sending its shard over its own link
-(`--network`, default InfiniBand-NDR; `--network nvlink` when both pools share an NVLink domain), after the
-prefill and not overlapped with it (added to TTFT); the first token reaches the client after the transfer.
+(`--network`, default InfiniBand-NDR at its link rate, as an RDMA transport reaches; `--network nvlink` when
+both pools share an NVLink domain), after the prefill and not overlapped with it (added to TTFT); the first
+token reaches the client after the transfer. On local-cpu the link is measured now (kv_link.py: tokenmill's
+own gather + TCP + CRC + copy path over loopback, a few hundred MB/s, not a nominal memory-copy rate).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ ASSUMPTIONS = [
     "Poisson arrivals spread evenly over instances; each instance's prompt chunks are an M/G/1 queue",
     "colocated: chunked prefill, one chunk per step beside every running decode (ITL = step durations)",
     "xPyD: decode steps carry no prefill; KV sent after the prefill, not overlapped, each TP rank on its own link",
+    "local-cpu: colocated = one instance with every core; xPyD = x + y instances splitting the cores evenly",
     f"'pays' = colocated ITL P99 >= {PAYS_MARGIN:g} x xPyD's, or colocated saturates and xPyD does not",
 ]
 
@@ -231,21 +237,34 @@ def colocated(inst: Instance, n_inst: int, traffic: Traffic) -> dict[str, Any]:
     return out
 
 
-def disaggregated(inst: Instance, x: int, y: int, traffic: Traffic, link: Interconnect) -> dict[str, Any]:
-    """x prefill instances (prompts only) and y decode instances (decode-only steps), KV sent between them."""
+def disaggregated(inst: Instance, x: int, y: int, traffic: Traffic, link: Interconnect,
+                  receive_on_decode_cores: bool = False) -> dict[str, Any]:
+    """x prefill instances (prompts only) and y decode instances (decode-only steps), KV sent between them.
+
+    receive_on_decode_cores (local-cpu): the KV a decode instance pulls is received, checked and copied in by its
+    own cores (kv_link.py's path is CPU work), so for the transfer's duration its decode steps wait: each
+    pull stretches the step beside it by the transfer time, as a prompt chunk does in a colocated step. (An
+    RDMA transport on GPUs writes the KV without the decode GPU's compute: no stall.)"""
     ctx, gen = traffic.decode_context, traffic.output_len - 1
     lam_p, lam_d = traffic.rate / x, traffic.rate / y
     service = {n: sum(inst.prefill_chunks(n)) for _, n in traffic.classes}
     transfer = {n: kv_transfer(inst.shape, inst.kv_dtype, n, inst.tp, link) for _, n in traffic.classes}
     queue = mg1(lam_p, [(p, service[n]) for p, n in traffic.classes])
     link_busy = lam_p * sum(p * transfer[n][1] for p, n in traffic.classes)
+    stalls = [(lam_d * p, transfer[n][1]) for p, n in traffic.classes] if receive_on_decode_cores else []
+    receiving = sum(r * t for r, t in stalls)              # share of a decode instance's time spent receiving
     cap_b = inst.kv_tokens / ctx
-    capacity = cap_b / inst.decode_step(cap_b, ctx)       # decode tokens/s per instance at a full KV
-    b = _solve(lambda v: v / inst.decode_step(v, ctx), lam_d * gen, cap_b) if lam_d > 0 else 0.0
+
+    def tokens_per_s(v: float) -> float:                   # decode steps run when not receiving; a stall's too
+        return v * (max(0.0, 1.0 - receiving) / inst.decode_step(v, ctx) + sum(r for r, _ in stalls))
+
+    capacity = tokens_per_s(cap_b)                         # decode tokens/s per instance at a full KV
+    b = _solve(tokens_per_s, lam_d * gen, cap_b) if lam_d > 0 and receiving < 1 else (0.0 if lam_d == 0 else None)
     prefill = {"instances": x, "rate_per_instance": lam_p, "busy": queue["rho"], "link_busy": link_busy,
                "service_s": service, "saturated": queue["rho"] >= 1 or link_busy >= 1}
     decode = {"instances": y, "rate_per_instance": lam_d, "decode_batch": b, "decode_batch_max": cap_b,
-              "busy": lam_d * gen / capacity if capacity else math.inf, "saturated": b is None}
+              "busy": lam_d * gen / capacity if capacity else math.inf, "receiving": receiving,
+              "saturated": b is None}
     out: dict[str, Any] = {
         "prefill": prefill, "decode": decode, "kv_link": link.name,
         "kv_bytes_per_request": {n: transfer[n][0] for _, n in traffic.classes},
@@ -256,8 +275,11 @@ def disaggregated(inst: Instance, x: int, y: int, traffic: Traffic, link: Interc
         out["queue"] = queue
     if b is not None:
         t = inst.decode_step(b, ctx)
+        steps = [(max(0.0, 1.0 - receiving) / t, t)] + [(r, t + s) for r, s in stalls]
+        total = sum(r for r, _ in steps)
         decode["step_s"] = t
-        out.update(itl_p50_s=t, itl_p99_s=t, itl_mean_s=t)
+        out.update(itl_p50_s=quantile(steps, 0.5), itl_p99_s=quantile(steps, 0.99),
+                   itl_mean_s=sum(r * d for r, d in steps) / total if total else t)
     if not out["saturated"]:
         out["output_tokens_per_s"] = traffic.rate * traffic.output_len
     return out
@@ -275,8 +297,37 @@ def _max_rate(saturated: Callable[[float], bool]) -> float:
     return lo
 
 
-def compare(inst: Instance, x: int, y: int, traffic: Traffic, link: Interconnect) -> dict[str, Any]:
-    co, dis = colocated(inst, x + y, traffic), disaggregated(inst, x, y, traffic, link)
+@dataclass(frozen=True)
+class Layouts:
+    """The two ways of serving the same hardware: `colocated_instances` of `colocated` vs xPyD of `disaggregated`."""
+    colocated: Instance
+    colocated_instances: int
+    disaggregated: Instance
+    receive_on_decode_cores: bool = False   # local-cpu: see disaggregated()
+
+    def colocate(self, traffic: Traffic) -> dict[str, Any]:
+        return colocated(self.colocated, self.colocated_instances, traffic)
+
+    def xpyd(self, x: int, y: int, traffic: Traffic, link: Interconnect) -> dict[str, Any]:
+        return disaggregated(self.disaggregated, x, y, traffic, link, self.receive_on_decode_cores)
+
+
+def layouts(shape: ModelShape, hw: Hardware, x: int, y: int, tp: int, node_link: Optional[Interconnect] = None,
+            **kw: Any) -> Layouts:
+    """Catalog hardware: x + y instances of tp devices either way. local-cpu: one machine, so colocated is one
+    instance of tp ranks over all its cores, xPyD x + y instances of tp ranks over 1/(x+y) of them each."""
+    def make(device: Hardware, instances: int) -> Instance:
+        return Instance(shape, device, tp, node_link=node_link, instances=instances, **kw)
+
+    if hw.name != "local-cpu":
+        inst = make(hw, x + y)
+        return Layouts(inst, x + y, inst)
+    return Layouts(make(hw.share(1 / tp), 1), 1, make(hw.share(1 / (tp * (x + y))), x + y), True)
+
+
+def compare(lay: Layouts, x: int, y: int, traffic: Traffic, link: Interconnect) -> dict[str, Any]:
+    co = lay.colocate(traffic)
+    dis = lay.xpyd(x, y, traffic, link)
     if dis["saturated"]:
         pays = False
     elif co["saturated"]:
@@ -310,26 +361,28 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
     if chunk < 1:
         raise ValueError(f"--max-num-batched-tokens must be at least 1, got {chunk}")
     tp = tp or instance_tp(shape, hw, weight_dtype)
-    link = link or default_links(hw)[1]
-    inst = Instance(shape, hw, tp, weight_dtype, kv_dtype, compute_dtype, chunk, memory_utilization, node_link,
-                    instances=x + y)
+    local = hw.name == "local-cpu"
+    link = link or _kv_link(shape, hw, kv_dtype, tp * (x + y))
+    lay = layouts(shape, hw, x, y, tp, node_link, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                  compute_dtype=compute_dtype, chunk=chunk, memory_utilization=memory_utilization)
+    inst = lay.disaggregated
     if inst.kv_tokens < traffic.decode_context:
         raise ValueError(f"{shape.name} on {tp} x {hw.name}: the weights leave no KV room for one request of "
                          f"{traffic.decode_context:.0f} tokens; use a larger -tp")
-    here = compare(inst, x, y, traffic, link)
-    co_max = _max_rate(lambda r: colocated(inst, x + y, traffic.replace(rate=r))["saturated"])
-    dis_max = _max_rate(lambda r: disaggregated(inst, x, y, traffic.replace(rate=r), link)["saturated"])
+    here = compare(lay, x, y, traffic, link)
+    co_max = _max_rate(lambda r: lay.colocate(traffic.replace(rate=r))["saturated"])
+    dis_max = _max_rate(lambda r: lay.xpyd(x, y, traffic.replace(rate=r), link)["saturated"])
 
     best = None
     if x + y <= 32:  # the xPyD of the same instances that keeps up with the most traffic
         rates = {(a, x + y - a): dis_max if a == x else
-                 _max_rate(lambda r, a=a: disaggregated(inst, a, x + y - a, traffic.replace(rate=r), link)["saturated"])
+                 _max_rate(lambda r, a=a: lay.xpyd(a, x + y - a, traffic.replace(rate=r), link)["saturated"])
                  for a in range(1, x + y)}
         (bx, by), brate = max(rates.items(), key=lambda kv: kv[1])
         best = {"xpyd": f"{bx}P{by}D", "max_rate": brate}
 
     def pays_at(r: float) -> bool:
-        return compare(inst, x, y, traffic.replace(rate=r), link)["pays"]
+        return compare(lay, x, y, traffic.replace(rate=r), link)["pays"]
 
     top = max(dis_max, 1e-9)
     grid = [top * 10 ** (-3 + 3 * i / 120) for i in range(121)][:-1]
@@ -337,7 +390,7 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
     break_even_long = None
     if traffic.long_input_len:
         def pays_long(f: float) -> bool:
-            return compare(inst, x, y, traffic.replace(long_fraction=f), link)["pays"]
+            return compare(lay, x, y, traffic.replace(long_fraction=f), link)["pays"]
 
         break_even_long = _first_flip(pays_long, [i / 100 for i in range(101)])
     plan = {
@@ -345,6 +398,7 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
         "decode_instances": y, "tp": tp, "devices": (x + y) * tp, "weight_dtype": weight_dtype, "kv_dtype": kv_dtype,
         "compute_dtype": inst.compute_dtype, "chunk_tokens": chunk, "kv_tokens_per_instance": inst.kv_tokens,
         "kv_link": link.name, "kv_link_bandwidth": link.bandwidth, "kv_link_latency": link.latency,
+        "kv_link_about": link.about,
         "kv_bytes_per_token": shape.kv_bytes_per_token(kv_dtype),
         "traffic": dataclasses.asdict(traffic), "classes": traffic.classes,
         **here, "colocated_max_rate": co_max, "disaggregated_max_rate": dis_max,
@@ -352,11 +406,23 @@ def disagg_plan(shape: ModelShape, hw: Hardware, x: int, y: int, traffic: Traffi
         "best_split": best,
         "assumptions": ASSUMPTIONS, "notes": [],
     }
-    if hw.name == "local-cpu":
-        plan["notes"].append(f"local-cpu: every instance is counted with the whole measured CPU; the {x + y} "
-                             "instances of one machine share its cores and memory bandwidth")
+    if local:
+        threads = hw.details.get("threads")
+        plan["notes"].append(f"local-cpu: colocated is one instance with the whole measured CPU ({threads} threads); "
+                             f"each of {x}P{y}D's {x + y} instances gets 1/{x + y} of its FLOP/s and memory "
+                             f"bandwidth. KV link {link.about}")
     plan["verdict"] = verdict(plan)
     return plan
+
+
+def _kv_link(shape: ModelShape, hw: Hardware, kv_dtype: str, ranks: int) -> Interconnect:
+    """The default KV link: between nodes for catalog hardware; on local-cpu, measured now at one of the
+    `ranks` processes' share of the threads (kv_link.py)."""
+    if hw.name != "local-cpu":
+        return default_links(hw)[1]
+    from tokenmill.plan.kv_link import measure_kv_loopback
+
+    return measure_kv_loopback(shape, kv_dtype, threads=int(hw.details.get("threads", 1)) // ranks)
 
 
 def instance_tp(shape: ModelShape, hw: Hardware, weight_dtype: str) -> int:
@@ -414,17 +480,22 @@ def format_disagg(p: dict[str, Any]) -> str:
     co, dis, tr = p["colocated"], p["disaggregated"], p["traffic"]
     x, y, n = p["prefill_instances"], p["decode_instances"], p["prefill_instances"] + p["decode_instances"]
     mix = " + ".join(f"{share:.0%} of {tokens}" for share, tokens in p["classes"])
+    what = (f"one machine, split {n} ways or not" if p["hardware"] == "local-cpu" else
+            f"{n} instances of TP={p['tp']} = {p['devices']} devices")
     lines = [
-        f"{p['model']} on {p['hardware']}, {p['xpyd']} vs colocated: {n} instances of TP={p['tp']} = "
-        f"{p['devices']} devices; weights {p['weight_dtype']}, KV {p['kv_dtype']}, matmuls {p['compute_dtype']}",
+        f"{p['model']} on {p['hardware']}, {p['xpyd']} vs colocated: {what}; weights {p['weight_dtype']}, "
+        f"KV {p['kv_dtype']}, matmuls {p['compute_dtype']}",
         f"  traffic           {_rate(tr['rate'])} (Poisson); prompts {mix} tokens, {tr['output_len']} output tokens; "
         f"chunks of {p['chunk_tokens']} tokens",
     ]
     for share, tokens in p["classes"]:
         lines.append(f"  KV per request    {_gib(dis['kv_bytes_per_request'][tokens])} ({tokens} tokens x "
                      f"{p['kv_bytes_per_token'] / 1024:g} KiB); transfer {_ms(dis['kv_transfer_s'][tokens])} over "
-                     f"{p['tp']} x {p['kv_link']} ({p['kv_link_bandwidth'] / 1e9:g} GB/s each)")
-    lines.append(f"  colocated         {n} instances, each prefill chunk shares its step with the running decodes")
+                     f"{p['tp']} x {p['kv_link']} ({p['kv_link_bandwidth'] / 1e9:.3g} GB/s each)")
+    n_co = co["instances"]
+    lines.append(f"  colocated         {n_co} instance{'s' if n_co > 1 else ''}"
+                 + (" with every core" if p["hardware"] == "local-cpu" else "")
+                 + ", each prefill chunk shares its step with the running decodes")
     if co["saturated"]:
         lines.append(f"    saturated       {co['why']} (prefill {co['prefill_busy']:.0%} of the time); keeps up to "
                      f"{_rate(p['colocated_max_rate'])}")
@@ -441,7 +512,8 @@ def format_disagg(p: dict[str, Any]) -> str:
             f"    throughput      {co['output_tokens_per_s']:.0f} output tok/s; keeps up to "
             f"{_rate(p['colocated_max_rate'])}"]
     pre, dec = dis["prefill"], dis["decode"]
-    lines.append(f"  {p['xpyd']:<17} {x} prefill + {y} decode instances")
+    lines.append(f"  {p['xpyd']:<17} {x} prefill + {y} decode instances"
+                 + (f", 1/{n} of the cores each" if p["hardware"] == "local-cpu" else ""))
     pre_line = f"    prefill pool    {pre['busy']:.0%} busy ({_rate(pre['rate_per_instance'])} per instance), " \
                f"KV link {pre['link_busy']:.0%} busy"
     if "ttft" in dis:
@@ -454,8 +526,11 @@ def format_disagg(p: dict[str, Any]) -> str:
         lines.append(f"    decode pool     SATURATED: the decode batch outgrows the KV room "
                      f"({dec['decode_batch_max']:.0f} per instance)")
     else:
-        lines.append(f"    decode pool     ITL P50 = P99 = {_ms(dis['itl_p99_s'])} (no prefill in its steps); batch "
-                     f"{dec['decode_batch']:.1f} per instance, {dec['busy']:.0%} of its token capacity")
+        itl = (f"ITL P50 = P99 = {_ms(dis['itl_p99_s'])} (no prefill in its steps)" if not dec["receiving"] else
+               f"ITL P50 {_ms(dis['itl_p50_s'])}, P99 {_ms(dis['itl_p99_s'])} (no prefill in its steps; receiving KV "
+               f"on its cores {dec['receiving']:.1%} of the time)")
+        lines.append(f"    decode pool     {itl}; batch {dec['decode_batch']:.1f} per instance, {dec['busy']:.0%} of "
+                     "its token capacity")
     lines.append("    throughput      " + (f"{dis['output_tokens_per_s']:.0f} output tok/s; " if not dis["saturated"]
                                           else "") + f"keeps up to {_rate(p['disaggregated_max_rate'])}")
     best = p.get("best_split")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 GiB = 2**30
@@ -39,6 +39,12 @@ class Hardware:
 
     def ops_per_byte(self, dtype: str) -> float:
         return self.peak_flops(dtype)[1] / self.bandwidth
+
+    def share(self, fraction: float) -> "Hardware":
+        """A process given `fraction` of this machine's cores: that share of its FLOP/s and of its memory
+        bandwidth (on the measured CPU both scale with the threads, e.g. decode steps on 1 of 2 cores take ~2x)."""
+        flops = {k: v * fraction for k, v in self.flops.items()}
+        return replace(self, bandwidth=self.bandwidth * fraction, flops=flops, details={**self.details, "share": fraction})
 
 
 def _gpu(name, mem_gib, bw_tb_s, **tflops) -> Hardware:
