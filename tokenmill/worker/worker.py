@@ -131,7 +131,7 @@ class Worker:
         kernels_report.announce(self.kernels)  # raises under TOKENMILL_REQUIRE_KERNELS=1 on any fallback
         self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())
         if self.kv_connector is not None:  # a block moves with its draft KV too: the drafter's cache shares ids
-            quants = [getattr(layer.self_attn, "kv_quant", None) for layer in self.model.layers]
+            quants = [getattr(getattr(layer, "self_attn", None), "kv_quant", None) for layer in self.model.layers]
             self.kv_connector.register_kv_caches(self.runner.kv_caches + list(getattr(self.drafter, "kv_caches", [])),
                                                  quants)
 
