@@ -11,7 +11,8 @@ TOOL_CALLS = "[TOOL_CALLS]"
 
 
 class CallArrayParser(ToolParser):
-    """A JSON array of call objects, after `marker` (None: the text starts with the array)."""
+    """A JSON array of call objects, after `marker` (None: the text starts with the array, as tool_choice
+    'required' generates it; a cut-off tail after complete calls is then dropped, not shown as content)."""
 
     def __init__(self, tool_names: Collection[str], *, eager: bool = True, marker: Optional[str] = TOOL_CALLS,
                  args_keys: tuple[str, ...] = ("arguments",)) -> None:
@@ -76,7 +77,7 @@ class CallArrayParser(ToolParser):
 
     def _fail(self) -> None:
         text = self._fail_call()
-        if text is None:
+        if text is None or (self.marker is None and self.calls):  # no marker: constrained output, never prose
             self._state = "skip"
             return
         self._content(text)
