@@ -255,7 +255,7 @@ def test_tool_result_round_trip(client, model):
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=120, temperature=0)
     call = r.choices[0].message.tool_calls[0]
-    history = ASK + [r.choices[0].message.model_dump(exclude_none=True),
+    history = ASK + [r.choices[0].message,  # the SDK object as it came back, as clients send it
                      {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": "22 C, sunny"})}]
     answer = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
                                             max_tokens=16, temperature=0)
