@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from models import tiny_model
 from server_utils import API_KEY, require_default_model, shared_server
 from tokenmill.serve.errors import APIError
-from tokenmill.serve.tool_parsers import (ContentDelta, ToolCallArguments, ToolCallStart, get_tool_parser)
+from tokenmill.serve.tool_parsers import ContentDelta, ToolCallArguments, ToolCallStart, get_tool_parser
 from tokenmill.serve.tools import (FunctionTool, parse_tools, plan_tools, required_calls_schema,
                                    template_messages)
 
@@ -169,7 +169,8 @@ def test_plans_and_their_400s():
             plan_tools(parse_tools(raw), choice, None, auto_parser=None)
         assert e.value.status == 400 and e.value.param == param, e.value.message
     for raw, param in [([{"type": "function", "function": {"name": "a b"}}], "tools[0].function.name"),
-                       ([{"type": "function", "function": {"name": "f", "parameters": []}}], "tools[0].function.parameters"),
+                       ([{"type": "function", "function": {"name": "f", "parameters": []}}],
+                        "tools[0].function.parameters"),
                        ([{"type": "retrieval"}], "tools[0]"), (TOOLS + TOOLS[:1], "tools")]:
         with pytest.raises(APIError) as e:
             parse_tools(raw)

@@ -17,7 +17,8 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     try:
         return TOOL_PARSERS[name]
     except KeyError:
-        raise ValueError(f"unknown tool call parser {name!r}; choose one of {', '.join(sorted(TOOL_PARSERS))}") from None
+        raise ValueError(f"unknown tool call parser {name!r}; choose one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
 
 
 __all__ = ["TOOL_PARSERS", "CallArrayParser", "ContentDelta", "Event", "ToolCall", "ToolCallArguments",
