@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from typing import Literal
 
 import httpx
@@ -342,3 +344,10 @@ def test_auto_needs_the_server_flags(request):
             assert "--enable-auto-tool-choice" in msg and "--tool-call-parser" in msg
         ok = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
         assert ok.status_code == 200
+
+
+def test_auto_flag_without_a_parser_is_refused_at_start():
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--enable-auto-tool-choice"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "tokenmill: error: --enable-auto-tool-choice needs --tool-call-parser" in r.stderr

@@ -373,12 +373,12 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics
 
-    config = EngineConfig.from_cli_args(args)
-    config.finalize(install_default=getattr(args, "install_default_model", False))
-    chat_template = _read_chat_template(args.chat_template)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
                          "hermes, llama3_json or mistral)")
+    config = EngineConfig.from_cli_args(args)
+    config.finalize(install_default=getattr(args, "install_default_model", False))
+    chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
     try:
