@@ -62,6 +62,7 @@ def test_wheel_installs_working_kernels(tiny, tmp_path):
     wheel = _build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:
         missing = _kernel_sources() - set(z.namelist())
+        assert "tokenmill/serve/chat_templates/hermes_tools.jinja" in z.namelist()  # --chat-template hermes_tools
     assert not missing, f"the wheel lacks kernel sources {sorted(missing)}"
     python = _install(wheel, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CC") and not k.startswith("TOKENMILL_")}

@@ -43,7 +43,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template (a file path or the template itself) overriding the tokenizer's")
+                   help="Jinja chat template overriding the tokenizer's: a file path, the template itself, or a "
+                        "shipped one by name (hermes_tools: ChatML with tool calls, for --tool-call-parser hermes)")
+    from tokenmill.serve.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (OpenAI's default with tools): the model decides whether to call "
+                        "tools, and its output is read with --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; mistral "
+                        "[TOOL_CALLS]); 'required' and named tool_choice need no parser")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")
@@ -84,6 +93,7 @@ class ServerState:
     model_name: str
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, name: Optional[str]) -> None:
@@ -253,7 +263,10 @@ def build_app(state: ServerState) -> FastAPI:
         if req.prompt is not None:
             ids = await tokenize_text(state, req.prompt, req.add_special_tokens)
         else:
-            ids = (await render_request_chat(state, req)).token_ids
+            from tokenmill.serve.tools import parse_tools
+
+            tools = [t.to_template() for t in parse_tools(req.tools)] or None
+            ids = (await render_request_chat(state, req, tools)).token_ids
         body = {"count": len(ids), "max_model_len": state.config.model.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
         return json_response(body)
@@ -327,14 +340,23 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+SHIPPED_TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
+
+
 def _read_chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: a file, the name of a template shipped in serve/chat_templates (hermes_tools), or
+    the template itself."""
     if value is None:
         return None
-    if os.path.isfile(value):
-        with open(value) as f:
-            return f.read()
+    shipped = os.path.join(SHIPPED_TEMPLATES, f"{value}.jinja")
+    for path in (value, shipped):
+        if os.path.isfile(path):
+            with open(path) as f:
+                return f.read()
     if "{" not in value:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+        names = sorted(n.removesuffix(".jinja") for n in os.listdir(SHIPPED_TEMPLATES))
+        raise ValueError(f"--chat-template {value!r} is neither a file, a shipped template ({', '.join(names)}) "
+                         "nor a Jinja template")
     return value
 
 
@@ -351,6 +373,9 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
+                         "hermes, llama3_json or mistral)")
     config = EngineConfig.from_cli_args(args)
     config.finalize(install_default=getattr(args, "install_default_model", False))
     chat_template = _read_chat_template(args.chat_template)
@@ -362,7 +387,8 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
-                        chat_template, request_limits(args))
+                        chat_template, request_limits(args),
+                        args.tool_call_parser if args.enable_auto_tool_choice else None)
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)

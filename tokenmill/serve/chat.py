@@ -13,6 +13,7 @@ from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params)
+from tokenmill.serve.tools import ToolCallStream, ToolPlan, parse_tools, plan_tools, template_messages
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -39,9 +40,10 @@ def _content_text(m: ChatMessage, i: int) -> str:
 
 def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: Optional[dict[str, Any]] = None) -> Prompt:
+                template_kwargs: Optional[dict[str, Any]] = None, tools: Optional[list[dict]] = None) -> Prompt:
     """Apply the chat template (request's, else the server's --chat-template, else the tokenizer's) and
-    tokenize the result without adding special tokens again."""
+    tokenize the result without adding special tokens again. `tools`: OpenAI function tools for the
+    template (templates that know tools list them)."""
     if not messages:
         raise bad_request("messages must contain at least one message", "messages")
     conv = []
@@ -51,6 +53,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
         d = m.model_dump(exclude_none=True)
         d["content"] = _content_text(m, i)
         conv.append(d)
+    conv = template_messages(conv)
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise bad_request("this model has no chat template, so it cannot serve chat completions; pass "
@@ -64,13 +67,14 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
 
         text = render_chat_template(tokenizer, conv, chat_template=template,
                                     add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message, **(template_kwargs or {}))
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja errors are the request's (or template's) fault
         raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
     return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
 
 
-async def render_request_chat(state: "ServerState", req) -> Prompt:
+async def render_request_chat(state: "ServerState", req, tools: Optional[list[dict]] = None) -> Prompt:
     """render_chat for a request (chat completion or /tokenize), in a worker thread: templates and
     tokenization of long conversations take seconds that the event loop must not lose."""
     for i, m in enumerate(req.messages):
@@ -80,7 +84,7 @@ async def render_request_chat(state: "ServerState", req) -> Prompt:
                             chat_template=req.chat_template or state.chat_template,
                             add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
-                            template_kwargs=req.chat_template_kwargs)
+                            template_kwargs=req.chat_template_kwargs, tools=tools)
     check_text_length(state, prompt.text, "messages")
     return prompt
 
@@ -102,24 +106,31 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logp
     return {"content": content}
 
 
+def plan_request_tools(state: "ServerState", req: ChatCompletionRequest) -> ToolPlan:
+    """The request's tools and tool_choice against this server's --tool-call-parser (400 when unservable)."""
+    return plan_tools(parse_tools(req.tools), req.tool_choice, req.parallel_tool_calls,
+                      auto_parser=state.tool_parser, limits=state.limits)
+
+
 async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
-    params = req.to_sampling_params(state.limits)
-    prompt = await render_request_chat(state, req)
+    plan = plan_request_tools(state, req)
+    params = req.to_sampling_params(state.limits, plan.constraint)
+    prompt = await render_request_chat(state, req, plan.template_tools())
     rid = random_id("chatcmpl")
     gen = Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params)
     top_n = req.top_logprobs or 0
     if req.stream:
-        return stream_response(_stream(state, req, gen, rid, top_n), gen)
+        return stream_response(_stream(state, req, gen, rid, top_n, plan), gen)
     try:
-        result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n))
+        result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n, plan))
     finally:
         gen.close()
     return result if result is not None else Response(status_code=499)
 
 
 async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                   top_n: int) -> Response:
+                   top_n: int, plan: ToolPlan) -> Response:
     n = gen.params.n
     texts, tokens = [""] * n, [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
@@ -136,21 +147,40 @@ async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Genera
     choices = []
     for i in range(n):
         logprobs = chat_logprobs(state.tokenizer, tokens[i], lps[i], top_n) if req.logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None,
-                                                "tool_calls": []},
-                        "logprobs": logprobs, "finish_reason": finish[i], "stop_reason": stop[i]})
+        content, calls = plan.extract(texts[i])
+        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
+                                                "tool_calls": [c.to_openai() for c in calls]},
+                        "logprobs": logprobs, "finish_reason": plan.finish_reason(finish[i], bool(calls)),
+                        "stop_reason": stop[i]})
     return json_response(with_kv_transfer_params(
         {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
          "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
 
 
+def _stream_choices(c, tools: Optional[ToolCallStream], logprobs: Optional[dict]) -> list[dict]:
+    """The chunk choices for one engine output of one choice: its text as content, or (tools) as the
+    content and tool_call deltas the parser lets out; the finish reason last."""
+    if tools is None:
+        choice = {"index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+                  "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return [choice]
+    deltas = tools.feed(c.text) + (tools.finish() if c.finish_reason is not None else [])
+    choices = [{"index": c.index, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
+               for k, d in enumerate(deltas)]
+    if c.finish_reason is not None or (not choices and logprobs is not None):
+        choices.append({"index": c.index, "delta": {}, "logprobs": None if deltas else logprobs,
+                        "finish_reason": ToolPlan.finish_reason(c.finish_reason, tools.called)})
+    return choices
+
+
 async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                  top_n: int) -> AsyncIterator[bytes]:
+                  top_n: int, plan: ToolPlan) -> AsyncIterator[bytes]:
     created = now_s()
     model = state.model_name
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts.continuous_usage_stats
+    tool_streams = [plan.stream() for _ in range(gen.params.n)]
 
     def chunk(choices: list[dict]) -> dict:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
@@ -165,15 +195,14 @@ async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generat
         for c in ro.outputs:
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
-                      "logprobs": chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
-                      if req.logprobs else None,
-                      "finish_reason": c.finish_reason}
-            if c.finish_reason is not None:
-                choice["stop_reason"] = c.stop_reason
-                yield sse(with_kv_transfer_params(chunk([choice]), gen))
-                continue
-            yield sse(chunk([choice]))
+            logprobs = (chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
+                        if req.logprobs else None)
+            for choice in _stream_choices(c, tool_streams[c.index], logprobs):
+                if choice["finish_reason"] is not None:
+                    choice["stop_reason"] = c.stop_reason
+                    yield sse(with_kv_transfer_params(chunk([choice]), gen))
+                else:
+                    yield sse(chunk([choice]))
     if include_usage:
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                    "usage": gen.usage()})

@@ -152,7 +152,7 @@ class SamplingRequest(RequestBody):
         name, so = chosen[0]
         from tokenmill.structured import validate
 
-        _check_grammar_size(so, limits, name)
+        check_grammar_size(so, limits, name)
         try:
             validate(so)
         except ValueError as e:
@@ -228,7 +228,7 @@ def _nonlocal_refs(value: Any) -> list[str]:
     return []
 
 
-def _check_grammar_size(so: StructuredOutputsParams, limits: RequestLimits, param: str) -> None:
+def check_grammar_size(so: StructuredOutputsParams, limits: RequestLimits, param: str) -> None:
     """Bound what the grammar compiler is given; a JSON schema may only reference itself ($ref "#/..."):
     a file:// or http:// reference is refused, never fetched."""
     _, spec = so.key
@@ -286,6 +286,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # assistant: the calls it made (checked in tools.py)
+    tool_call_id: Optional[str] = None                 # tool: the call this message answers
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -298,8 +300,9 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None     # checked and planned in tools.py
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -309,15 +312,21 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         return self
 
-    def to_sampling_params(self, limits: RequestLimits) -> SamplingParams:
-        if not self.tools and self.tool_choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice other than 'none' or 'auto' needs tools", "tool_choice")
-        if self.tools and self.tool_choice != "none":
-            raise bad_request("tool calling is not supported by this server; send tools only with "
-                              "tool_choice 'none'", "tools")
+    def to_sampling_params(self, limits: RequestLimits,
+                           tool_constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """tool_constraint: the grammar of tool_choice 'required' or a named function (tools.plan_tools)."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(limits, max_tokens, logprobs)
+        if tool_constraint is None:
+            return self._sampling_params(limits, max_tokens, logprobs)
+        other = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            other.insert(0, "response_format")
+        if other:
+            raise bad_request(f"{other[0]} cannot be combined with tool_choice 'required' or a named function "
+                              "(both constrain the output)", other[0])
+        return self._sampling_params(limits, max_tokens, logprobs, structured_outputs=tool_constraint)
 
 
 class TokenizeRequest(RequestBody):
@@ -329,6 +338,7 @@ class TokenizeRequest(RequestBody):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None  # rendered into the chat template, as chat completions do
     return_token_strs: bool = False
 
 
