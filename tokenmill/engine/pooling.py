@@ -5,6 +5,13 @@ An embedding request is an ordinary engine request whose SamplingParams ask for 
 engine, running with a pooler (config.PoolerConfig), finishes it once its prompt has run and reports the pooled
 vector (scheduler.update, worker/model_runner._pool).
 
+Why the existing EngineCore and scheduler rather than an encoder-specific runner: the scheduler already packs
+many prompts into one flat step up to max_num_batched_tokens (the no-padding batching that makes many short
+inputs cheap), and the fronts, the engine process, failure isolation, aborts and metrics come for free. The
+differences are three small switches: a pooled request finishes after its prompt; an encoder's (or a mean/CLS
+pooler's) prompt is never chunked (scheduler.whole_prompts); and an encoder has no KV tensors, its blocks being
+bookkeeping only (worker.initialize_cache). A decoder with --task embed keeps chunked prefill and the prefix cache.
+
 truncate_prompt_tokens=k (vLLM's name; -1 = the model's maximum) cuts an input to k tokens on the tokenizer's
 truncation side (right for BERT-family and most tokenizers: the first k tokens are kept, and for text the
 tokenizer keeps its special tokens [CLS] ... [SEP] inside the k, as sentence-transformers does at its

@@ -28,6 +28,9 @@ instance (a decode instance pulling a prompt's KV from the prefill instance), th
 `loading` (others run) and is looked up again once the connector says it is ready. A connector may also keep
 a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
 them); it names the requests whose blocks may go back, polled at the start of each step.
+
+--task embed (engine/pooling.py): a request finishes with its pooled vector as soon as its prompt has run; with
+an encoder or a mean/CLS pooler its prompt is admitted only whole (never chunked).
 """
 from __future__ import annotations
 
