@@ -95,6 +95,8 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)  # drafts for the next step
     kv_connector_output: Optional[ConnectorOutput] = None  # finished background KV transfers
     expert_load: Optional[list[list[int]]] = None  # MoE: tokens routed per [MoE layer][expert] this step
+    # --task embed: the pooled vector (float32 little-endian bytes) of each request whose prompt ended this step
+    pooled: dict[str, bytes] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -212,6 +212,7 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         f"{'concurrency':<24}mean {s['mean_concurrency']:.1f}, max {s['max_concurrency']}",
         f"{'tokens':<24}{s['total_input_tokens']} in, {s['total_output_tokens']} out (from usage)",
         f"{'request throughput':<24}{s['request_throughput']:.2f} req/s",
+        *([f"{'input throughput':<24}{s['input_throughput']:.2f} inputs/s"] if "input_throughput" in s else []),
         f"{'output throughput':<24}{s['output_throughput']:.1f} tok/s",
         f"{'total throughput':<24}{s['total_token_throughput']:.1f} tok/s",
     ]

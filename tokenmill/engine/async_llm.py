@@ -158,7 +158,8 @@ class AsyncLLM:
         loop.remove_reader(self.proc.sentinel)
         loop.add_reader(self.proc.sentinel, self._on_engine_exit)
         self._fit = SimpleNamespace(max_model_len=self.ready.max_model_len, block_size=self.ready.block_size,
-                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks))
+                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks),
+                                    pooler=self.config.model.pooler)
         self._output_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
         logger.info("engine ready: %d KV blocks of %d tokens", self.ready.num_blocks, self.ready.block_size)
 
@@ -462,6 +463,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         a.prompt_logprobs = b.prompt_logprobs
     if b.kv_transfer_params is not None:
         a.kv_transfer_params = b.kv_transfer_params
+    if b.embedding is not None:
+        a.embedding = b.embedding
     return a
 
 

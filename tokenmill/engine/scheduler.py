@@ -28,6 +28,9 @@ instance (a decode instance pulling a prompt's KV from the prefill instance), th
 `loading` (others run) and is looked up again once the connector says it is ready. A connector may also keep
 a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
 them); it names the requests whose blocks may go back, polled at the start of each step.
+
+--task embed (engine/pooling.py): a request finishes with its pooled vector as soon as its prompt has run; with
+an encoder or a mean/CLS pooler its prompt is admitted only whole (never chunked).
 """
 from __future__ import annotations
 
@@ -47,12 +50,26 @@ from tokenmill.structured import StructuredOutputManager
 logger = logging.getLogger("tokenmill")
 
 
+def check_fits_pooling(prompt_len: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """--task embed: the prompt is all a request runs, and it may fill the whole context."""
+    if prompt_len > max_model_len:
+        raise ValueError(f"the input has {prompt_len} tokens, but the model's maximum is {max_model_len}; "
+                         "shorten it or set truncate_prompt_tokens")
+    if -(-prompt_len // block_size) > num_blocks:
+        raise ValueError(f"the input needs {prompt_len} tokens of KV cache but the whole cache holds "
+                         f"{num_blocks * block_size}; raise --kv-cache-memory-bytes")
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, connector: Optional[KVConnectorScheduler] = None) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
         self.block_size = config.cache.block_size
+        # --task embed: a request finishes with its pooled vector once its prompt has run (no decode); an
+        # encoder's or a mean/CLS pooler's prompt runs whole in one step (never chunked)
+        self.pooler = config.model.pooler
+        self.whole_prompts = self.pooler is not None and self.pooler.whole_prompt
         self.connector = connector
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  connector.on_evict if connector is not None else None)
@@ -82,6 +99,9 @@ class Scheduler:
         """Reject at once what could never run, rather than letting it wait forever."""
         if prompt_len == 0:
             raise ValueError("the prompt is empty; it must contain at least one token")
+        if self.pooler is not None:
+            check_fits_pooling(prompt_len, self.max_model_len, self.block_size, self.kv.num_blocks)
+            return
         if prompt_len >= self.max_model_len:
             raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
                              f"{self.max_model_len}; nothing is left to generate")
@@ -294,6 +314,8 @@ class Scheduler:
                     continue
                 num_ext = ext.num_tokens
             n = min(req.num_tokens - num_hit - num_ext, budget)
+            if self.whole_prompts and n < req.num_tokens - num_hit - num_ext:
+                break  # next step: it runs whole or not at all
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
                 if not lookahead or not self.kv.allocate_slots(req, num_ext + n, hits):
@@ -402,6 +424,13 @@ class Scheduler:
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
+                continue
+            pooled = result.pooled.get(s.request_id)
+            if pooled is not None:  # --task embed: its prompt has run; that is all it does
+                req.finish_reason = FinishReason.STOP
+                out = self._finish(req)
+                out.pooled = pooled
+                outs.append(out)
                 continue
             plp = result.prompt_logprobs.get(s.request_id)
             tokens = result.sampled.get(s.request_id)

@@ -1,8 +1,9 @@
 """`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The API process does HTTP, chat templates, tokenization and detokenization; the engine core runs in its
-own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /health, /version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
+own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings
+(with --task embed, which serves it instead of the generation endpoints), /tokenize, /detokenize, /health,
+/version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
 finish for up to --shutdown-timeout seconds (then aborts them), stops the engine and exits 0.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ from starlette.responses import Response
 
 import tokenmill
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
-from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
-                                     TokenizeRequest)
+from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     EmbeddingRequest, RequestLimits, TokenizeRequest)
 
 logger = logging.getLogger("tokenmill")
 
@@ -99,6 +100,16 @@ class ServerState:
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_task(self, task: str) -> None:
+        """An embedding server (--task embed) does not generate and a generating one does not embed."""
+        if self.config.model.task == task:
+            return
+        if task == "embed":
+            raise bad_request(f"The model `{self.model_name}` is served with --task generate: /v1/embeddings is "
+                              "not available; start the server with --task embed to embed with it", "model")
+        raise bad_request(f"The model `{self.model_name}` is served with --task embed: it does not generate text; "
+                          "use /v1/embeddings", "model")
 
 
 # -- middleware and error handlers -----------------------------------------------------------------
@@ -243,13 +254,22 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         from tokenmill.serve.completions import create_completion
 
+        state.check_task("generate")
         return await create_completion(state, req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         from tokenmill.serve.chat import create_chat_completion
 
+        state.check_task("generate")
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        from tokenmill.serve.embeddings import create_embedding
+
+        state.check_task("embed")
+        return await create_embedding(state, req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:

@@ -345,3 +345,23 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class EmbeddingRequest(RequestBody):
+    """/v1/embeddings (OpenAI), plus vLLM's truncate_prompt_tokens. `user` is accepted and ignored."""
+    model: Optional[str] = None
+    input: Union[str, list[str], list[Count], list[list[Count]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int64] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[Int64] = None
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise bad_request("input must not be an empty list", "input")
+        if isinstance(x[0], int):
+            return [x]
+        return list(x)
