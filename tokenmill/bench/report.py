@@ -298,7 +298,7 @@ def format_sweep_table(points: list[dict[str, Any]]) -> str:
 
 
 # -- plots ----------------------------------------------------------------------------------------
-def _pyplot():
+def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None (with a message) when not installed."""
     try:
         import matplotlib
@@ -333,7 +333,7 @@ def _cdf(ax, values_ms: list[float], label: str) -> None:
 def plot_serve(result: dict[str, Any], out_dir: str) -> list[str]:
     """latency_cdf.png (TTFT, ITL, E2E) and timeline.png (each request's wait / decode, in-flight count).
     Returns the paths written ([] without matplotlib)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
@@ -395,7 +395,7 @@ def plot_serve(result: dict[str, Any], out_dir: str) -> list[str]:
 def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "", name: str = "pareto.png") -> list[str]:
     """pareto.png: per-user tok/s (median 1/TPOT) against total output tok/s, one point per sweep point (labelled
     by its "label", else its load), the Pareto-optimal ones joined."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
