@@ -60,8 +60,8 @@ def parse_duration(text: str) -> float:
 
 def slo_key(key: str) -> tuple[str, Optional[int]]:
     """'ttft_p90' -> ('ttft', 90); 'tpot' -> ('tpot', None). Raises ValueError for anything else."""
-    metric, _, pct = key.strip().lower().partition("_p")
-    if metric not in SLO_METRICS or (pct and (not pct.isdigit() or int(pct) not in PERCENTILES)):
+    metric, sep, pct = key.strip().lower().partition("_p")
+    if metric not in SLO_METRICS or (sep and (not pct.isdigit() or int(pct) not in PERCENTILES)):
         raise ValueError(f"bad SLO metric {key!r}: use one of {', '.join(SLO_METRICS)}, optionally with a "
                          f"percentile {', '.join(f'_p{p}' for p in PERCENTILES)} (e.g. ttft_p90)")
     return metric, int(pct) if pct else None

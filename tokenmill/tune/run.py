@@ -94,12 +94,21 @@ def ranked_candidates(args, dims, work, slo, fixed, device) -> tuple[list[dict],
     kept, pruned = prune.prune_and_rank(configs, shape, machine, work, slo, args.objective, fixed)
     preds = {space.config_key(c): p for c, p in kept}
     bkey = space.config_key(baseline)
-    order = [baseline] + [c for c, _ in kept if space.config_key(c) != bkey]
+    order = group_by_server([baseline] + [c for c, _ in kept if space.config_key(c) != bkey])
     pruned_recs = [{"config": c, "label": space.describe(c), "status": "pruned", "reason": r} for c, r in pruned
                    if space.config_key(c) != bkey]
     logger.info("search space: %d configurations, %d pruned by the plan; %d candidates with the baseline",
                 len(configs), len(pruned_recs), len(order))
     return order, preds, pruned_recs
+
+
+def group_by_server(configs: list[dict]) -> list[dict]:
+    """Ranked order, except that configurations differing only in the load follow the first of them, so one
+    server start serves them all."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in configs:
+        groups.setdefault(tuple(space.serve_flags(c)), []).append(c)
+    return [c for g in groups.values() for c in g]
 
 
 def remeasure(runner: TrialRunner, baseline: dict, winner: dict, args, num_prompts: int) -> dict[str, Any]:

@@ -93,6 +93,7 @@ class TrialRunner:
         self.server_starts = 0
         self._server: Optional[ServerProcess] = None
         self._server_flags: Optional[list[str]] = None
+        self._failed: dict[tuple[str, ...], ServerProcess] = {}  # flags that did not start: not retried
         for sub in ("trials", "logs"):
             os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
 
@@ -115,12 +116,16 @@ class TrialRunner:
         flags = serve_flags(config)
         if self._server is not None and self._server_flags == flags:
             return self._server
+        if tuple(flags) in self._failed:
+            return self._failed[tuple(flags)]
         self.close()
         self.server_starts += 1
         log = os.path.join(self.out_dir, "logs", f"{config_key(server_part(config))}.log")
         server = ServerProcess(self.model, [*self.fixed_args, *flags], log, self.startup_timeout)
         if server.error is None:
             self._server, self._server_flags = server, flags
+        else:
+            self._failed[tuple(flags)] = server
         return server
 
     def close(self) -> None:
