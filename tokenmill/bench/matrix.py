@@ -216,7 +216,8 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
                    help='define a technique by its configuration keys, e.g. dp2=\'{"data_parallel_size": 2}\'')
     p.add_argument("--batch", type=int, default=32, help="the batch technique's concurrency")
     p.add_argument("--metric", default="throughput", choices=list(METRICS), help="what a speedup is a ratio of")
-    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
+                   help="/v1/completions or /v1/chat/completions")
     add_workload_args(p)
     p.add_argument("--max-concurrency", type=int, default=1, help="the baseline's concurrency")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per measurement")
