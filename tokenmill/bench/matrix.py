@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any, Optional
 
-from tokenmill.tune.space import NGRAM, config_key, describe, serve_flags
+from tokenmill.tune.space import NGRAM, describe, serve_flags
 
 logger = logging.getLogger("tokenmill")
 
@@ -180,7 +180,8 @@ def plot_matrix(rows: list[dict[str, Any]], techniques: list[str], path: str, ti
                 continue
             ratio = r["speedup"] if i == j else r["interaction"]
             color[i, j] = np.log2(ratio) if ratio else np.nan
-            text[i][j] = f"x{r['speedup']:.2f}" + ("" if i == j or r["product"] is None else f"\n(pred x{r['product']:.2f})")
+            pred = "" if i == j or r["product"] is None else f"\n(product x{r['product']:.2f})"
+            text[i][j] = f"x{r['speedup']:.2f}" + pred
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(6 + 2 * k, 1.5 + 1.2 * k), gridspec_kw={"width_ratios": [1, 1.3]})
     lim = max(1.0, float(np.nanmax(np.abs(color))) if not np.all(np.isnan(color)) else 1.0)
     im = ax.imshow(color, cmap="RdYlGn", vmin=-lim, vmax=lim)

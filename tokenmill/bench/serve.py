@@ -426,8 +426,9 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
                    help="seconds to keep sending (instead of --num-prompts); in-flight requests are awaited")
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
     g = p.add_argument_group("report")
-    g.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s; a _p50/_p90/_p99 suffix "
-                   "(ttft_p90=2s) also checks that percentile of the run")
+    g.add_argument("--slo", default=None,
+                   help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s; a _p50/_p90/_p99 suffix (ttft_p90=2s) "
+                        "also checks that percentile of the run")
     g.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the config, summary and every request's record as JSON")
     g.add_argument("--plot", default=None, metavar="DIR",

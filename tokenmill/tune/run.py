@@ -215,6 +215,8 @@ def finish(args, runner: TrialRunner, baseline: dict, records: list[dict], prune
           f"{runner.server_starts} server starts, {wall_s / 60:.1f} min")
     if rm is not None:
         print("\n".join(report.remeasure_lines(rm, args.objective)))
+    elif winner is not None and args.repeats:
+        print("the baseline (every serve flag at its default) won: no configuration to re-measure against it")
     if winner is None:
         print("no configuration could be measured; see the verdicts above and the logs in " + args.out)
         return 1
