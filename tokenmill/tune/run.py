@@ -173,6 +173,7 @@ def tune_main(args: argparse.Namespace) -> int:
     def run(cfg: dict, n: int, rung: int) -> dict:
         rec = runner.run(cfg, n, rung)
         rec["devices"] = preds.get(space.config_key(cfg), {}).get("devices", 1)
+        rec["price_per_hour"] = args.price_per_hour
         rec["prediction"] = preds.get(space.config_key(cfg))
         return rec
 

@@ -23,9 +23,9 @@ logger = logging.getLogger("tokenmill")
 OBJECTIVES = ("goodput", "throughput", "per_user_tps", "cost")
 
 
-def objective_value(rec: dict[str, Any], objective: str, price_per_hour: float = 1.0) -> Optional[float]:
-    """The measured objective, higher is better (cost is negated: $ per million output tokens); None when the
-    trial produced no measurement."""
+def objective_value(rec: dict[str, Any], objective: str) -> Optional[float]:
+    """The measured objective, higher is better (cost is negated: $ per million output tokens at the record's
+    devices x price_per_hour); None when the trial produced no measurement."""
     s = rec.get("summary")
     if rec.get("status") != "ok" or not s:
         return None
@@ -37,8 +37,8 @@ def objective_value(rec: dict[str, Any], objective: str, price_per_hour: float =
         return s["per_user_tok_s"]["median"] or 0.0
     if s["output_throughput"] <= 0:
         return -math.inf
-    devices = rec.get("devices", 1)
-    return -devices * price_per_hour / 3600 / s["output_throughput"] * 1e6
+    dollars_per_s = rec.get("devices", 1) * rec.get("price_per_hour", 1.0) / 3600
+    return -dollars_per_s / s["output_throughput"] * 1e6
 
 
 def rank_key(rec: dict[str, Any], objective: str) -> tuple:
