@@ -207,3 +207,25 @@ def test_bench_matrix_json_product_and_png(tmp_path, capsys):
     assert all(r["status"] == "ok" and r["value"] > 0 for r in rows.values())
     assert os.path.getsize(os.path.join(out, "matrix.png")) > 0
     assert "prefix+batch" in capsys.readouterr().out
+
+
+def test_remeasure_serves_both_side_by_side_and_caches(tmp_path):
+    import argparse
+
+    from models import tiny_model
+    from tokenmill.bench.serve import ServeConfig
+    from tokenmill.tune.run import remeasure
+    from tokenmill.tune.trial import TrialRunner
+
+    workload = ServeConfig(input_len=16, output_len=4, warmup=1, progress=False)
+    runner = TrialRunner(tiny_model("llama"), ["--dtype", "float32", "--kv-cache-memory-bytes", "64MiB"], workload,
+                         str(tmp_path))
+    args = argparse.Namespace(repeats=2, objective="throughput", out=str(tmp_path))
+    base, winner = {"max_concurrency": 2}, {"max_num_seqs": 1, "max_concurrency": 2}
+    rm = remeasure(runner, base, winner, args, num_prompts=3)
+    assert runner.server_starts == 2 and len(rm["rounds"]) == 2
+    assert all(r["a"]["completed"] == 3 and r["b"]["completed"] == 3 for r in rm["rounds"])
+    assert rm["ratio"]["n"] == 2 and rm["ratio"]["min"] <= rm["ratio"]["median"] <= rm["ratio"]["max"]
+    assert rm["ratio"]["min"] == pytest.approx(min(r["b_value"] / r["a_value"] for r in rm["rounds"]))
+    assert remeasure(runner, base, winner, args, num_prompts=3) == json.loads(json.dumps(rm))  # read back
+    assert runner.server_starts == 2
