@@ -1,4 +1,4 @@
-"""`tokenmill bench serve | sweep | offline`: measure a server from the client's side, sweep load points,
+"""`tokenmill bench serve | sweep | offline | matrix`: measure a server from the client's side, sweep load points,
 or measure the engine's offline throughput."""
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ def offline_main(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub) -> None:
     """Adds `bench` with its subcommands to the CLI's subparsers."""
+    from tokenmill.bench.matrix import add_matrix_args
     from tokenmill.bench.offline import add_offline_args
     from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline")
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline, "
+                                          "matrix (technique interactions)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -34,6 +36,9 @@ def add_bench_parser(sub) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(p, sweep=True)
     p.set_defaults(func=sweep_main)
+    p = bsub.add_parser("matrix", help="baseline and each technique alone and combined: speedups beside the "
+                                       "product of the single ones, JSON + heat map")
+    add_matrix_args(p)
     p = bsub.add_parser("offline", help="offline throughput of the engine on a random workload")
     p.add_argument("model", nargs="?", default=None, help="HF dir or .gguf (default: built-in default model)")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)

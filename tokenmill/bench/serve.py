@@ -428,7 +428,7 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
 
 
 # -- CLI ------------------------------------------------------------------------------------------
-def _rate(text: str) -> float:
+def parse_rate(text: str) -> float:
     if text.strip().lower() in ("inf", "infinity"):
         return math.inf
     try:
@@ -447,16 +447,8 @@ def _json_obj(text: str) -> dict:
     return obj
 
 
-def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    g = p.add_argument_group("endpoint")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
-    g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
-    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
-                   help="/v1/completions, /v1/chat/completions or /v1/embeddings")
-    g.add_argument("--inputs-per-request", type=int, default=1,
-                   help="embeddings: prompts in each request's input list")
-    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags (dataset, lengths, sampling), shared by `bench serve | sweep | matrix` and `tune`."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", help="random, shared-prefix, sharegpt:PATH or jsonl:PATH")
     g.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, shared-prefix question)")
@@ -473,6 +465,19 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly --output-len tokens (vLLM's ignore_eos extension)")
     g.add_argument("--extra-body", type=_json_obj, default={}, help="JSON merged into every request body")
+
+
+def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    g = p.add_argument_group("endpoint")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
+    g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
+    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
+                   help="/v1/completions, /v1/chat/completions or /v1/embeddings")
+    g.add_argument("--inputs-per-request", type=int, default=1,
+                   help="embeddings: prompts in each request's input list")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_args(p)
     g = p.add_argument_group("load")
     if sweep:
         g.add_argument("--max-concurrency", default="1,4,16,64",
@@ -480,14 +485,16 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         g.add_argument("--request-rate", default="inf", help="comma-separated rates in req/s (inf: all at once)")
     else:
         g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-        g.add_argument("--request-rate", type=_rate, default=math.inf,
+        g.add_argument("--request-rate", type=parse_rate, default=math.inf,
                        help="Poisson arrival rate in req/s (default inf: all at once)")
     g.add_argument("--num-prompts", type=int, default=100, help="requests to send" + (" per point" if sweep else ""))
     g.add_argument("--duration", type=float, default=None,
                    help="seconds to keep sending (instead of --num-prompts); in-flight requests are awaited")
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
     g = p.add_argument_group("report")
-    g.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s")
+    g.add_argument("--slo", default=None,
+                   help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s; a _p50/_p90/_p99 suffix (ttft_p90=2s) "
+                        "also checks that percentile of the run")
     g.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the config, summary and every request's record as JSON")
     g.add_argument("--plot", default=None, metavar="DIR",
@@ -495,15 +502,20 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
 
 
+def workload_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig fields from add_workload_args' flags."""
+    return dict(dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
+                range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, tokenizer=args.tokenizer,
+                extra_body=args.extra_body)
+
+
 def config_from_args(args: argparse.Namespace, **override: Any) -> ServeConfig:
     kw = dict(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-              inputs_per_request=args.inputs_per_request,
-              dataset=args.dataset, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-              prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, num_prompts=args.num_prompts,
-              duration=args.duration, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-              warmup=args.warmup, seed=args.seed, slo=parse_slo(args.slo), temperature=args.temperature,
-              ignore_eos=args.ignore_eos, timeout=args.timeout, tokenizer=args.tokenizer,
-              extra_body=args.extra_body, progress=args.progress)
+              inputs_per_request=args.inputs_per_request, num_prompts=args.num_prompts, duration=args.duration,
+              request_rate=args.request_rate,
+              max_concurrency=args.max_concurrency, warmup=args.warmup, slo=parse_slo(args.slo),
+              timeout=args.timeout, progress=args.progress, **workload_kwargs(args))
     kw.update(override)
     return ServeConfig(**kw)
 
@@ -530,7 +542,7 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0 if result["summary"]["completed"] else 1
 
 
-def _list(text: str, parse) -> list:
+def parse_list(text: str, parse) -> list:
     try:
         return [parse(x.strip()) for x in text.split(",") if x.strip()]
     except (ValueError, argparse.ArgumentTypeError) as e:
@@ -538,8 +550,8 @@ def _list(text: str, parse) -> list:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
-    concs = _list(args.max_concurrency, lambda x: None if x.lower() in ("none", "inf") else int(x))
-    rates = _list(args.request_rate, _rate)
+    concs = parse_list(args.max_concurrency, lambda x: None if x.lower() in ("none", "inf") else int(x))
+    rates = parse_list(args.request_rate, parse_rate)
     if not concs or not rates:
         raise ValueError("--max-concurrency and --request-rate need at least one value each")
     base = config_from_args(args, max_concurrency=concs[0], request_rate=rates[0])
