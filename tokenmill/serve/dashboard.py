@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import deque
 from importlib import resources
@@ -39,7 +40,7 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, Optional[float]]:
     v = sorted(values)
     if not v:
         return {f"p{q}": None for q in qs}
-    return {f"p{q}": v[min(len(v) - 1, max(0, int(round(q / 100 * len(v) + 0.5)) - 1))] for q in qs}
+    return {f"p{q}": v[min(len(v), max(1, math.ceil(q / 100 * len(v)))) - 1] for q in qs}
 
 
 class DashboardStats:

@@ -99,7 +99,9 @@ class EngineView:
 
     # -- one request, the configuration ------------------------------------------------------------
     def request_detail(self, rid: str) -> Optional[dict]:
-        s = self.state.engine.streams.get(rid) or next((f for f in self.finished if f.request_id == rid), None)
+        # open now, open at the last snapshot (finished since: not yet in `finished`), or recently finished
+        s = self.state.engine.streams.get(rid) or self.seen.get(rid) or next(
+            (f for f in self.finished if f.request_id == rid), None)
         if s is None:
             return None
         return {"id": rid, "prompt_tokens": s.num_prompt_tokens, "cached_tokens": s.num_cached_tokens,

@@ -248,15 +248,17 @@ function renderRequests(rows) {
   body.innerHTML = rows.map((r) => `<tr data-id="${encodeURIComponent(r.id)}"${r.id === selected ? ' class="sel"' : ""}>` +
     `<td title="${r.id}">${r.id}</td><td>${r.state}</td><td>${r.prompt_tokens}</td><td>${r.output_tokens}</td>` +
     `<td>${r.cached_tokens}</td><td>${ms(r.ttft)}</td><td>${ms(r.itl)}</td><td>${fmt(r.age)}</td></tr>`).join("");
-  if (selected) showRequest(selected, false);
+  // keep the selected request's timing fresh while it runs; once finished it no longer changes
+  const row = rows.find((r) => r.id === selected);
+  if (row && (row.state !== "finished" || !detailFinal)) { detailFinal = row.state === "finished"; showRequest(selected, false); }
 }
 
 $("t-requests").addEventListener("click", (ev) => {
   const tr = ev.target.closest("tr[data-id]");
-  if (tr) showRequest(decodeURIComponent(tr.dataset.id), true);
+  if (tr) { detailFinal = false; showRequest(decodeURIComponent(tr.dataset.id), true); }
 });
 
-let detailBusy = false;
+let detailBusy = false, detailFinal = false;
 async function showRequest(id, fresh) {
   if (detailBusy && !fresh) return;
   selected = id; detailBusy = true;
