@@ -30,7 +30,7 @@ from starlette.responses import Response, StreamingResponse
 
 logger = logging.getLogger("tokenmill")
 
-WINDOW_S = 60.0           # latency percentiles over this sliding window
+WINDOW_S = 60.0           # latency percentiles over this sliding window (and at most 4096 samples)
 SNAPSHOT_INTERVAL_S = 0.25
 _STATIC = ("dashboard.html", "dashboard.js", "dashboard.css")
 
@@ -46,11 +46,13 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, Optional[float]]:
 class DashboardStats:
     """AsyncLLM's stat hooks, kept as sliding windows (for percentiles) and running totals."""
 
-    def __init__(self, window: float = WINDOW_S, max_steps: int = 2048) -> None:
+    def __init__(self, window: float = WINDOW_S, max_samples: int = 4096, max_steps: int = 2048) -> None:
         self.window = window
-        self.ttft: deque = deque()  # (monotonic time, seconds)
-        self.itl: deque = deque()
-        self.e2e: deque = deque()
+        # (monotonic time, seconds); at most max_samples each, so sorting them a few times a second stays
+        # cheap on the event loop however fast tokens come (a fast GPU: the last max_samples, not 60 s)
+        self.ttft: deque = deque(maxlen=max_samples)
+        self.itl: deque = deque(maxlen=max_samples)
+        self.e2e: deque = deque(maxlen=max_samples)
         self.steps: deque = deque(maxlen=max_steps)  # engine step records, oldest first
         self.num_steps = 0
         self.generation_tokens = 0

@@ -16,6 +16,7 @@ function fmt(x, digits = 1) {
   if (Math.abs(x) >= 1e4) return Math.round(x).toLocaleString("en-US");
   return Number(x).toFixed(digits);
 }
+const esc = (x) => String(x).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const pct = (x) => (x === null || x === undefined ? "–" : (100 * x).toFixed(1) + "%");
 const ms = (s) => (s === null || s === undefined ? "–" : (1000 * s).toFixed(1));
 
@@ -74,7 +75,7 @@ function lineChart(canvas, series, legendEl) {
 }
 
 function legend(el, items) {
-  const html = items.map(([c, name]) => `<span><i style="background:${c}"></i>${name}</span>`).join("");
+  const html = items.map(([c, name]) => `<span><i style="background:${c}"></i>${esc(name)}</span>`).join("");
   if (el.innerHTML !== html) el.innerHTML = html;
 }
 
@@ -246,7 +247,7 @@ function renderSpec(spec) {
 function renderRequests(rows) {
   const body = $("t-requests").tBodies[0];
   body.innerHTML = rows.map((r) => `<tr data-id="${encodeURIComponent(r.id)}"${r.id === selected ? ' class="sel"' : ""}>` +
-    `<td title="${r.id}">${r.id}</td><td>${r.state}</td><td>${r.prompt_tokens}</td><td>${r.output_tokens}</td>` +
+    `<td title="${esc(r.id)}">${esc(r.id)}</td><td>${r.state}</td><td>${r.prompt_tokens}</td><td>${r.output_tokens}</td>` +
     `<td>${r.cached_tokens}</td><td>${ms(r.ttft)}</td><td>${ms(r.itl)}</td><td>${fmt(r.age)}</td></tr>`).join("");
   // keep the selected request's timing fresh while it runs; once finished it no longer changes
   const row = rows.find((r) => r.id === selected);
@@ -277,7 +278,7 @@ async function loadConfig(batch) {
   try {
     const c = await api(`/dashboard/api/config?batch=${batch}`);
     $("t-config").tBodies[0].innerHTML = Object.entries(c.config).map(([k, v]) =>
-      `<tr><td>${k}</td><td>${v === null ? "–" : typeof v === "object" ? JSON.stringify(v) : v}</td></tr>`).join("");
+      `<tr><td>${esc(k)}</td><td>${v === null ? "–" : esc(typeof v === "object" ? JSON.stringify(v) : v)}</td></tr>`).join("");
     $("plan-text").textContent = c.plan.text;
   } catch (e) { console.warn("config:", e.message); }
 }
@@ -340,10 +341,10 @@ function renderRouter(s) {
   $("r-cut").textContent = reps.reduce((a, r) => a + r.stream_failures, 0);
   $("r-unrouted").textContent = s.unrouted;
   $("r-policy").textContent = `policy: ${s.policy}`;
-  $("t-replicas").tBodies[0].innerHTML = reps.map((r) => `<tr><td>${r.url}</td><td>${r.healthy ? "yes" : "NO"}</td>` +
+  $("t-replicas").tBodies[0].innerHTML = reps.map((r) => `<tr><td>${esc(r.url)}</td><td>${r.healthy ? "yes" : "NO"}</td>` +
     `<td>${fmt(r.load)}</td><td>${r.in_flight}</td><td>${fmt(r.running, 0)}</td><td>${fmt(r.waiting, 0)}</td>` +
     `<td>${pct(r.kv_usage)}</td><td>${r.requests}</td><td>${pct(r.estimated_hit_rate)}</td>` +
-    `<td>${r.cached_tokens} / ${r.prompt_tokens}</td><td>${r.retries}</td><td>${r.last_error || ""}</td></tr>`).join("");
+    `<td>${r.cached_tokens} / ${r.prompt_tokens}</td><td>${r.retries}</td><td>${esc(r.last_error || "")}</td></tr>`).join("");
   const dt = lastRouted ? (s.t - lastRouted.t) : 0;
   reps.forEach((r) => {
     (rhist.load[r.url] = rhist.load[r.url] || []);
