@@ -646,6 +646,7 @@ class EngineConfig:
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
+    step_records: bool = False  # per-step records (tokens, time, MFU/MBU) in EngineStats, for the dashboard
 
     def finalize(self, install_default: bool = False) -> "EngineConfig":
         import torch
@@ -712,11 +713,13 @@ class EngineConfig:
         device = kw.pop("device", "auto")
         log_step_stats = bool(kw.pop("log_step_stats", False))
         batch_invariant = bool(kw.pop("batch_invariant", False))
+        step_records = bool(kw.pop("step_records", False))
         built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         built["kv_transfer"] = KVTransferConfig.parse(kw.pop("kv_transfer_config", None))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
-        return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant, **built)
+        return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant,
+                   step_records=step_records, **built)
 
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
@@ -810,6 +813,7 @@ class EngineConfig:
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
+            step_records=getattr(a, "no_dashboard", None) is False,  # serve's dashboard is on
             speculative_config=getattr(a, "speculative_config", None),
             kv_transfer_config=getattr(a, "kv_transfer_config", None),
             tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,

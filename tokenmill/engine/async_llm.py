@@ -77,6 +77,8 @@ class RequestStream:
     num_generation_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)  # of samples finished so far (n > 1)
     finished: bool = False
+    num_cached_tokens: int = 0
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, new tokens): dashboard
 
 
 class AsyncLLM:
@@ -402,6 +404,8 @@ class AsyncLLM:
                     sl.on_inter_token(now - stream.last_token)
                 stream.last_token = now
                 stream.num_generation_tokens += n_new
+                stream.token_times.append((now, n_new))
+                stream.num_cached_tokens = ro.num_cached_tokens or 0
                 if sl is not None:
                     sl.on_generation_tokens(n_new)
             if ro.finished:

@@ -43,6 +43,9 @@ class EngineStats:
     # KV connectors' counters (cumulative): tiers (saved_blocks, host_hit_blocks, ...) and disaggregated
     # transfer (kv_pulls, kv_pull_fallbacks, kv_bytes_received/_sent, kv_held_requests, ...)
     kv_connector: dict[str, int] = field(default_factory=dict)
+    # Steps since the last stats (engine/step_records.py STEP_FIELDS); empty unless config.step_records
+    steps: list[list[float]] = field(default_factory=list)
+    num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix (refreshed a few times a second)
 
 
 class EngineCore:
@@ -70,6 +73,11 @@ class EngineCore:
             from tokenmill.plan.roofline import StepStatsLogger
 
             self.step_stats = StepStatsLogger(config)
+        self.step_records = None
+        if config.step_records:
+            from tokenmill.engine.step_records import StepRecorder
+
+            self.step_records = StepRecorder(config)
         # Pipeline parallel: steps in flight, oldest first: (scheduler output, its future, submit time).
         self.num_in_flight = config.parallel.pipeline_parallel_size
         self.batch_queue: deque = deque()
@@ -122,8 +130,12 @@ class EngineCore:
         if result is not None and result.expert_load is not None:
             load = np.asarray(result.expert_load, dtype=np.int64)
             self.expert_load = load if self.expert_load is None else self.expert_load + load
-        if self.step_stats is not None and not sched.empty:
-            self.step_stats.log(sched, time.perf_counter() - t0)
+        if not sched.empty:
+            seconds = time.perf_counter() - t0
+            if self.step_stats is not None:
+                self.step_stats.log(sched, seconds)
+            if self.step_records is not None:
+                self.step_records.record(sched, seconds)
         return self.scheduler.take_pending() + outputs
 
     def _execute(self, sched, run):
@@ -160,6 +172,9 @@ class EngineCore:
             stats.expert_load = self.expert_load.tolist()
         if s.connector is not None:
             stats.kv_connector = s.connector.counters()
+        if self.step_records is not None:
+            stats.steps = self.step_records.drain()
+            stats.num_cached_free_blocks = self.step_records.cached_free_blocks(kv.pool)
         return stats
 
     def check_health(self) -> None:

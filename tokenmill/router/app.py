@@ -58,6 +58,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the replicas as sent)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish")
+    p.add_argument("--no-dashboard", action="store_true", help="do not serve the router's dashboard at /dashboard")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")
@@ -86,7 +87,7 @@ def make_router(args: argparse.Namespace, replicas: list[str], prefill: list[str
     return DisaggRouter(router_config(args, [*prefill, *decode]), prefill, decode, args.prefill_timeout)
 
 
-def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
+def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: bool = True) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.pool.probe_all()
@@ -118,6 +119,11 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
             router.metrics.on_replica(r.url, r.healthy, r.load, r.in_flight)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if dashboard:  # before the catch-all forward
+        from tokenmill.router.dashboard import mount_router_dashboard
+
+        mount_router_dashboard(app, router)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(path: str, raw: Request) -> Response:
         body = await raw.body()
@@ -131,14 +137,14 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
 
 
 def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
-                 uvicorn_log_level: str = "warning") -> int:
+                 uvicorn_log_level: str = "warning", dashboard: bool = True) -> int:
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
 
     from tokenmill.serve.api_server import DrainingServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
-    uv = uvicorn.Config(build_router_app(router, api_key), log_level=uvicorn_log_level, lifespan="on",
+    uv = uvicorn.Config(build_router_app(router, api_key, dashboard), log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     server = DrainingServer.make(uv)
     server.run(sockets=[sock])
@@ -163,6 +169,7 @@ def run_router(args: argparse.Namespace) -> int:
         logger.info("routing http://%s:%d to %s (%s)", args.host, args.port, ", ".join(router.config.replicas),
                     router.config.policy)
     try:
-        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
+                            not args.no_dashboard)
     finally:
         sock.close()

@@ -192,7 +192,8 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
         router, description = build_router(instances.urls)
         logger.info("%s behind the %s router on http://%s:%d", description, router.config.policy, args.host,
                     args.port)
-        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
+                            not getattr(args, "no_dashboard", False))
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()

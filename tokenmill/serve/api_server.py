@@ -59,6 +59,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn's own logging ('info' logs every request)")
     g.add_argument("--engine-start-timeout", type=float, default=900.0,
                    help="seconds to wait for the engine process to load the model")
+    g.add_argument("--no-dashboard", action="store_true",
+                   help="do not serve the live dashboard at /dashboard (nor record per-step stats for it)")
     g.add_argument("--install-default-model", action="store_true",
                    help="pip-install the built-in default model if it is missing")
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
@@ -96,6 +98,7 @@ class ServerState:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
     created: int = field(default_factory=lambda: int(time.time()))
+    dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -113,7 +116,8 @@ class ServerState:
 
 
 # -- middleware and error handlers -----------------------------------------------------------------
-PROTECTED = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards: everything that touches the model
+# what --api-key guards: everything that touches the model, and the dashboard's data (its pages hold none)
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/dashboard/api")
 
 
 class APIKeyMiddleware:
@@ -302,6 +306,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens")
         return json_response({"prompt": await off_loop(state.tokenizer.decode, req.tokens)})
 
+    if state.dashboard is not None:
+        from tokenmill.serve.dashboard_engine import mount_engine_dashboard
+
+        mount_engine_dashboard(app, state, state.dashboard)
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
     app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)  # outermost: first to run
@@ -401,14 +409,21 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
+    dashboard = stat_logger = None
+    if config.step_records:
+        from tokenmill.serve.dashboard import DashboardStats, StatFanout
+
+        dashboard = DashboardStats()
+        stat_logger = StatFanout(metrics, dashboard)
     try:
-        engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+        engine = AsyncLLM(config, None, stat_logger or metrics,
+                          log_level=logging.getLogger("tokenmill").getEffectiveLevel())
     except BaseException:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
-                        args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None, dashboard=dashboard)
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
