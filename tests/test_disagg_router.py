@@ -39,10 +39,11 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 def test_prefill_request_is_one_token_without_streaming():
     req = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "n": 3, "best_of": 3, "min_tokens": 4,
            "stream_options": {"include_usage": True}, "temperature": 0}
-    body = prefill_request(req, chat=False)
+    body = prefill_request(req, "/v1/completions")
     assert body == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "n": 1, "temperature": 0,
                     "kv_transfer_params": {"do_remote_decode": True}}
-    assert prefill_request({"messages": CHAT}, chat=True)["max_completion_tokens"] == 1
+    assert prefill_request({"messages": CHAT}, "/v1/chat/completions")["max_completion_tokens"] == 1
+    assert prefill_request({"input": "hi", "max_output_tokens": 9}, "/v1/responses")["max_output_tokens"] == 1
     assert req["max_tokens"] == 50  # the original is untouched: it goes to the decode instance
     assert is_batch({"prompt": ["a", "b"]}) and not is_batch({"prompt": ["a"]}) and not is_batch({"prompt": [1, 2]})
 

@@ -1,7 +1,8 @@
 """`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The API process does HTTP, chat templates, tokenization and detokenization; the engine core runs in its
-own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
+own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(serve/responses.py, a translation over the chat path), /tokenize,
 /detokenize, /health, /version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
 finish for up to --shutdown-timeout seconds (then aborts them), stops the engine and exits 0.
 """
@@ -25,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
+from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
-                                     TokenizeRequest)
+                                     ResponsesRequest, TokenizeRequest)
 
 logger = logging.getLogger("tokenmill")
 
@@ -51,6 +53,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the engine process to load the model")
     g.add_argument("--install-default-model", action="store_true",
                    help="pip-install the built-in default model if it is missing")
+    add_cors_args(p)
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
     lim.add_argument("--max-n", type=int, default=d.max_n,
                      help="largest n (and best_of) of one request; never more than --max-num-seqs")
@@ -241,6 +244,18 @@ def build_app(state: ServerState) -> FastAPI:
 
         return await create_chat_completion(state, req, raw)
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        from tokenmill.serve.responses import create_response
+
+        return await create_response(state, req, raw)
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"No response {response_id.split('/')[0]!r}: this server keeps no responses (it is "
+                            "stateless; send the whole conversation as input).", param="response_id",
+                       code="response_not_found")
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         from tokenmill.serve.chat import render_request_chat
@@ -271,7 +286,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
-    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)  # outermost: first to run
+    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
+    add_cors(app, cors_config(state.args))  # outermost: first to run
     return app
 
 
@@ -351,6 +367,7 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics
 
+    cors_config(args)  # a malformed CORS flag fails before the model loads
     config = EngineConfig.from_cli_args(args)
     config.finalize(install_default=getattr(args, "install_default_model", False))
     chat_template = _read_chat_template(args.chat_template)

@@ -102,24 +102,35 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logp
     return {"content": content}
 
 
-async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
+async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str) -> Generation:
+    """Validate, render and admit a chat request as engine request `rid` (the Responses API enters here too)."""
     state.check_model(req.model)
     params = req.to_sampling_params(state.limits)
     prompt = await render_request_chat(state, req)
+    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params)
+
+
+async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
     rid = random_id("chatcmpl")
-    gen = Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params)
-    top_n = req.top_logprobs or 0
+    gen = await start_chat(state, req, rid)
     if req.stream:
-        return stream_response(_stream(state, req, gen, rid, top_n), gen)
+        return stream_response(_sse(chat_chunks(state, req, gen, rid)), gen)
     try:
-        result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n))
+        body = await until_disconnected(raw, collect_chat(state, req, gen, rid))
     finally:
         gen.close()
-    return result if result is not None else Response(status_code=499)
+    return json_response(body) if body is not None else Response(status_code=499)
 
 
-async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                   top_n: int) -> Response:
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield sse(chunk)
+    yield SSE_DONE
+
+
+async def collect_chat(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str) -> dict:
+    """The chat.completion body of an admitted request, once it has finished."""
+    top_n = req.top_logprobs or 0
     n = gen.params.n
     texts, tokens = [""] * n, [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
@@ -139,13 +150,15 @@ async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Genera
         choices.append({"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None,
                                                 "tool_calls": []},
                         "logprobs": logprobs, "finish_reason": finish[i], "stop_reason": stop[i]})
-    return json_response(with_kv_transfer_params(
+    return with_kv_transfer_params(
         {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
-         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
+         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen)
 
 
-async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                  top_n: int) -> AsyncIterator[bytes]:
+async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Generation,
+                      rid: str) -> AsyncIterator[dict]:
+    """The chat.completion.chunk bodies of an admitted streaming request (without the SSE framing)."""
+    top_n = req.top_logprobs or 0
     created = now_s()
     model = state.model_name
     opts = req.stream_options
@@ -159,8 +172,8 @@ async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generat
         return c
 
     for i in range(gen.params.n):  # the role comes first, as in OpenAI's streams
-        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}]))
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}])
     async for _, ro in gen:
         for c in ro.outputs:
             if not c.text and not c.token_ids and c.finish_reason is None:
@@ -171,10 +184,9 @@ async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generat
                       "finish_reason": c.finish_reason}
             if c.finish_reason is not None:
                 choice["stop_reason"] = c.stop_reason
-                yield sse(with_kv_transfer_params(chunk([choice]), gen))
+                yield with_kv_transfer_params(chunk([choice]), gen)
                 continue
-            yield sse(chunk([choice]))
+            yield chunk([choice])
     if include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": gen.usage()})
-    yield SSE_DONE
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": gen.usage()}
