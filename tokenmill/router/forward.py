@@ -87,9 +87,10 @@ class Router:
 
     def _learn_usage(self, replica: Replica, text: str, content: bytes) -> None:
         try:
-            usage = json.loads(content).get("usage") or {}
-            prompt = int(usage.get("prompt_tokens") or 0)
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            usage = json.loads(content).get("usage") or {}  # chat/completions' names, else the Responses API's
+            prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return
         self.metrics.on_usage(replica.url, prompt, cached)
