@@ -171,13 +171,17 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
             c["usage"] = gen.usage()
         return c
 
-    for i in range(gen.params.n):  # the role comes first, as in OpenAI's streams
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None}])
+    started = [False] * gen.params.n
     async for _, ro in gen:
         for c in ro.outputs:
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
+            if not started[c.index]:
+                # The role chunk leads each choice, but only once the model has produced something, as vLLM's
+                # and OpenAI's streams do: clients (vllm bench serve, aiperf) time the first token by it.
+                started[c.index] = True
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
             choice = {"index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
                       "logprobs": chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
                       if req.logprobs else None,
