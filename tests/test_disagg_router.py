@@ -210,6 +210,23 @@ def test_2p1d_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_t
         - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") == n
 
 
+def test_responses_api_is_disaggregated_too(deployment):
+    """/v1/responses through 2P1D: a one-token prefill phase (max_output_tokens 1), then the decode instance
+    pulls the prompt's KV; the output equals the colocated instance's."""
+    d, decode = deployment, deployment.decode[0]
+    body = {"input": LONG, "instructions": "Continue.", "temperature": 0, "max_output_tokens": 8}
+    expected = httpx.post(d.ref.url + "/v1/responses", json=body, timeout=60).json()
+    pulls = _counter(decode, "kv_pulls")
+    r = httpx.post(d.launcher.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert out["status"] == expected["status"] == "incomplete"
+    usage = out["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"] - 1, usage
+    assert _counter(decode, "kv_pulls") == pulls + 1
+
+
 def test_router_in_front_of_an_instance_without_a_connector(deployment):
     d = deployment
     router = d.router([d.ref.url], d.decode)  # (one URL cannot be both a prefill and a decode instance)

@@ -85,7 +85,8 @@ def test_instructions_and_message_items_equal_chat(client):
     assert r.output_text == _chat(client, [{"role": "system", "content": "You are a pirate. Answer like one."},
                                            {"role": "user", "content": QUESTION}])
     items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi!"}]},
-             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello! How can I help?"}]},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "Hello! How can I help?"}]},
              {"role": "developer", "content": "Be brief."},
              {"role": "user", "content": "Name a colour."}]
     r = client.responses.create(model=MODEL, input=items, temperature=0, max_output_tokens=24)

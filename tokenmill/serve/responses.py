@@ -126,8 +126,8 @@ def chat_tool(tool: Any, i: int) -> dict:
     if not isinstance(tool.get("name"), str):
         raise bad_request(f"tools[{i}].name must be a string (Responses function tools are flat: "
                           "{type: function, name, parameters})", f"tools[{i}].name")
-    return {"type": "function",
-            "function": {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}}
+    keys = ("name", "description", "parameters", "strict")
+    return {"type": "function", "function": {k: tool[k] for k in keys if tool.get(k) is not None}}
 
 
 def chat_tool_choice(choice: Any) -> Any:
