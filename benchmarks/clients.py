@@ -65,8 +65,9 @@ def run(cmd: list[str], log: str, env: Optional[dict] = None) -> bool:
     return rc == 0
 
 
-def row(ttft_med, ttft_p99, itl_med, itl_p99, tpot_med, out_tok_s, req_s, duration) -> dict[str, Any]:
-    return {"ttft_median_ms": ttft_med, "ttft_p99_ms": ttft_p99, "itl_median_ms": itl_med, "itl_p99_ms": itl_p99,
+def row(ttft_mean, ttft_med, ttft_p99, itl_med, itl_p99, tpot_med, out_tok_s, req_s, duration) -> dict[str, Any]:
+    return {"ttft_mean_ms": ttft_mean, "ttft_median_ms": ttft_med, "ttft_p99_ms": ttft_p99, "itl_median_ms": itl_med,
+            "itl_p99_ms": itl_p99,
             "tpot_median_ms": tpot_med, "output_tok_s": out_tok_s, "requests_s": req_s, "duration_s": duration}
 
 
@@ -81,8 +82,9 @@ def tokenmill_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Op
         return None
     with open(path) as f:
         s = json.load(f)["summary"]
-    return row(s["ttft_ms"]["median"], s["ttft_ms"]["p99"], s["itl_ms"]["median"], s["itl_ms"]["p99"],
-               s["tpot_ms"]["median"], s["output_throughput"], s["request_throughput"], s["duration_s"])
+    ttft, itl = s["ttft_ms"], s["itl_ms"]
+    return row(ttft["mean"], ttft["median"], ttft["p99"], itl["median"], itl["p99"], s["tpot_ms"]["median"],
+               s["output_throughput"], s["request_throughput"], s["duration_s"])
 
 
 def vllm_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optional[dict]:
@@ -95,8 +97,9 @@ def vllm_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optiona
         return None
     with open(os.path.join(out, "vllm.json")) as f:
         r = json.load(f)
-    return row(r.get("median_ttft_ms"), r.get("p99_ttft_ms"), r.get("median_itl_ms"), r.get("p99_itl_ms"),
-               r.get("median_tpot_ms"), r.get("output_throughput"), r.get("request_throughput"), r.get("duration"))
+    return row(r.get("mean_ttft_ms"), r.get("median_ttft_ms"), r.get("p99_ttft_ms"), r.get("median_itl_ms"),
+               r.get("p99_itl_ms"), r.get("median_tpot_ms"), r.get("output_throughput"), r.get("request_throughput"),
+               r.get("duration"))
 
 
 def _aiperf_metric(m: dict, name: str, stat: str) -> Optional[float]:
@@ -127,9 +130,9 @@ def aiperf_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optio
     duration = g("benchmark_duration", "avg")
     # aiperf's inter_token_latency is per request ((e2e - TTFT) / (tokens - 1): vLLM's TPOT); its
     # inter_chunk_latency is the gap between stream chunks (vLLM's ITL, one token per chunk here).
-    return row(g("time_to_first_token", "p50"), g("time_to_first_token", "p99"), g("inter_chunk_latency", "p50"),
-               g("inter_chunk_latency", "p99"), g("inter_token_latency", "p50"), g("output_token_throughput", "avg"),
-               g("request_throughput", "avg"), duration)
+    return row(g("time_to_first_token", "avg"), g("time_to_first_token", "p50"), g("time_to_first_token", "p99"),
+               g("inter_chunk_latency", "p50"), g("inter_chunk_latency", "p99"), g("inter_token_latency", "p50"),
+               g("output_token_throughput", "avg"), g("request_throughput", "avg"), duration)
 
 
 def resolve_client(given: Optional[str], name: str, how: str) -> Optional[str]:
@@ -198,17 +201,17 @@ def main() -> int:
                            "arrival": "all at once"},
               "load_average": load, "results": results, "logs": out}
     print(json.dumps(result, indent=1))
-    print(f"{'client':<24}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
+    print(f"{'client':<24}{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
           f"{'out tok/s':>11}{'req/s':>7}")
     for name, r in results.items():
         if r is None:
             print(f"{name:<24}  (skipped or failed)")
             continue
-        print(f"{name:<24}{fmt(r['ttft_median_ms']):>10}{fmt(r['ttft_p99_ms']):>10}{fmt(r['itl_median_ms']):>9}"
+        print(f"{name:<24}{fmt(r['ttft_mean_ms']):>10}{fmt(r['ttft_median_ms']):>10}{fmt(r['ttft_p99_ms']):>10}{fmt(r['itl_median_ms']):>9}"
               f"{fmt(r['itl_p99_ms']):>9}{fmt(r['tpot_median_ms']):>10}{fmt(r['output_tok_s'], 1):>11}"
               f"{fmt(r['requests_s'], 2):>7}")
     ran = {k: v for k, v in results.items() if v is not None}
-    print("clients: " + "; ".join(f"{k} {fmt(v['output_tok_s'], 1)} out tok/s, TTFT p50 {fmt(v['ttft_median_ms'])} ms,"
+    print("clients: " + "; ".join(f"{k} {fmt(v['output_tok_s'], 1)} out tok/s, TTFT mean {fmt(v['ttft_mean_ms'])} ms,"
                                   f" ITL p50 {fmt(v['itl_median_ms'])} ms" for k, v in ran.items()))
     return 0 if results.get("tokenmill bench serve") else 1
 
