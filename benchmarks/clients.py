@@ -14,7 +14,8 @@ Install the clients outside the repository, each in its own virtualenv (see shar
 
     python benchmarks/clients.py --vllm /tmp/venv-vllm/bin/vllm --aiperf /tmp/venv-aiperf/bin/aiperf
     python benchmarks/clients.py --base-url http://127.0.0.1:8000   # a server already running
-Prints the JSON result, a table, and one summary line.
+Beside each client's own figures: the mean TTFT and inter-token latency the server measured (its /metrics) over
+that client's requests. Prints the JSON result, a table, and one summary line.
 """
 from __future__ import annotations
 
@@ -135,6 +136,28 @@ def aiperf_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optio
                g("output_token_throughput", "avg"), g("request_throughput", "avg"), duration)
 
 
+def server_counters(url: str) -> dict[str, float]:
+    """Sums and counts of the server's own latency histograms (its /metrics), to compare each client's
+    figures with what the server measured over the same requests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in fam.samples:
+            if sample.name.endswith(("_seconds_sum", "_seconds_count")):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, Optional[float]]:
+    def mean_ms(name: str) -> Optional[float]:
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        return 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n else None
+
+    return {"server_ttft_mean_ms": mean_ms("tokenmill:time_to_first_token_seconds"),
+            "server_itl_mean_ms": mean_ms("tokenmill:inter_token_latency_seconds")}
+
+
 def resolve_client(given: Optional[str], name: str, how: str) -> Optional[str]:
     path = given or shutil.which(name)
     if path and os.access(path, os.X_OK):
@@ -189,7 +212,10 @@ def main() -> int:
         for name, fn, enabled in (("tokenmill bench serve", tokenmill_bench, True),
                                   ("vllm bench serve", vllm_bench, a.vllm is not None),
                                   ("aiperf profile", aiperf_bench, a.aiperf is not None)):
+            before = server_counters(url)
             results[name] = fn(a, url, model, out) if enabled else None
+            if results[name] is not None:
+                results[name].update(server_view(before, server_counters(url)))
         load["after"] = load_average()
     finally:
         if server is not None:
@@ -202,14 +228,14 @@ def main() -> int:
               "load_average": load, "results": results, "logs": out}
     print(json.dumps(result, indent=1))
     print(f"{'client':<24}{'TTFT mean':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'TPOT p50':>10}"
-          f"{'out tok/s':>11}{'req/s':>7}")
+          f"{'out tok/s':>11}{'req/s':>7}{'server TTFT mean':>18}{'server ITL mean':>17}")
     for name, r in results.items():
         if r is None:
             print(f"{name:<24}  (skipped or failed)")
             continue
         print(f"{name:<24}{fmt(r['ttft_mean_ms']):>10}{fmt(r['ttft_median_ms']):>10}{fmt(r['ttft_p99_ms']):>10}{fmt(r['itl_median_ms']):>9}"
               f"{fmt(r['itl_p99_ms']):>9}{fmt(r['tpot_median_ms']):>10}{fmt(r['output_tok_s'], 1):>11}"
-              f"{fmt(r['requests_s'], 2):>7}")
+              f"{fmt(r['requests_s'], 2):>7}{fmt(r['server_ttft_mean_ms']):>18}{fmt(r['server_itl_mean_ms']):>17}")
     ran = {k: v for k, v in results.items() if v is not None}
     print("clients: " + "; ".join(f"{k} {fmt(v['output_tok_s'], 1)} out tok/s, TTFT mean {fmt(v['ttft_mean_ms'])} ms,"
                                   f" ITL p50 {fmt(v['itl_median_ms'])} ms" for k, v in ran.items()))
