@@ -1,6 +1,6 @@
 """Load generators no one here wrote, unchanged, against `tokenmill serve`: `vllm bench serve` and NVIDIA's
-`aiperf`, beside `tokenmill bench serve`, on one workload (chat, streamed, random prompts of --input-len
-tokens, --output-len tokens with ignore_eos, --num-prompts requests sent at once), one after another against
+`aiperf`, beside `tokenmill bench serve`, on one workload (chat, streamed, greedy, random prompts of
+--input-len tokens, --output-len tokens with ignore_eos, --num-prompts requests sent at once), one after another against
 the same server. Their TTFT, ITL and output throughput should agree within the run-to-run noise; a client that
 is not installed is skipped with a message saying how to install it.
 
@@ -92,7 +92,7 @@ def vllm_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optiona
     cmd = [a.vllm, "bench", "serve", "--backend", "openai-chat", "--base-url", url, "--endpoint",
            "/v1/chat/completions", "--model", model, "--dataset-name", "random", "--random-input-len",
            str(a.input_len), "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
-           "--tokenizer", a.tokenizer, "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl",
+           "--tokenizer", a.tokenizer, "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", out, "--result-filename", "vllm.json"]
     if not run(cmd, os.path.join(out, "vllm.log"), dict(os.environ, VLLM_TARGET_DEVICE="cpu")):
         return None
@@ -118,7 +118,8 @@ def aiperf_bench(a: argparse.Namespace, url: str, model: str, out: str) -> Optio
     cmd = [a.aiperf, "profile", "--model", model, "--url", url, "--endpoint-type", "chat", "--streaming",
            "--tokenizer", a.tokenizer, "--isl", str(a.input_len), "--osl", str(a.output_len),
            "--request-count", str(a.num_prompts), "--concurrency", str(a.num_prompts),
-           "--extra-inputs", "ignore_eos:true", "--artifact-dir", art, "--ui-type", "none"]
+           "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0", "--artifact-dir", art,
+           "--ui-type", "none"]
     if not run(cmd, os.path.join(out, "aiperf.log")):
         return None
     found = glob.glob(os.path.join(art, "**", "profile_export_aiperf.json"), recursive=True)
@@ -223,7 +224,7 @@ def main() -> int:
             server.wait(60)
     result = {"benchmark": "clients", "url": url, "model": model, "tokenizer": a.tokenizer,
               "workload": {"endpoint": "/v1/chat/completions", "stream": True, "num_prompts": a.num_prompts,
-                           "input_len": a.input_len, "output_len": a.output_len, "ignore_eos": True,
+                           "input_len": a.input_len, "output_len": a.output_len, "ignore_eos": True, "temperature": 0,
                            "arrival": "all at once"},
               "load_average": load, "results": results, "logs": out}
     print(json.dumps(result, indent=1))
