@@ -39,10 +39,11 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 def test_prefill_request_is_one_token_without_streaming():
     req = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "n": 3, "best_of": 3, "min_tokens": 4,
            "stream_options": {"include_usage": True}, "temperature": 0}
-    body = prefill_request(req, chat=False)
+    body = prefill_request(req, "/v1/completions")
     assert body == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "n": 1, "temperature": 0,
                     "kv_transfer_params": {"do_remote_decode": True}}
-    assert prefill_request({"messages": CHAT}, chat=True)["max_completion_tokens"] == 1
+    assert prefill_request({"messages": CHAT}, "/v1/chat/completions")["max_completion_tokens"] == 1
+    assert prefill_request({"input": "hi", "max_output_tokens": 9}, "/v1/responses")["max_output_tokens"] == 1
     assert req["max_tokens"] == 50  # the original is untouched: it goes to the decode instance
     assert is_batch({"prompt": ["a", "b"]}) and not is_batch({"prompt": ["a"]}) and not is_batch({"prompt": [1, 2]})
 
@@ -207,6 +208,23 @@ def test_2p1d_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_t
     assert sum(phases.values()) == n, phases
     assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") \
         - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") == n
+
+
+def test_responses_api_is_disaggregated_too(deployment):
+    """/v1/responses through 2P1D: a one-token prefill phase (max_output_tokens 1), then the decode instance
+    pulls the prompt's KV; the output equals the colocated instance's."""
+    d, decode = deployment, deployment.decode[0]
+    body = {"input": LONG, "instructions": "Continue.", "temperature": 0, "max_output_tokens": 8}
+    expected = httpx.post(d.ref.url + "/v1/responses", json=body, timeout=60).json()
+    pulls = _counter(decode, "kv_pulls")
+    r = httpx.post(d.launcher.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert out["status"] == expected["status"] == "incomplete"
+    usage = out["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"] - 1, usage
+    assert _counter(decode, "kv_pulls") == pulls + 1
 
 
 def test_router_in_front_of_an_instance_without_a_connector(deployment):

@@ -31,12 +31,14 @@ logger = logging.getLogger("tokenmill")
 _NOT_FOR_PREFILL = ("stream_options", "best_of", "min_tokens", "prompt_logprobs", "echo")
 
 
-def prefill_request(request: dict, chat: bool) -> dict:
-    """The prefill phase's copy of a client request."""
+def prefill_request(request: dict, path: str) -> dict:
+    """The prefill phase's copy of a client request to `path`."""
     body = {k: v for k, v in request.items() if k not in _NOT_FOR_PREFILL}
     body.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
-    if chat:
+    if path.startswith("/v1/chat/"):
         body["max_completion_tokens"] = 1
+    elif path.startswith("/v1/responses"):  # its own name for the limit (n and max_tokens are ignored there)
+        body["max_output_tokens"] = 1
     return body
 
 
@@ -104,7 +106,7 @@ class DisaggRouter(Router):
         if is_batch(request):
             self.metrics.fallbacks.labels("batch").inc()
             return None, None
-        body = json.dumps(prefill_request(request, url_tail.startswith("/v1/chat/"))).encode()
+        body = json.dumps(prefill_request(request, url_tail)).encode()
         tried: list[Replica] = []
         while candidates := self._healthy(self.prefill_urls, tried):
             replica, cached = self.choose(candidates, hashes)

@@ -1,9 +1,10 @@
 """`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The API process does HTTP, chat templates, tokenization and detokenization; the engine core runs in its
-own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings
-(with --task embed, which serves it instead of the generation endpoints), /tokenize, /detokenize, /health,
-/version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
+own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(serve/responses.py, a translation over the chat path), /v1/embeddings (with --task embed, which serves it
+instead of the generation endpoints), /tokenize, /detokenize, /health, /version, /metrics, /dashboard.
+SIGTERM stops accepting connections, lets in-flight requests
 finish for up to --shutdown-timeout seconds (then aborts them), stops the engine and exits 0.
 """
 from __future__ import annotations
@@ -26,9 +27,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
+from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     EmbeddingRequest, RequestLimits, TokenizeRequest)
+                                     EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,6 +65,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="do not serve the live dashboard at /dashboard (nor record per-step stats for it)")
     g.add_argument("--install-default-model", action="store_true",
                    help="pip-install the built-in default model if it is missing")
+    add_cors_args(p)
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
     lim.add_argument("--max-n", type=int, default=d.max_n,
                      help="largest n (and best_of) of one request; never more than --max-num-seqs")
@@ -275,6 +278,20 @@ def build_app(state: ServerState) -> FastAPI:
         state.check_task("embed")
         return await create_embedding(state, req, raw)
 
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        from tokenmill.serve.responses import create_response
+
+        state.check_task("generate")
+
+        return await create_response(state, req, raw)
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"No response {response_id.split('/')[0]!r}: this server keeps no responses (it is "
+                            "stateless; send the whole conversation as input).", param="response_id",
+                       code="response_not_found")
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         from tokenmill.serve.chat import render_request_chat
@@ -312,7 +329,8 @@ def build_app(state: ServerState) -> FastAPI:
         mount_engine_dashboard(app, state, state.dashboard)
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
-    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)  # outermost: first to run
+    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
+    add_cors(app, cors_config(state.args))  # outermost: first to run
     return app
 
 
@@ -404,6 +422,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
                          "hermes, llama3_json or mistral)")
+    cors_config(args)  # a malformed CORS flag fails before the model loads
     config = EngineConfig.from_cli_args(args)
     config.finalize(install_default=getattr(args, "install_default_model", False))
     chat_template = _read_chat_template(args.chat_template)
