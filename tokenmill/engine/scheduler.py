@@ -72,6 +72,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # Prompt tokens the model ran (not found in a cache or supplied by a connector; again after a preemption)
+        self.num_prompt_tokens_computed = 0
         spec = config.speculative
         self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive) if spec else None
         self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
@@ -232,6 +234,8 @@ class Scheduler:
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
             self.in_flight.add(req.request_id)
+            start = req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(min(start + n, req.num_prompt_tokens) - start, 0)
             req.num_computed_tokens += n + len(drafts)
             self.drafts.pop(req.request_id, None)
             out.num_batched_tokens += n + len(drafts)
@@ -293,6 +297,8 @@ class Scheduler:
                     self.loading.append(self.waiting.popleft())
                     continue
                 num_ext = ext.num_tokens
+                if ext.first_token is not None and self._take_first_token(req, ext.first_token, num_hit + num_ext):
+                    continue  # that token ended it: nothing to run
             n = min(req.num_tokens - num_hit - num_ext, budget)
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
@@ -313,6 +319,24 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, [], True))
             budget -= n
+
+    def _take_first_token(self, req: Request, token: int, num_supplied: int) -> bool:
+        """A connector supplies req's whole prompt (num_supplied tokens with the device hit) and its first output
+        token (a decode instance takes the prefill instance's sample): the token is req's as if sampled here
+        (emitted, stop-checked, fed to its grammar); the request's next step runs it at position prompt_len.
+        Returns whether it ended req (EOS, a stop token, max_tokens 1): finished with no step, no blocks."""
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_supplied
+        req.append_token(token)
+        so = req.sampling_params.structured_outputs
+        if so is not None:
+            self.structured.accept(req.request_id, [token], so)
+        out = EngineCoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
+        if req.check_stop():
+            fin = self._finish(req)
+            out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+        self.pending.append(out)  # returned with this step's outputs, before them
+        return out.finished
 
     def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
                    out: SchedulerOutput) -> ScheduledRequest:
@@ -414,7 +438,7 @@ class Scheduler:
                 req.num_computed_tokens -= s.num_spec - accepted  # the rejected drafts' KV is stale
                 self.spec.observe_round(s.num_spec, accepted)
             if s.token_bitmask is not None:
-                self.structured.accept(req.request_id, tokens)
+                self.structured.accept(req.request_id, tokens, req.sampling_params.structured_outputs)
             if self.quarantine and self.quarantine[0] == req.request_id:
                 self.quarantine.pop(0)  # it ran alone and sampled: it is not the culprit
             lps = result.logprobs.get(s.request_id)

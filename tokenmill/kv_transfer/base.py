@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this pa
 class ExternalHit:
     num_tokens: int   # tokens after the device hit the connector supplies this step (whole blocks)
     ready: bool       # False: a background transfer started; ask again when `is_ready(request)`
+    # The request's first output token, sampled elsewhere (a prefill instance), when num_tokens reaches the end
+    # of its prompt: the scheduler appends it as if sampled here, and the request's next step runs it.
+    first_token: Optional[int] = None
 
 
 class KVConnectorScheduler(ABC):
