@@ -46,7 +46,7 @@ _ids = iter(range(10**6))
 def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks=None, logprobs=None, eos=None,
          outs=None):
     """(tokens, finishing output) of one request run alone on llm's engine; `blocks` (a list) gets its block
-    ids while it runs, `logprobs` (a list) each new token's, `outs` (a list) its outputs."""
+    ids while it runs, `logprobs` (a list) each new token's, `outs` (a list) its outputs as (step number, output)."""
     rid = f"r{next(_ids)}"
     llm.engine.add_request(EngineCoreRequest(rid, ids, sp, eos, kv_transfer_params=params))
     tokens, deadline, steps = [], time.monotonic() + timeout, 0
@@ -58,7 +58,7 @@ def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks
             if out.request_id == rid:
                 tokens += out.new_token_ids
                 if outs is not None:
-                    outs.append(out)
+                    outs.append((steps, out))
                 if logprobs is not None:
                     logprobs += out.new_logprobs or []
                 if out.finished:
@@ -100,7 +100,8 @@ PENALIZED = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetit
 
 def test_outputs_equal_colocated_and_decode_computes_no_prompt_token(engines):
     """The decode engine pulls all n prompt tokens' KV (the last block partial) and emits the prefill engine's
-    first token as its own first output, before its first step; penalties see that token as an output."""
+    first token as its own first output as soon as the pull is in, a step before the second token; penalties
+    see that token as an output."""
     prefill, decode, ref = engines
     for i, n in enumerate(LENGTHS):
         ids = _prompt(n, seed=i)
@@ -112,7 +113,8 @@ def test_outputs_equal_colocated_and_decode_computes_no_prompt_token(engines):
             assert tokens == expected, (n, sp)
             assert _computed(decode) == computed  # not one prompt token computed on the decode side
             assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n and fin.num_cached_tokens == n
-            assert outs[0].new_token_ids == expected[:1] and outs[0].num_cached_tokens == n  # the first delta
+            (step, first), (next_step, _) = outs[:2]
+            assert first.new_token_ids == expected[:1] and first.num_cached_tokens == n and step < next_step
             after = _counters(decode)
             assert after.get("kv_pulls", 0) == before.get("kv_pulls", 0) + 1 and not after.get("kv_pull_fallbacks")
             assert after["kv_transferred_tokens"] - before.get("kv_transferred_tokens", 0) == n - (kv.num_hits - hits)

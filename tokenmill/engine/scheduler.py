@@ -297,8 +297,6 @@ class Scheduler:
                     self.loading.append(self.waiting.popleft())
                     continue
                 num_ext = ext.num_tokens
-                if ext.first_token is not None and self._take_first_token(req, ext.first_token, num_hit + num_ext):
-                    continue  # that token ended it: nothing to run
             n = min(req.num_tokens - num_hit - num_ext, budget)
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
@@ -319,24 +317,6 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, [], True))
             budget -= n
-
-    def _take_first_token(self, req: Request, token: int, num_supplied: int) -> bool:
-        """A connector supplies req's whole prompt (num_supplied tokens with the device hit) and its first output
-        token (a decode instance takes the prefill instance's sample): the token is req's as if sampled here
-        (emitted, stop-checked, fed to its grammar); the request's next step runs it at position prompt_len.
-        Returns whether it ended req (EOS, a stop token, max_tokens 1): finished with no step, no blocks."""
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_supplied
-        req.append_token(token)
-        so = req.sampling_params.structured_outputs
-        if so is not None:
-            self.structured.accept(req.request_id, [token], so)
-        out = EngineCoreOutput(req.request_id, [token], num_cached_tokens=req.num_cached_tokens)
-        if req.check_stop():
-            fin = self._finish(req)
-            out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
-        self.pending.append(out)  # returned with this step's outputs, before them
-        return out.finished
 
     def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
                    out: SchedulerOutput) -> ScheduledRequest:
@@ -367,6 +347,27 @@ class Scheduler:
             else 0,
             next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
             new=new, token_bitmask=bitmask)
+
+    def _take_first_tokens(self) -> list[EngineCoreOutput]:
+        """Loading requests whose whole prompt's KV has arrived with their first output token (a decode instance
+        takes the prefill instance's sample): each token is emitted at once, as if sampled here (stop-checked,
+        fed to the grammar); the request's next step runs it at position prompt_len. One it ends (EOS, a stop
+        token, max_tokens 1) finishes here, with no step and no blocks."""
+        outs = []
+        for req in list(self.loading):
+            token = self.connector.first_token(req)
+            if token is None:
+                continue
+            req.append_token(token)
+            so = req.sampling_params.structured_outputs
+            if so is not None:
+                self.structured.accept(req.request_id, [token], so)
+            out = EngineCoreOutput(req.request_id, [token], num_cached_tokens=req.num_prompt_tokens)
+            if req.check_stop():
+                fin = self._finish(req)
+                out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+            outs.append(out)
+        return outs
 
     def _resume_loaded(self) -> None:
         """Requests whose background KV transfers finished go back to the head of the queue, in order."""
@@ -423,6 +424,8 @@ class Scheduler:
         self._back(sched)
         if self.connector is not None:  # first: a request finishing below may need what the worker reported
             self.connector.update(result.kv_connector_output)
+            if self.loading:
+                outs += self._take_first_tokens()
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:

@@ -14,8 +14,9 @@ lookup supplies those tokens (the hit may end inside a block) and on_allocated h
 into the request's device blocks. A failed, corrupt or timed-out pull supplies 0 tokens: the whole prompt is
 recomputed here and this instance samples the first token itself, `kv_pull_fallbacks` goes up.
 How much is pulled depends on whether the request can take the prefill instance's first token (_first_token):
-- yes: every prompt token. The lookup hands the scheduler first_token_id with the hit; the request starts with
-  its prompt computed and that token as its first output, so this instance computes no prompt token at all.
+- yes: every prompt token. As soon as the pull is reported intact, first_token() hands the scheduler
+  first_token_id, which it emits as the request's first output; the request then starts with its prompt
+  computed and that token to run, so this instance computes no prompt token at all.
 - no (logprobs, min_tokens, a seeded sample, no first_token_id in the params; n > 1, whose samples the front
   sends without it: one prefill token cannot seed several samples): prompt_len - 1 tokens, and the last prompt
   token is recomputed here so that this instance samples the first token itself. Either way the output equals
@@ -80,12 +81,7 @@ class TransferScheduler(KVConnectorScheduler):
         bs = self.block_size
         usable = st.ok and not st.consumed and st.first_block * bs <= num_device_tokens < st.end
         st.hit_from = num_device_tokens
-        if not usable:
-            return ExternalHit(0, True)
-        # The first token goes with a hit to the prompt's end, once: after it is appended (and on any later
-        # lookup, as when the request waits for blocks) the request has an output.
-        first = st.first_token if st.end == req.num_prompt_tokens and req.num_output_tokens == 0 else None
-        return ExternalHit(st.end - num_device_tokens, True, first)
+        return ExternalHit(st.end - num_device_tokens if usable else 0, True)
 
     def _start_pull(self, req: Request, params: dict, num_device_tokens: int) -> None:
         """Pull the blocks after the device hit up to the prompt's end when req takes the prefill instance's
@@ -97,8 +93,8 @@ class TransferScheduler(KVConnectorScheduler):
         end = max(end, num_device_tokens)
         first = num_device_tokens // bs
         blocks = list(params.get("remote_block_ids", []))[first:-(-end // bs)]
-        if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none
-            blocks, end = [], num_device_tokens
+        if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none, sample here
+            blocks, end, first_token = [], num_device_tokens, None
         self.pulls[req.request_id] = _PullState(first, end, first_token=first_token)
         self._plan.pulls.append(self._pull(req.request_id, params, blocks))
 
@@ -123,6 +119,12 @@ class TransferScheduler(KVConnectorScheduler):
         if sp.seed is not None and not sp.greedy:
             return None
         return token
+
+    def first_token(self, req: Request) -> Optional[int]:
+        st = self.pulls.get(req.request_id)
+        if st is None or not (st.ready and st.ok) or st.consumed or req.num_output_tokens:
+            return None  # a failed pull recomputes the whole prompt here and samples its first token itself
+        return st.first_token
 
     @staticmethod
     def _pull(rid: str, params: dict, blocks: list[int]) -> Pull:
