@@ -25,7 +25,9 @@ KV tiers (a KV connector, tokenmill/kv_transfer): after the device prefix hit, t
 more leading tokens it holds. Those get device blocks like new tokens, but count as computed: the worker
 copies them in before the forward pass. When they must first come from a slow tier (disk) or another
 instance (a decode instance pulling a prompt's KV from the prefill instance), the request steps aside into
-`loading` (others run) and is looked up again once the connector says it is ready. A connector may also keep
+`loading` (others run) and is looked up again once the connector says it is ready; a pulled prompt may come
+with its first output token (the prefill instance's sample), emitted as if sampled here right after the
+update that reported the pull, so that the request's first step decodes from it. A connector may also keep
 a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
 them); it names the requests whose blocks may go back, polled at the start of each step.
 """
