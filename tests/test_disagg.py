@@ -184,6 +184,16 @@ def test_requests_that_cannot_take_the_first_token_sample_it_themselves(engines)
     _settle(prefill, decode)
 
 
+def test_n_samples_do_not_share_the_prefill_instances_first_token():
+    from tokenmill.engine.frontend import fan_out
+
+    params = {"do_remote_prefill": True, "remote_block_ids": [3], "num_tokens": 2, "first_token_id": 9}
+    one = fan_out("r", [1, 2], SamplingParams(n=1), None, True, kv_transfer_params=params)
+    two = fan_out("r", [1, 2], SamplingParams(n=2), None, True, kv_transfer_params=params)
+    assert one[0].kv_transfer_params == params
+    assert [r.kv_transfer_params for r in two] == [{k: v for k, v in params.items() if k != "first_token_id"}] * 2
+
+
 def test_structured_output_takes_the_first_token_and_advances_its_grammar(engines):
     """A constrained request takes the prefill engine's first token (sampled under the same grammar) and feeds it
     to its own grammar matcher: the rest of the output follows the grammar and equals the colocated one."""
