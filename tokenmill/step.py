@@ -36,7 +36,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
-    output_token_ids: list[int]   # a re-admitted request's output so far
+    output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -32,6 +32,9 @@ class EngineStats:
     # Prompt tokens past the device hit looked up in / supplied by lower KV tiers (vLLM's external_prefix_cache_*)
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Prompt tokens the model actually ran (cumulative): not prefix-cache hits, not tokens a KV connector
+    # supplied (a decode instance's transferred prompts count 0), again after a preemption
+    prompt_tokens_computed: int = 0
     # Speculative decoding (cumulative; zero without it)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -162,7 +165,7 @@ class EngineCore:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
                             s.num_preemptions, kv.pool.num_free, kv.num_blocks, kv.num_external_queries,
-                            kv.num_external_hits)
+                            kv.num_external_hits, s.num_prompt_tokens_computed)
         if s.spec is not None:
             c = s.spec.counters
             stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens

@@ -5,7 +5,9 @@ Each generation request runs in two phases, as vLLM's disaggregated proxy does:
    goes to a prefill instance chosen by the router's policy (prefix-aware by default); its response carries
    the finished request's `kv_transfer_params` (where its KV blocks wait to be pulled);
 2. decode: the original request plus those params goes to the decode instance with the least load (then the
-   most free KV), whose response (stream or not) is relayed to the client byte for byte.
+   most free KV), whose response (stream or not) is relayed to the client byte for byte. The params carry the
+   prefill instance's sampled token (first_token_id): the decode instance emits it as its first output and
+   computes no prompt token (kv_transfer/p2p_scheduler.py says when it does not take it).
 A failing prefill instance is retried on another one; with none left, or when a prefill instance answers
 without params (no connector there), the decode instance gets the original request and recomputes the
 prompt (counted in router_disagg_fallbacks_total). A decode instance failing before its first byte is
