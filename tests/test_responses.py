@@ -198,18 +198,30 @@ def test_tool_choice_none_answers_in_text(client):
     assert r.output[0].type == "message" and r.output_text and r.tools[0].name == "get_weather"
 
 
-def test_function_call_through_server(http):
-    """Needs tool calling in the chat path (another branch); until then the chat path refuses tools."""
+def test_function_call_streamed_and_round_trip(client):
+    """A forced function call comes back as a function_call item (grammar-constrained, so its arguments parse
+    even on the tiny default model), streamed as function_call_arguments events, and its output item sent back
+    as input gets a text answer."""
     tools = [{"type": "function", "name": "get_weather", "description": "Weather of a city",
               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
-    r = http.post("/v1/responses", json={"input": "What is the weather in Paris?", "tools": tools,
-                                         "tool_choice": {"type": "function", "name": "get_weather"},
-                                         "temperature": 0, "max_output_tokens": 64})
-    if r.status_code == 400 and "tool calling is not supported" in r.text:
-        pytest.xfail("the chat path has no tool calling yet: " + r.json()["error"]["message"])
-    assert r.status_code == 200, r.text
-    calls = [o for o in r.json()["output"] if o["type"] == "function_call"]
-    assert calls and calls[0]["name"] == "get_weather" and isinstance(json.loads(calls[0]["arguments"]), dict)
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=tools, temperature=0, max_output_tokens=64,
+              tool_choice={"type": "function", "name": "get_weather"})
+    r = client.responses.create(**kw)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather"
+    args = json.loads(calls[0].arguments)
+    assert isinstance(args.get("city"), str)
+    events = _events(client.responses.create(**kw, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done and done[0].arguments == deltas == calls[0].arguments
+    assert events[-1].type == "response.completed"
+    follow = client.responses.create(model=MODEL, tools=tools, tool_choice="none", temperature=0,
+                                     max_output_tokens=16, input=[
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"}])
+    assert follow.status in ("completed", "incomplete") and follow.output_text
 
 
 # -- router and CORS ---------------------------------------------------------------------------------------
