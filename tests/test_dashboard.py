@@ -103,6 +103,28 @@ def test_engine_step_records(tiny):
     assert engine.stats().steps == []  # drained
 
 
+def test_figures_measured_low_are_raised_to_what_steps_reach(tiny, tmp_path, monkeypatch, caplog):
+    """A CPU figure measured on a busy machine (here: cached as 1 MB/s and 1 MFLOP/s) would put MBU/MFU over
+    100%: the first step that beats it raises the ceilings to the observed rates, says so, and fixes the
+    cache."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine import step_records
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = step_records._cpu_figures_path()
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"memory_bytes": 2**30, "bandwidth": 1e6, "flops": {"fp32": 1e6}}, f)
+    llm = LLM(tiny("llama"), dtype="float32", kv_cache_memory_bytes="16MiB", step_records=True)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        llm.generate(["hello there world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    records = llm.engine.stats().steps
+    assert records and all(0 < r[5] <= 1 and 0 < r[6] <= 1 for r in records)
+    assert sum("measured low" in m for m in caplog.messages) == 1
+    with open(path) as f:
+        assert json.load(f)["bandwidth"] > 1e6
+
+
 def test_pages_are_public_but_data_needs_the_key(server, router):
     for base in (server.url, router.url):
         page = httpx.get(base + "/dashboard", timeout=10)

@@ -17,6 +17,7 @@ import os
 import platform
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Optional
 
 from tokenmill.plan.hardware import Hardware
@@ -41,10 +42,9 @@ def _cpu_key() -> str:
 def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
     """This CPU's fp32 peak and bandwidth as the engine process measured them (with its thread count),
     once per machine (about 2 s), then read from the cache. measure=False: None if not measured yet."""
-    from tokenmill.config import cache_root
     from tokenmill.plan.hardware import measure_local_cpu
 
-    path = os.path.join(cache_root(), "hardware", _cpu_key() + ".json")
+    path = _cpu_figures_path()
     try:
         with open(path) as f:
             d = json.load(f)
@@ -53,6 +53,17 @@ def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
         if not measure:
             return None
     hw = measure_local_cpu(("fp32",))
+    _write_cpu_figures(path, hw)
+    return hw
+
+
+def _cpu_figures_path() -> str:
+    from tokenmill.config import cache_root
+
+    return os.path.join(cache_root(), "hardware", _cpu_key() + ".json")
+
+
+def _write_cpu_figures(path: str, hw: Hardware) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -61,7 +72,6 @@ def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
         os.replace(tmp, path)
     except OSError as e:
         logger.warning("could not cache the CPU's measured figures at %s: %s", path, e)
-    return hw
 
 
 def device_figures(device: str) -> Optional[Hardware]:
@@ -87,6 +97,7 @@ class StepRecorder:
         self.peak = self.hw.peak_flops(self.dtype)[1] if self.hw is not None else None
         self.ring: deque = deque(maxlen=maxlen)
         self._cached_free, self._cached_free_at = 0, 0.0
+        self._ceilings_raised = 0
 
     def cached_free_blocks(self, pool: Any, every: float = 0.25) -> int:
         """Free blocks that still hold a cached prefix (reusable until evicted). Counting walks the cached
@@ -104,9 +115,27 @@ class StepRecorder:
         mfu = mbu = -1.0
         if self.hw is not None and seconds > 0:
             cost = scheduled_cost(self.shape, sched, self.dtype, self.kv_dtype)
+            if cost.bytes / seconds > self.hw.bandwidth or cost.flops / seconds > self.peak:
+                self._raise_ceilings(cost.bytes / seconds, cost.flops / seconds)
             mfu, mbu = cost.flops / seconds / self.peak, cost.bytes / seconds / self.hw.bandwidth
         self.ring.append([time.time(), seconds, sched.num_batched_tokens - decode, decode, len(sched.scheduled),
                           mfu, mbu])
+
+    def _raise_ceilings(self, bandwidth: float, flops: float) -> None:
+        """A step beat the device's figures, so they were measured low (on a busy machine, or another
+        thread count): the observed rates become the ceilings, which keeps MFU/MBU <= 100%. For the CPU the
+        cached figures are corrected too, so the next start does not repeat the error."""
+        old_bw, old_peak = self.hw.bandwidth, self.peak
+        self.peak = max(self.peak, flops)
+        self.hw = replace(self.hw, bandwidth=max(self.hw.bandwidth, bandwidth),
+                          flops={**self.hw.flops, self.hw.peak_flops(self.dtype)[0]: self.peak})
+        self._ceilings_raised += 1
+        log = logger.warning if self._ceilings_raised == 1 else logger.debug
+        log("a step ran at %.1f GB/s and %.1f GFLOP/s, above the %s figures (%.1f GB/s, %.1f GFLOP/s): "
+                       "they were measured low; using the observed rates as the ceilings", bandwidth / 1e9,
+                       flops / 1e9, self.hw.name, old_bw / 1e9, old_peak / 1e9)
+        if self.hw.name == "local-cpu":
+            _write_cpu_figures(_cpu_figures_path(), self.hw)
 
     def drain(self) -> list[list[float]]:
         out = list(self.ring)
