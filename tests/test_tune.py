@@ -189,6 +189,46 @@ def test_winning_command_starts_a_healthy_server(tiny_tune):
         server.stop()
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return kids
+
+
+def test_sigterm_stops_the_trial_server(tmp_path):
+    """A tune killed mid-trial (SIGTERM) stops its trial server, which runs in its own session."""
+    import subprocess
+    import sys
+    import time
+
+    from models import tiny_model
+
+    argv = [sys.executable, "-m", "tokenmill.cli", "tune", tiny_model("llama"), "--no-default-space",
+            "--max-concurrency", "1", "--rungs", "1", "--repeats", "0", "--out", str(tmp_path), SERVE_ARGS,
+            *TINY_ARGS[:4], "--num-prompts", "100000", "--warmup", "0", "--no-progress"]
+    tune = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (kids := _children(tune.pid)) and time.monotonic() < deadline and tune.poll() is None:
+            time.sleep(0.2)
+        assert kids, "the tune never started a trial server"
+        time.sleep(1.0)
+        tune.send_signal(15)
+        assert tune.wait(timeout=90) != 0
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{k}") for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{k}") for k in kids)
+    finally:
+        tune.kill()
+
+
 def test_bench_matrix_json_product_and_png(tmp_path, capsys):
     from models import tiny_model
 

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import time
 from typing import Any, Optional
 
@@ -178,13 +179,21 @@ def tune_main(args: argparse.Namespace) -> int:
         return rec
 
     bar, update = search.progress_bar(max_trials, args.objective) if args.progress else (None, None)
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     try:
-        records = search.successive_halving(order, run, sizes, args.eta, budget, args.objective, update)
+        try:
+            records = search.successive_halving(order, run, sizes, args.eta, budget, args.objective, update)
+        finally:
+            runner.close()
+            if bar is not None:
+                bar.close()
+        return finish(args, runner, order[0], records, pruned, sizes, time.monotonic() - t_start)
     finally:
-        runner.close()
-        if bar is not None:
-            bar.close()
-    return finish(args, runner, order[0], records, pruned, sizes, time.monotonic() - t_start)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # a kill unwinds like Ctrl-C, so the trial server (its own session) is stopped too
 
 
 def finish(args, runner: TrialRunner, baseline: dict, records: list[dict], pruned: list[dict], sizes: list[int],

@@ -44,8 +44,6 @@ class ServerProcess:
     """`tokenmill serve <args> --port N` in its own process group; `error` says why it did not come up."""
 
     def __init__(self, model: Optional[str], args: list[str], log_path: str, startup_timeout: float) -> None:
-        import httpx
-
         logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every health poll at INFO
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,19 +54,28 @@ class ServerProcess:
                "--host", "127.0.0.1", "--port", str(self.port)]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.error = self._wait_healthy(startup_timeout)
+        except BaseException:  # interrupted while it starts: nobody else holds it yet
+            self.stop()
+            raise
+        if self.error is not None:
+            self.stop()
+
+    def _wait_healthy(self, startup_timeout: float) -> Optional[str]:
+        import httpx
+
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.error = f"server exited with status {self.proc.returncode}: {_log_tail(log_path)}"
-                return
+                return f"server exited with status {self.proc.returncode}: {_log_tail(self.log_path)}"
             try:
                 if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    return
+                    return None
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.error = f"server not healthy after {startup_timeout:g}s: {_log_tail(log_path)}"
-        self.stop()
+        return f"server not healthy after {startup_timeout:g}s: {_log_tail(self.log_path)}"
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM to the server's process group (data-parallel replicas included), SIGKILL if it lingers."""
