@@ -53,8 +53,8 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replica-start-s", type=float, default=120.0,
                    help="seconds from scale-up to a new replica serving (billed meanwhile)")
     g.add_argument("--reserved-replicas", type=int, default=None,
-                   help="replicas on reserved pricing, always running (default: the cheapest base from 0 to "
-                        "the peak)")
+                   help="replicas on reserved pricing, always running (default: of the bases from 0 to the "
+                        "peak, the cheapest of those with the fewest SLA-miss minutes)")
     g.add_argument("--reserved-price", type=float, default=0.6, help="per reserved replica-hour")
     g.add_argument("--on-demand-price", type=float, default=1.0, help="per on-demand replica-hour")
     g.add_argument("--report-every-s", type=float, default=3600.0, help="seconds per row of the table")
@@ -120,8 +120,8 @@ def run_trace(args: argparse.Namespace) -> int:
     prices = Prices(args.reserved_price, args.on_demand_price)
     options = compare_reserved(trace.intervals, replica, scaler, slo_s, prices)
     reserved = args.reserved_replicas
-    if reserved is None:
-        reserved = min(options, key=lambda o: (o["total_cost"], o["miss_seconds"]))["reserved_replicas"]
+    if reserved is None:  # the SLA first, then the cost
+        reserved = min(options, key=lambda o: (o["miss_seconds"], o["total_cost"]))["reserved_replicas"]
     elif reserved < 0:
         raise ValueError(f"--reserved-replicas must be >= 0, got {reserved}")
     rows = replay(trace.intervals, replica, with_reserved(scaler, reserved), slo_s)
@@ -185,12 +185,14 @@ def format_trace(res: dict[str, Any], trace: Trace, metric: str, chose: bool) ->
                      f"{r['miss_s'] / 60:>8.0f} {r['replica_hours']:>9.2f}")
     lines += ["", f"{'reserved':>8} {'reserved h':>10} {'on-demand h':>11} {'cost':>9} {'miss min':>8} "
                   f"{'requests in missed intervals':>29}"]
+    cheapest = min(res["reserved_options"], key=lambda o: o["total_cost"])
     for o in res["reserved_options"]:
-        mark = " <-" if o["reserved_replicas"] == tot["reserved_replicas"] else ""
+        mark = (" <- replayed above" if o["reserved_replicas"] == tot["reserved_replicas"] else "") + \
+            (" <- cheapest" if o is cheapest and o["reserved_replicas"] != tot["reserved_replicas"] else "")
         lines.append(f"{o['reserved_replicas']:>8} {o['reserved_replica_hours']:>10.1f} "
                      f"{o['on_demand_replica_hours']:>11.1f} {o['total_cost']:>9.2f} {o['miss_seconds'] / 60:>8.0f} "
                      f"{o['miss_requests']:>29.0f}{mark}")
-    why = "the cheapest" if chose else "as asked"
+    why = "the cheapest of those with the fewest SLA-miss minutes" if chose else "as asked"
     lines += ["", f"totals ({tot['reserved_replicas']} reserved, {why}): peak {tot['peak_replicas']} replicas, "
                   f"{tot['replica_hours']:.1f} replica-h ({tot['reserved_replica_hours']:.1f} reserved at "
                   f"{pr['reserved']:g} + {tot['on_demand_replica_hours']:.1f} on-demand at {pr['on_demand']:g}) = "
