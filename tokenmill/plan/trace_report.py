@@ -8,6 +8,7 @@ and the PNG; `tokenmill plan --make-trace diurnal` writes a synthetic trace.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -125,8 +126,9 @@ def run_trace(args: argparse.Namespace) -> int:
     elif reserved < 0:
         raise ValueError(f"--reserved-replicas must be >= 0, got {reserved}")
     rows = replay(trace.intervals, replica, with_reserved(scaler, reserved), slo_s)
-    result = {"trace": args.trace, "form": trace.form, "replica": replica.__dict__, "slo": {metric: slo_s},
-              "autoscaler": scaler.__dict__, "prices": prices.__dict__, "totals": summary(rows, reserved, prices),
+    result = {"trace": args.trace, "form": trace.form, "replica": dataclasses.asdict(replica),
+              "slo": {metric: slo_s}, "autoscaler": dataclasses.asdict(scaler), "prices": dataclasses.asdict(prices),
+              "totals": summary(rows, reserved, prices),
               "reserved_options": options, "table": table_rows(rows, args.report_every_s)}
     if args.plot:
         plot_trace(rows, slo_s, metric, args.plot, f"{args.trace}: {reserved} reserved")
