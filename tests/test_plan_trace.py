@@ -26,7 +26,8 @@ def test_bucket_form(tmp_path):
     p = _jsonl(tmp_path / "b.jsonl", [{"t": 0, "rate": 2}, "", {"t": 60, "rate": 3.5}, {"t": 180, "rate": 0}])
     tr = load_trace(p)
     assert tr.form == "buckets"
-    assert tr.intervals == [Interval(0, 60, 2), Interval(60, 120, 3.5), Interval(180, 120, 0)]  # last: as the one before
+    # the last bucket lasts as long as the one before it
+    assert tr.intervals == [Interval(0, 60, 2), Interval(60, 120, 3.5), Interval(180, 120, 0)]
     assert tr.requests == 2 * 60 + 3.5 * 120
     lone = load_trace(_jsonl(tmp_path / "one.jsonl", [{"t": 10, "rate": 1}]), bucket_s=30)
     assert lone.intervals == [Interval(10, 30, 1)]
@@ -161,20 +162,22 @@ def test_cli_replay_with_a_bench_result_table_and_png(tmp_path, capsys):
     assert "2.00 req/s at 4 in flight, ttft P99 586 ms" in out   # the bench's own P99 of 0.2 .. 0.59 s
     hourly = [line for line in out.splitlines() if re.match(r"\d\d:\d\d ", line)]
     assert len(hourly) == 24 and hourly[0].startswith("00:00") and hourly[-1].startswith("23:00")
-    options = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and ":" not in line]
-    assert [int(o[0]) for o in options] == list(range(len(options)))
-    fewest = min(float(o[4]) for o in options)
+    options = [line.split() for line in out.splitlines() if re.match(r"\s*\d+% ", line)]
+    assert [int(o[1]) for o in options] == list(range(len(options))) and {o[0] for o in options} == {"70%"}
+    fewest = min(float(o[5]) for o in options)
     chosen = [o for o in options if "replayed" in o]
-    assert len(chosen) == 1 and float(chosen[0][4]) == fewest
-    assert float(chosen[0][3]) == min(float(o[3]) for o in options if float(o[4]) == fewest)
+    assert len(chosen) == 1 and float(chosen[0][5]) == fewest
+    assert float(chosen[0][4]) == min(float(o[4]) for o in options if float(o[5]) == fewest)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
     assert main(["plan", "--trace", trace, "--replica-bench", bench, "--slo", "ttft_p99=1s", "--json",
-                 "--reserved-replicas", "2"]) == 0
+                 "--reserved-replicas", "2", "--target-utilization", "0.5,0.7"]) == 0
     res = json.loads(capsys.readouterr().out)
-    cheapest = min(o["total_cost"] for o in res["reserved_options"])
-    assert res["totals"]["reserved_replicas"] == 2 and res["totals"]["total_cost"] >= cheapest
-    assert res["replica"]["concurrency"] == 4 and len(res["table"]) == 24
+    assert res["totals"]["reserved_replicas"] == 2 and res["replica"]["concurrency"] == 4 and len(res["table"]) == 24
+    at_2 = {o["target_utilization"]: o for o in res["options"] if o["reserved_replicas"] == 2}
+    best = min(at_2.values(), key=lambda o: (o["miss_seconds"], o["total_cost"]))
+    assert set(at_2) == {0.5, 0.7} and res["autoscaler"]["target_utilization"] == best["target_utilization"]
+    assert res["totals"]["total_cost"] == pytest.approx(best["total_cost"])
 
 
 def test_a_rate_limited_bench_run_is_no_capacity(tmp_path, capsys):

@@ -47,8 +47,9 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo", default="ttft_p99=2s", help="the SLA: a P99 of ttft or e2e, e.g. e2e_p99=10s")
     g.add_argument("--min-replicas", type=int, default=1, help="autoscaler floor")
     g.add_argument("--max-replicas", type=int, default=16, help="autoscaler ceiling")
-    g.add_argument("--target-utilization", type=float, default=0.7,
-                   help="scale so each replica runs at this share of its capacity")
+    g.add_argument("--target-utilization", default="0.7",
+                   help="scale so each replica runs at this share of its capacity; a comma-separated list "
+                        "(0.5,0.6,0.7) compares them")
     g.add_argument("--scale-down-delay-s", type=float, default=300.0,
                    help="cool-down: scale down only to the most replicas wanted over this many seconds")
     g.add_argument("--replica-start-s", type=float, default=120.0,
@@ -101,13 +102,9 @@ def replica_from_bench(path: str, metric: str) -> Replica:
 
 def run_trace(args: argparse.Namespace) -> int:
     if args.make_trace:
-        if not args.out or args.peak_rate is None:
-            raise ValueError("--make-trace needs --out FILE.jsonl and --peak-rate")
-        rows = diurnal(args.hours, args.peak_rate, args.trough_rate, args.bucket_s, args.seed)
-        write_trace(args.out, rows)
-        print(f"wrote {args.out}: {len(rows)} buckets of {args.bucket_s:g} s, {args.hours:g} h, "
-              f"{min(r['rate'] for r in rows):.3g} .. {max(r['rate'] for r in rows):.3g} req/s")
-        return 0
+        return make_trace(args)
+    from tokenmill.bench.serve import parse_list
+
     metric, slo_s = parse_trace_slo(args.slo)
     if (args.replica_bench is None) == (args.replica_capacity is None):
         raise ValueError("--trace needs one replica's capacity: --replica-bench FILE.json (measured by "
@@ -116,28 +113,50 @@ def run_trace(args: argparse.Namespace) -> int:
                Replica(args.replica_capacity, args.replica_p99_ms / 1e3, args.replica_concurrency,
                        "given (--replica-capacity)"))
     trace = load_trace(args.trace, args.bucket_s)
-    scaler = Autoscaler(args.min_replicas, args.max_replicas, args.target_utilization, args.scale_down_delay_s,
-                        args.replica_start_s)
+    scalers = [Autoscaler(args.min_replicas, args.max_replicas, target, args.scale_down_delay_s, args.replica_start_s)
+               for target in parse_list(args.target_utilization, float)]
+    if not scalers:
+        raise ValueError("--target-utilization needs at least one value")
     prices = Prices(args.reserved_price, args.on_demand_price)
-    options = compare_reserved(trace.intervals, replica, scaler, slo_s, prices)
-    reserved = args.reserved_replicas
-    if reserved is None:  # the SLA first, then the cost
-        reserved = min(options, key=lambda o: (o["miss_seconds"], o["total_cost"]))["reserved_replicas"]
-    elif reserved < 0:
-        raise ValueError(f"--reserved-replicas must be >= 0, got {reserved}")
-    rows = replay(trace.intervals, replica, with_reserved(scaler, reserved), slo_s)
+    options = [{"target_utilization": sc.target_utilization, **o} for sc in scalers
+               for o in compare_reserved(trace.intervals, replica, sc, slo_s, prices)]
+    best = choose(options, args.reserved_replicas)
+    scaler = next(sc for sc in scalers if sc.target_utilization == best["target_utilization"])
+    rows = replay(trace.intervals, replica, with_reserved(scaler, best["reserved_replicas"]), slo_s)
     result = {"trace": args.trace, "form": trace.form, "replica": dataclasses.asdict(replica),
               "slo": {metric: slo_s}, "autoscaler": dataclasses.asdict(scaler), "prices": dataclasses.asdict(prices),
-              "totals": summary(rows, reserved, prices),
-              "reserved_options": options, "table": table_rows(rows, args.report_every_s)}
+              "totals": summary(rows, best["reserved_replicas"], prices),
+              "options": options, "table": table_rows(rows, args.report_every_s)}
     if args.plot:
-        plot_trace(rows, slo_s, metric, args.plot, f"{args.trace}: {reserved} reserved")
+        plot_trace(rows, slo_s, metric, args.plot, f"{args.trace}: {best['reserved_replicas']} reserved, target "
+                                                   f"{scaler.target_utilization:.0%}")
     if args.json:
         json.dump(result, sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
         print(format_trace(result, trace, metric, args.reserved_replicas is None))
     return 0
+
+
+def make_trace(args: argparse.Namespace) -> int:
+    if not args.out or args.peak_rate is None:
+        raise ValueError("--make-trace needs --out FILE.jsonl and --peak-rate")
+    rows = diurnal(args.hours, args.peak_rate, args.trough_rate, args.bucket_s, args.seed)
+    write_trace(args.out, rows)
+    print(f"wrote {args.out}: {len(rows)} buckets of {args.bucket_s:g} s, {args.hours:g} h, "
+          f"{min(r['rate'] for r in rows):.3g} .. {max(r['rate'] for r in rows):.3g} req/s")
+    return 0
+
+
+def choose(options: list[dict[str, Any]], reserved: Optional[int]) -> dict[str, Any]:
+    """The option to replay: the SLA first (fewest miss minutes), then the cost; with --reserved-replicas,
+    among that base's options (one per target utilisation)."""
+    if reserved is not None:
+        if reserved < 0:
+            raise ValueError(f"--reserved-replicas must be >= 0, got {reserved}")
+        options = [o for o in options if o["reserved_replicas"] == reserved] or \
+            [{**options[0], "reserved_replicas": reserved}]   # above every peak: its replay says what it costs
+    return min(options, key=lambda o: (o["miss_seconds"], o["total_cost"]))
 
 
 def table_rows(rows: list[Row], every_s: float) -> list[dict[str, Any]]:
@@ -185,13 +204,14 @@ def format_trace(res: dict[str, Any], trace: Trace, metric: str, chose: bool) ->
         lines.append(f"{_clock(r['t']):>5} {r['mean_rate']:>10.2f} {r['peak_rate']:>6.2f} {ready:>7} "
                      f"{r['billed_max']:>3} {min(r['utilization_max'], 9.99):>5.0%} {_ms(r['p99_max_s']):>7} "
                      f"{r['miss_s'] / 60:>8.0f} {r['replica_hours']:>9.2f}")
-    lines += ["", f"{'reserved':>8} {'reserved h':>10} {'on-demand h':>11} {'cost':>9} {'miss min':>8} "
-                  f"{'requests in missed intervals':>29}"]
-    cheapest = min(res["reserved_options"], key=lambda o: o["total_cost"])
-    for o in res["reserved_options"]:
-        mark = (" <- replayed above" if o["reserved_replicas"] == tot["reserved_replicas"] else "") + \
-            (" <- cheapest" if o is cheapest and o["reserved_replicas"] != tot["reserved_replicas"] else "")
-        lines.append(f"{o['reserved_replicas']:>8} {o['reserved_replica_hours']:>10.1f} "
+    lines += ["", f"{'target':>6} {'reserved':>8} {'reserved h':>10} {'on-demand h':>11} {'cost':>9} "
+                  f"{'miss min':>8} {'requests in missed intervals':>29}"]
+    cheapest = min(res["options"], key=lambda o: o["total_cost"])
+    for o in res["options"]:
+        chosen = (o["reserved_replicas"], o["target_utilization"]) == (tot["reserved_replicas"],
+                                                                      sc["target_utilization"])
+        mark = (" <- replayed above" if chosen else "") + (" <- cheapest" if o is cheapest and not chosen else "")
+        lines.append(f"{o['target_utilization']:>6.0%} {o['reserved_replicas']:>8} {o['reserved_replica_hours']:>10.1f} "
                      f"{o['on_demand_replica_hours']:>11.1f} {o['total_cost']:>9.2f} {o['miss_seconds'] / 60:>8.0f} "
                      f"{o['miss_requests']:>29.0f}{mark}")
     why = "the cheapest of those with the fewest SLA-miss minutes" if chose else "as asked"
