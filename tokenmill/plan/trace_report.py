@@ -211,8 +211,8 @@ def format_trace(res: dict[str, Any], trace: Trace, metric: str, chose: bool) ->
         chosen = (o["reserved_replicas"], o["target_utilization"]) == (tot["reserved_replicas"],
                                                                       sc["target_utilization"])
         mark = (" <- replayed above" if chosen else "") + (" <- cheapest" if o is cheapest and not chosen else "")
-        lines.append(f"{o['target_utilization']:>6.0%} {o['reserved_replicas']:>8} {o['reserved_replica_hours']:>10.1f} "
-                     f"{o['on_demand_replica_hours']:>11.1f} {o['total_cost']:>9.2f} {o['miss_seconds'] / 60:>8.0f} "
+        lines.append(f"{o['target_utilization']:>6.0%} {o['reserved_replicas']:>8} "
+                     f"{o['reserved_replica_hours']:>10.1f} {o['on_demand_replica_hours']:>11.1f} {o['total_cost']:>9.2f} {o['miss_seconds'] / 60:>8.0f} "
                      f"{o['miss_requests']:>29.0f}{mark}")
     why = "the cheapest of those with the fewest SLA-miss minutes" if chose else "as asked"
     lines += ["", f"totals ({tot['reserved_replicas']} reserved, {why}): peak {tot['peak_replicas']} replicas, "
