@@ -4,6 +4,7 @@
     tokenmill plan Llama-3.1-70B --hardware h100 --num-nodes 2 --devices-per-node 8     # the rules' split
     tokenmill plan Qwen3-235B-A22B --hardware h200 -tp 8 --enable-expert-parallel       # per device, comm
     tokenmill plan Llama-3.1-70B --hardware h100 --disaggregate 2P2D --request-rate 4   # colocated vs xPyD
+    tokenmill plan --trace load.jsonl --replica-bench replica.json --plot replicas.png  # autoscaled replay
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tokenmill.plan.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardw
 from tokenmill.plan.memory import PRESETS, ModelShape, load_model_shape, memory_plan, normalize_dtype
 from tokenmill.plan.parallel import Split, check_split, choose_split
 from tokenmill.plan.roofline import StepStatsLogger, default_compute_dtype, format_plan, make_plan
+from tokenmill.plan.trace_report import add_trace_args, run_trace
 
 __all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Split", "StepStatsLogger", "add_plan_args",
            "choose_split", "format_plan", "get_hardware", "get_interconnect", "load_model_shape", "make_plan",
@@ -74,6 +76,7 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                         "share of such prompts xPyD pays")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--list", action="store_true", help="list the model presets and hardware, then exit")
+    add_trace_args(p)
     p.set_defaults(func=run_plan)
 
 
@@ -84,6 +87,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print("links:    " + ", ".join(f"{i.name} ({i.bandwidth / 1e9:g} GB/s, {i.latency * 1e6:g} us, nominal)"
                                        for i in INTERCONNECTS.values()))
         return 0
+    if args.trace or args.make_trace:
+        return run_trace(args)
     if not 0 < args.memory_utilization <= 1:
         raise ValueError(f"--memory-utilization must be in (0, 1], got {args.memory_utilization}")
     shape = load_model_shape(args.model_flag or args.model)
