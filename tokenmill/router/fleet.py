@@ -35,7 +35,7 @@ class Member:
     handle: ReplicaHandle
     argv: list[str]
     replica: Optional[Replica] = None   # its pool entry, once healthy
-    state: str = "starting"             # starting -> serving -> draining -> (gone); or failed
+    state: str = "starting"             # starting -> serving -> draining -> stopping -> (gone)
 
     def describe(self) -> dict:
         r = self.replica
@@ -186,8 +186,9 @@ class Fleet:
         self.retired.append({"url": replica.url, "in_flight": replica.in_flight, "running": replica.running,
                              "waiting": replica.waiting, "kv_usage": replica.kv_usage})
         self.router.remove_replica(replica)
-        self.members.remove(member)
+        member.state = "stopping"
         await asyncio.to_thread(member.handle.stop, 30.0)
+        self.members.remove(member)
         logger.info("fleet %s: replica %s drained and stopped", self.group, replica.url)
         self._event(event)
 
