@@ -24,7 +24,8 @@ from tokenmill.router.pool import parse_replica_metrics
 ADMIN = "admin-key"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 SERVE = "tokenmill serve --dtype float32 --kv-cache-memory-bytes 64MiB"
-FLEET_FLAGS = ["--health-check-interval", "0.5", "--admin-key", ADMIN, "--replica-threads", "1"]
+FLEET_FLAGS = ["--health-check-interval", "0.5", "--health-check-timeout", "1", "--admin-key", ADMIN,
+               "--replica-threads", "1"]
 
 
 def wait_for(what, timeout: float = 120.0, every: float = 0.5):
@@ -159,6 +160,38 @@ def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
     wait_for(replaced, timeout=180)
     assert not process_alive(victim["pid"])
     assert metrics(router)["tokenmill:router_fleet_events_total{event=replaced}"] >= 1
+
+
+@pytest.mark.slow
+def test_hung_replica_is_replaced_after_the_grace_period_and_no_stream_hangs(fleet):
+    router, _ = fleet
+    victim = fleet_members(router)[0]
+    load = Load(router.url, 4)
+
+    def victim_busy():
+        """the victim to have requests in flight"""
+        return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in fleet_members(router))
+
+    wait_for(victim_busy, timeout=60, every=0.05)
+    os.kill(victim["pid"], signal.SIGSTOP)  # alive but silent: only its health checks tell
+
+    def missed_once():
+        """a failed health check of the victim"""
+        entry = next((r for r in admin(router)["replicas"] if r["url"] == victim["url"]), None)
+        return entry is not None and entry["failures"] >= 1
+
+    wait_for(missed_once, timeout=30, every=0.1)
+    assert victim["url"] in [m["url"] for m in fleet_members(router)]  # one miss is not a death
+
+    def replaced():
+        """the victim replaced"""
+        urls = [m["url"] for m in fleet_members(router)]
+        return len(urls) == 2 and victim["url"] not in urls
+
+    wait_for(replaced, timeout=180)
+    results = load.stop()  # returns: the streams that were on the hung replica ended when it was killed
+    assert [r for r in results if r.startswith("failed")] == []
+    assert not process_alive(victim["pid"])
 
 
 def test_rolling_upgrade_under_load_fails_no_request(fleet):

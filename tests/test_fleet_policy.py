@@ -88,3 +88,62 @@ def test_latency_window_percentile_forgets_old_samples():
         w.add(float(i + 1), now=i)
     assert w.percentile(0.9, now=9) == 10.0 and w.percentile(0.5, now=9) == 6.0
     assert w.percentile(0.9, now=14.5) == 10.0 and len(w.samples) == 5  # samples older than 10 s are gone
+
+
+def test_pool_counts_misses_in_a_row_and_replicas_join_and_leave():
+    """The grace period's input (failures in a row, reset by a success), draining, and run-time add/remove,
+    against replicas answered in-process (the fleet's real-process tests are in test_fleet.py)."""
+    import asyncio
+
+    import httpx
+
+    from tokenmill.config import RouterConfig
+    from tokenmill.router.forward import Router
+
+    down: set[str] = set()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host in down:
+            raise httpx.ConnectTimeout("timed out", request=request)
+        return httpx.Response(200, text="")
+
+    router = Router(RouterConfig(replicas=["http://a:1"]).validate(),
+                    httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+
+    async def scenario():
+        a = router.pool.replicas[0]
+        b = router.add_replica("http://b:1/", "canary")
+        await router.pool.probe_all()
+        assert [r.url for r in router.pool.healthy()] == ["http://a:1", "http://b:1"] and b.group == "canary"
+        down.add("b")
+        for misses in (1, 2, 3):
+            await router.pool.probe_all()
+            assert b.failures == misses and not b.healthy and a.failures == 0
+        down.clear()
+        await router.pool.probe_all()
+        assert b.failures == 0 and b.healthy
+        b.draining = True  # probed, healthy, but no new requests
+        await router.pool.probe_all()
+        assert router.pool.healthy() == [a]
+        router.remove_replica(b)
+        assert router.pool.replicas == [a] and router.pool.get("http://b:1") is None
+        await router.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_group_draw_follows_the_weights():
+    from tokenmill.config import RouterConfig
+    from tokenmill.router.forward import Router
+
+    router = Router(RouterConfig(replicas=["http://a:1", "http://b:1", "http://c:1"]).validate(),
+                    groups={"http://c:1": "canary"}, weights={"default": 0.9, "canary": 0.1})
+    for r in router.pool.replicas:
+        r.healthy = True
+    router.rng.seed(0)
+    picks = [router.pick_group(router.pool.healthy()) for _ in range(2000)]
+    canary = sum(p == [router.pool.replicas[2]] for p in picks)
+    assert all(p in ([router.pool.replicas[2]], router.pool.replicas[:2]) for p in picks)
+    assert 150 < canary < 250  # 10% of 2000 = 200, sd 13
+    down_default = [router.pool.replicas[2]]  # only the canary is up: it takes everything
+    assert router.pick_group(down_default) == down_default

@@ -249,8 +249,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     groups = [parse_group(v) for v in args.group]
     if not (args.replica or args.prefill or args.decode or args.launch or groups):
-        raise ValueError("the router needs --replica URLs, --launch 'tokenmill serve ...', or --prefill and "
-                         "--decode URLs")
+        raise ValueError("the router needs --replica URLs, or --prefill and --decode URLs (or --launch "
+                         "'tokenmill serve ...' to run its own replicas)")
     router = make_router(args, args.replica, args.prefill, args.decode, groups)
     fleets = make_fleets(args, router, groups)
     cors = cors_config(args)
