@@ -243,7 +243,7 @@ def test_drain_a_replica_at_the_router_and_at_the_server(fleet):
 def test_autoscaler_scales_1_to_3_to_1_under_stepped_load():
     require_default_model()
     router = CliProc(["router", "--launch", SERVE, "--min-replicas", "1", "--max-replicas", "3",
-                      "--target", "queue=2", "--scale-down-cooldown", "3", *FLEET_FLAGS])
+                      "--target", "queue=2", "--scale-down-delay", "3", *FLEET_FLAGS])
     try:
         wait_for(lambda: len(fleet_members(router)) == 1, timeout=180)
         light = Load(router.url, 1)  # 1 request at a time: half the target, no scaling

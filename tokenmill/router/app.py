@@ -87,7 +87,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--target", action="append", default=[], metavar="NAME=VALUE",
                    help="autoscaling target (repeatable): ttft_p90=2s, queue=4 (running + waiting requests per "
                         "replica; the default), kv_usage=0.8; scale up at 80%% of a target")
-    f.add_argument("--scale-down-cooldown", type=float, default=60.0,
+    f.add_argument("--scale-down-delay", type=float, default=60.0,
                    help="seconds of low load (under 50%% of every target) before each scale-down")
     f.add_argument("--launcher", default="local", choices=["local", "ray"],
                    help="local: subprocesses on this machine; ray: Ray actors on a Ray cluster's nodes")
@@ -152,7 +152,7 @@ def make_fleets(args: argparse.Namespace, router: Router, groups: list) -> list:
     high = max(args.min_replicas, args.max_replicas or args.min_replicas)
     autoscaler = None
     if high > args.min_replicas or args.target:
-        autoscaler = Autoscaler(parse_targets(args.target), args.min_replicas, high, args.scale_down_cooldown)
+        autoscaler = Autoscaler(parse_targets(args.target), args.min_replicas, high, args.scale_down_delay)
     elif args.min_replicas < 1:
         raise ValueError(f"--min-replicas must be at least 1, got {args.min_replicas}")
     threads = args.replica_threads or max(1, cpu_count() // (high + len(launched) - 1))

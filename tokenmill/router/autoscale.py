@@ -57,7 +57,7 @@ class Autoscaler:
         if not 1 <= min_replicas <= max_replicas:
             raise ValueError(f"need 1 <= --min-replicas <= --max-replicas, got {min_replicas} and {max_replicas}")
         if cooldown < 0:
-            raise ValueError(f"--scale-down-cooldown must be >= 0, got {cooldown}")
+            raise ValueError(f"--scale-down-delay must be >= 0, got {cooldown}")
         self.target = target
         self.min, self.max = min_replicas, max_replicas
         self.cooldown, self.headroom, self.low = cooldown, headroom, low
