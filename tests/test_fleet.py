@@ -160,6 +160,8 @@ def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
     wait_for(replaced, timeout=180)
     assert not process_alive(victim["pid"])
     assert metrics(router)["tokenmill:router_fleet_events_total{event=replaced}"] >= 1
+    for m in fleet_members(router):
+        assert_no_kv_leak(m["url"])
 
 
 @pytest.mark.slow

@@ -147,3 +147,26 @@ def test_group_draw_follows_the_weights():
     assert 150 < canary < 250  # 10% of 2000 = 200, sd 13
     down_default = [router.pool.replicas[2]]  # only the canary is up: it takes everything
     assert router.pick_group(down_default) == down_default
+
+
+def test_router_flags_build_the_fleets():
+    """--launch is the autoscaled `default` fleet, a --group with a serve command a fleet of one replica;
+    nothing starts until the router runs."""
+    from tokenmill.cli import build_parser
+    from tokenmill.router.app import make_fleets, make_router
+
+    argv = ["router", "--launch", "tokenmill serve --dtype float32", "--min-replicas", "1", "--max-replicas", "3",
+            "--target", "ttft_p90=2s", "--group", "canary=tokenmill serve --dtype float32 --max-num-seqs 8:10%",
+            "--replica-threads", "1"]
+    args = build_parser("router").parse_args(argv)
+    groups = [parse_group(v) for v in args.group]
+    router = make_router(args, args.replica, args.prefill, args.decode, groups)
+    assert router.weights == pytest.approx({"canary": 0.1, "default": 0.9}) and router.pool.replicas == []
+    default, canary = make_fleets(args, router, groups)
+    assert (default.group, default.argv, default.size) == ("default", ["--dtype", "float32"], 1)
+    assert default.autoscaler.max == 3 and default.autoscaler.target == Target(ttft_p90=2.0)
+    assert (canary.group, canary.argv[-2:], canary.size, canary.autoscaler) == ("canary", ["--max-num-seqs", "8"],
+                                                                               1, None)
+    bad = build_parser("router").parse_args(["router", "--replica", "http://a:1", "--max-replicas", "3"])
+    with pytest.raises(ValueError, match="need --launch"):
+        make_fleets(bad, make_router(bad, bad.replica), [])

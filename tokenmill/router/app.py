@@ -92,6 +92,9 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--launcher", default="local", choices=["local", "ray"],
                    help="local: subprocesses on this machine; ray: Ray actors on a Ray cluster's nodes")
     f.add_argument("--ray-address", default=None, help="--launcher ray: the cluster (default: start a local one)")
+    f.add_argument("--ray-num-gpus", type=float, default=0,
+                   help="--launcher ray: GPUs per replica's actor (Ray places it on a node with them and sets its "
+                        "CUDA_VISIBLE_DEVICES)")
     f.add_argument("--replica-threads", type=int, default=None,
                    help="CPU threads per launched replica (default: this machine's cores / most replicas)")
     f.add_argument("--health-check-failures", type=int, default=3,
@@ -147,7 +150,8 @@ def make_fleets(args: argparse.Namespace, router: Router, groups: list) -> list:
     launched += [(g.name, g.launch) for g in groups if g.launch]
     if not launched:
         if args.max_replicas is not None or args.target or args.launcher != "local" or args.ray_address:
-            raise ValueError("--max-replicas, --target, --launcher and --ray-address need --launch")
+            raise ValueError("--max-replicas, --target, --launcher and --ray-address need --launch (or a --group "
+                             "with a `tokenmill serve` command)")
         return []
     high = max(args.min_replicas, args.max_replicas or args.min_replicas)
     autoscaler = None
@@ -156,7 +160,7 @@ def make_fleets(args: argparse.Namespace, router: Router, groups: list) -> list:
     elif args.min_replicas < 1:
         raise ValueError(f"--min-replicas must be at least 1, got {args.min_replicas}")
     threads = args.replica_threads or max(1, cpu_count() // (high + len(launched) - 1))
-    launcher = make_launcher(args.launcher, args.ray_address, threads, args.log_level)
+    launcher = make_launcher(args.launcher, args.ray_address, threads, args.log_level, args.ray_num_gpus)
     return [Fleet(router, launcher, argv, name, args.min_replicas if name == "default" else 1,
                   autoscaler if name == "default" else None, args.health_check_failures,
                   args.replica_start_timeout, args.drain_timeout, args.health_check_interval)

@@ -214,16 +214,17 @@ class RayHandle:
 
 
 class RayLauncher:
-    """Replicas as Ray actors (1 CPU each, `threads` CPU threads for the engine) on the cluster at `address`
-    (None: the cluster this process is connected to, else a local one)."""
+    """Replicas as Ray actors (1 CPU and `num_gpus` GPUs each, which Ray makes the replica's
+    CUDA_VISIBLE_DEVICES; `threads` CPU threads for the engine) on the cluster at `address` (None: the cluster
+    this process is connected to, else a local one)."""
     name = "ray"
 
-    def __init__(self, address: Optional[str], threads: int, log_level: str = "info") -> None:
+    def __init__(self, address: Optional[str], threads: int, log_level: str = "info", num_gpus: float = 0) -> None:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, include_dashboard=False, log_to_driver=True)
-        self.actor_class = ray.remote(num_cpus=1)(ServeActor)
+        self.actor_class = ray.remote(num_cpus=1, num_gpus=num_gpus)(ServeActor)
         self.threads = threads
         self.log_level = log_level
 
@@ -234,9 +235,10 @@ class RayLauncher:
         pass
 
 
-def make_launcher(kind: str, ray_address: Optional[str], threads: int, log_level: str = "info") -> Launcher:
+def make_launcher(kind: str, ray_address: Optional[str], threads: int, log_level: str = "info",
+                  ray_num_gpus: float = 0) -> Launcher:
     if kind == "ray":
-        return RayLauncher(ray_address, threads, log_level)
-    if ray_address:
-        raise ValueError("--ray-address needs --launcher ray")
+        return RayLauncher(ray_address, threads, log_level, ray_num_gpus)
+    if ray_address or ray_num_gpus:
+        raise ValueError("--ray-address and --ray-num-gpus need --launcher ray")
     return LocalLauncher(threads, log_level)
