@@ -1,7 +1,7 @@
 """The autoscaler's policy: how many replicas the fleet should run, from load signals and --target.
 
-Targets (`--target NAME=VALUE`, repeatable): `ttft_p90=2s` (time to first byte of generation requests over
-the last 30 s, at the router), `queue=4` (running + waiting requests per replica) and `kv_usage=0.8` (mean
+Targets (`--target NAME=VALUE`, repeatable): `ttft_p90=2s` (time to first byte of the group's generation
+requests over the last 30 s, at the router), `queue=4` (running + waiting requests per replica) and `kv_usage=0.8` (mean
 share of the replicas' KV caches in use). Pressure is the largest observed / target ratio. The fleet scales
 up *before* a target breaks: once pressure passes `headroom` (0.8), straight to the count that brings it back
 under (proportionally, as Kubernetes' HPA does), at least one more. It scales down one replica at a time, and

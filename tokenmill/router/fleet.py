@@ -112,7 +112,7 @@ class Fleet:
         serving = [m.replica for m in self.in_state("serving")]
         signals = Signals(len(serving), sum(r.load for r in serving),
                           sum(r.kv_usage for r in serving) / max(1, len(serving)),
-                          self.router.metrics.recent_first_byte.percentile(0.9))
+                          self.router.metrics.recent_first_byte[self.group].percentile(0.9))
         return self.autoscaler.decide(signals, time.monotonic())
 
     async def heal(self) -> None:

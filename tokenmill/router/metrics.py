@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -88,7 +88,8 @@ class RouterMetrics:
                                     ["event"], registry=r)
         for event in FLEET_EVENTS:
             self.fleet_events.labels(event)
-        self.recent_first_byte = LatencyWindow()  # generation requests': the autoscaler's TTFT signal
+        # per group, generation requests': each fleet's autoscaler reads its own group's TTFT
+        self.recent_first_byte: defaultdict[str, LatencyWindow] = defaultdict(LatencyWindow)
         self._queried: dict[str, int] = {}
         self._hits: dict[str, int] = {}
         for url in replica_urls:  # export every series from the start, zeros included
@@ -119,7 +120,7 @@ class RouterMetrics:
         if error:
             self.group_errors.labels(group).inc()
         if generation:
-            self.recent_first_byte.add(first_byte)
+            self.recent_first_byte[group].add(first_byte)
 
     def add_disagg(self, prefill_urls: list[str], decode_urls: list[str]) -> None:
         """Per-role series of the disaggregated router (tokenmill router --prefill ... --decode ...)."""
