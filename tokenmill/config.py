@@ -834,8 +834,9 @@ class RouterConfig:
     health_check_interval: float = 1.0  # seconds between probes of each replica
     health_check_timeout: float = 5.0
 
-    def validate(self) -> "RouterConfig":
-        if not self.replicas:
+    def validate(self, require_replicas: bool = True) -> "RouterConfig":
+        """require_replicas False: the router launches its own (--launch) and may start with none."""
+        if require_replicas and not self.replicas:
             raise ValueError("the router needs at least one --replica URL (e.g. http://127.0.0.1:8001)")
         for url in self.replicas:
             if not re.match(r"^https?://[^/\s]+/?$", url):

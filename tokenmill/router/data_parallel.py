@@ -9,18 +9,17 @@ router first and then stops them; if this process dies they get SIGTERM from the
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from typing import Optional
 
 from tokenmill.config import check_data_parallel_size
+from tokenmill.router.launchers import cpu_count, free_port, start_serve_process, stop_process, thread_env
 
 logger = logging.getLogger("tokenmill")
 
@@ -65,11 +64,6 @@ def flags_of(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: se
     return argv
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _gpus_for(n: int, device: str, flag: str = "--data-parallel-size") -> Optional[list[str]]:
     """One CUDA device per replica, or None to run on CPU."""
     if device == "cpu":
@@ -85,41 +79,22 @@ def _gpus_for(n: int, device: str, flag: str = "--data-parallel-size") -> Option
     return ids[:n]
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Replicas:
     """The replica subprocesses."""
 
     def __init__(self, argv: list[str], n: int, gpus: Optional[list[str]], log_level: str,
                  extra: Optional[list[list[str]]] = None) -> None:
         """extra[i]: flags for replica i only."""
-        self.ports = [_free_port() for _ in range(n)]
+        self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        threads = max(1, _cpu_count() // n)
+        threads = max(1, cpu_count() // n)
         self.procs: list[subprocess.Popen] = []
         for i, port in enumerate(self.ports):
-            env = dict(os.environ)
-            if gpus is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-            else:
-                env.setdefault("OMP_NUM_THREADS", str(threads))  # a user's own setting is per replica
-            cmd = [sys.executable, "-m", "tokenmill.cli", "--log-level", log_level, "serve", *argv,
-                   *(extra[i] if extra else []), "--host", "127.0.0.1", "--port", str(port)]
-            self.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_die_with_parent))
-        where = f"GPUs {','.join(gpus)}" if gpus is not None else f"{env['OMP_NUM_THREADS']} threads each"
+            env = {"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus is not None else thread_env(threads)
+            self.procs.append(start_serve_process([*argv, *(extra[i] if extra else [])], "127.0.0.1", port,
+                                                  log_level, env))
+        where = f"GPUs {','.join(gpus)}" if gpus is not None else \
+            f"{os.environ.get('OMP_NUM_THREADS', threads)} threads each"
         logger.info("started %d replicas on ports %s (%s)", n, ", ".join(map(str, self.ports)), where)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -144,17 +119,12 @@ class Replicas:
             time.sleep(0.25)
 
     def stop(self, timeout: float) -> None:
-        for p in self.procs:
+        for p in self.procs:  # all at once: they drain in parallel
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("replica %d did not stop in %.0fs; killing it", p.pid, timeout)
-                p.kill()
-                p.wait()
+            stop_process(p, max(0.1, deadline - time.monotonic()))
 
 
 def _raise_on_sigterm(signum, frame) -> None:
@@ -222,7 +192,7 @@ def _kv_transfer_flags(args: argparse.Namespace, role: str) -> list[str]:
     base = args.kv_transfer_config
     config = dict(json.loads(base) if isinstance(base, str) else base or {})
     config.setdefault("kv_connector", "TokenmillConnector")
-    config.update(kv_role=role, kv_port=_free_port())
+    config.update(kv_role=role, kv_port=free_port())
     return ["--kv-transfer-config", json.dumps(config)]
 
 

@@ -3,14 +3,17 @@
 Generation requests (/v1/completions, /v1/chat/completions, /v1/responses) are routed by the policy with the request's
 prefix hashes; anything else goes to the least loaded replica. Bytes pass through untouched: status,
 body and SSE events are the replica's own. A request is retried on another replica when its replica
-fails before answering (connection refused or reset, 503 overloaded/engine dead) and, for streams,
+fails before answering (connection refused or reset, 503 overloaded/engine dead/draining) and, for streams,
 before the first chunk arrived; a stream cut later ends with an in-band error event and `[DONE]`, as a
-replica reports its own mid-stream failures.
+replica reports its own mid-stream failures. With replica groups (--group) each request first draws a group
+by weight among those with a healthy replica, then the policy picks within it.
 """
 from __future__ import annotations
 
 import json
 import logging
+import random
+import time
 from typing import AsyncIterator, Optional
 
 import httpx
@@ -54,7 +57,9 @@ def routing_text(body: dict) -> str:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, client: Optional[httpx.AsyncClient] = None) -> None:
+    def __init__(self, config: RouterConfig, client: Optional[httpx.AsyncClient] = None,
+                 groups: Optional[dict[str, str]] = None, weights: Optional[dict[str, float]] = None) -> None:
+        """groups: replica url -> its group name; weights: group -> share of requests (see groups.py)."""
         self.config = config
         self.client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),  # generations may run long
@@ -62,7 +67,9 @@ class Router:
         self.policy = make_policy(config.policy, config.load_weight)
         self.index = PrefixIndex()
         self.pool = ReplicaPool(config.replicas, self.client, config.health_check_interval,
-                                config.health_check_timeout, on_update=self._on_replica_update)
+                                config.health_check_timeout, on_update=self._on_replica_update, groups=groups)
+        self.weights = weights or {}
+        self.rng = random.Random()
         self.metrics = RouterMetrics([r.url for r in self.pool.replicas], self.policy.name)
         self.chars_per_token = 4.0  # learned from replies: turns a replica's KV tokens into prefix chunks
 
@@ -77,7 +84,30 @@ class Router:
         pick = self.policy.choose(options)
         return pick.replica, round(pick.cached_fraction * len(hashes))
 
+    def pick_group(self, candidates: list[Replica]) -> list[Replica]:
+        """The candidates of one group, drawn by weight among the groups that have candidates (all of them
+        while no weights are set)."""
+        present = sorted({r.group for r in candidates})
+        if len(present) < 2 or not self.weights:
+            return candidates
+        weights = [self.weights.get(g, 0.0) for g in present]
+        if sum(weights) <= 0:  # only unweighted leftovers are up
+            weights = [1.0] * len(present)
+        group = self.rng.choices(present, weights)[0]
+        return [r for r in candidates if r.group == group]
+
+    def add_replica(self, url: str, group: str = "default", healthy: bool = False) -> Replica:
+        self.metrics.add_replica(url.rstrip("/"))
+        return self.pool.add(url, group, healthy)
+
+    def remove_replica(self, replica: Replica) -> None:
+        self.pool.remove(replica)
+        self.index.forget(replica.url)
+        self.metrics.forget_replica(replica.url)
+
     def _on_replica_update(self, replica: Replica, was_healthy: bool) -> None:
+        if replica not in self.pool.replicas:
+            return  # a probe that was under way when it left
         if was_healthy and not replica.healthy:
             self.index.forget(replica.url)  # if it comes back, it comes back with an empty cache
         tokens = replica.kv_capacity_tokens
@@ -123,10 +153,11 @@ class Router:
         tried: list[Replica] = []
         last_error = ""
         while True:
-            candidates = self.pool.healthy(exclude=tried)
-            if not candidates:
+            healthy = self.pool.healthy(exclude=tried)
+            if not healthy:
                 self.metrics.unrouted.inc()
                 raise self.unavailable(tried, last_error)
+            candidates = self.pick_group(healthy)
             if generation:
                 replica, cached = self.choose(candidates, hashes)
                 self.metrics.on_routed(replica.url, len(hashes), cached)
@@ -134,7 +165,7 @@ class Router:
             else:
                 replica = min(candidates, key=lambda r: r.load)
             response = await self._attempt(replica, method, url_tail, body, headers, stream, text,
-                                           may_retry=len(candidates) > 1)
+                                           may_retry=len(healthy) > 1)
             if response is not None:
                 return response
             tried.append(replica)
@@ -147,6 +178,8 @@ class Router:
         """The replica's response, or None when the request should go elsewhere. read_timeout bounds the
         wait for each read (none by default: generations may run long)."""
         replica.in_flight += 1
+        started = time.monotonic()
+        generation = url_tail.split("?", 1)[0] in GENERATION_PATHS
         upstream: Optional[httpx.Response] = None
         relayed = False
         try:
@@ -163,9 +196,15 @@ class Router:
                 if not first:
                     raise httpx.RemoteProtocolError("the stream ended before its first event")
                 relayed = True
-                return StreamingResponse(self._relay(replica, upstream, first, chunks),
+                first_byte = time.monotonic() - started
+                return StreamingResponse(self._relay(replica, upstream, first, chunks,
+                                                     lambda failed: self.metrics.on_response(
+                                                         replica.group, first_byte, time.monotonic() - started,
+                                                         failed, generation)),
                                          status_code=200, headers=forwardable(upstream.headers))
             content = await upstream.aread()  # decoded, hence no content-encoding in the headers below
+            elapsed = time.monotonic() - started
+            self.metrics.on_response(replica.group, elapsed, elapsed, upstream.status_code >= 500, generation)
             if upstream.status_code == 200:
                 self._learn_usage(replica, text, content)
             headers = {k: v for k, v in forwardable(upstream.headers).items() if k.lower() != "content-encoding"}
@@ -181,19 +220,25 @@ class Router:
                     await upstream.aclose()
 
     async def _relay(self, replica: Replica, upstream: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                     chunks: AsyncIterator[bytes], on_end) -> AsyncIterator[bytes]:
+        """The stream's bytes; on_end(failed) when it is over."""
+        last, failed = first, False
         try:
             yield first
             async for chunk in chunks:
+                last = chunk
                 yield chunk
         except httpx.TransportError as e:
+            failed = True
             self.metrics.stream_failures.labels(replica.url).inc()
             self.pool.report_failure(replica, e)
             err = APIError(502, f"The replica serving this stream failed: {type(e).__name__}: {e}",
                            code="replica_failed")
-            yield b"data: " + json.dumps(err.body()).encode() + b"\n\n" + _SSE_DONE
+            cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end an event the replica left half-sent
+            yield cut + b"data: " + json.dumps(err.body()).encode() + b"\n\n" + _SSE_DONE
         finally:
             replica.in_flight -= 1  # before awaiting: a cancelled relay must still give its slot back
+            on_end(failed)
             await upstream.aclose()
 
     def _timeout(self, read: Optional[float]) -> httpx.Timeout:

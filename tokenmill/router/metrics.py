@@ -1,12 +1,38 @@
 """The router's own /metrics (Prometheus text), named `tokenmill:router_<metric>`."""
 from __future__ import annotations
 
+import time
+from collections import defaultdict, deque
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
 # Why a request went to a decode instance without KV transfer params: the prefill instance answered without
 # them (no connector there), every prefill instance failed, or a batch of prompts (not split into requests).
 FALLBACK_REASONS = ("no_kv_transfer_params", "prefill_failed", "batch")
+# What the fleet (fleet.py) did to its replicas.
+FLEET_EVENTS = ("started", "start_failed", "replaced", "drained", "scaled_up", "scaled_down")
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+
+
+class LatencyWindow:
+    """Recent latencies (the last `seconds`), for a percentile the autoscaler compares to its target."""
+
+    def __init__(self, seconds: float = 30.0) -> None:
+        self.seconds = seconds
+        self.samples: deque[tuple[float, float]] = deque()
+
+    def add(self, value: float, now: Optional[float] = None) -> None:
+        self.samples.append((time.monotonic() if now is None else now, value))
+
+    def percentile(self, q: float, now: Optional[float] = None) -> Optional[float]:
+        """The q-quantile (0..1) of the window's samples, None when it has none."""
+        cutoff = (time.monotonic() if now is None else now) - self.seconds
+        while self.samples and self.samples[0][0] < cutoff:
+            self.samples.popleft()
+        values = sorted(v for _, v in self.samples)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
 class RouterMetrics:
@@ -43,15 +69,58 @@ class RouterMetrics:
         self.cached_tokens = Counter("tokenmill:router_cached_tokens",
                                      "Cached prompt tokens (usage.prompt_tokens_details.cached_tokens) in those "
                                      "replies.", ["replica"], registry=r)
-        self._queried = dict.fromkeys(replica_urls, 0)
-        self._hits = dict.fromkeys(replica_urls, 0)
+        # Per replica group (--group): a canary is judged by its own latency percentiles and errors.
+        self.duration = Histogram("tokenmill:router_request_duration_seconds",
+                                  "Arrival to the end of the response (a stream's last byte), by replica group.",
+                                  ["group"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_byte = Histogram("tokenmill:router_time_to_first_byte_seconds",
+                                    "Arrival to the response's first byte (a stream's first event), by group.",
+                                    ["group"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.group_errors = Counter("tokenmill:router_group_errors",
+                                    "Responses with a 5xx status or a stream cut by a replica failure, by group.",
+                                    ["group"], registry=r)
+        self.fleet_replicas = Gauge("tokenmill:router_fleet_replicas",
+                                    "Replicas the fleet runs, by state (starting, serving, draining).",
+                                    ["state"], registry=r)
+        self.fleet_events = Counter("tokenmill:router_fleet_events",
+                                    "What the fleet did: started, start_failed, replaced (unhealthy or dead), "
+                                    "drained (stopped after its requests finished), scaled_up, scaled_down.",
+                                    ["event"], registry=r)
+        for event in FLEET_EVENTS:
+            self.fleet_events.labels(event)
+        # per group, generation requests': each fleet's autoscaler reads its own group's TTFT
+        self.recent_first_byte: defaultdict[str, LatencyWindow] = defaultdict(LatencyWindow)
+        self._queried: dict[str, int] = {}
+        self._hits: dict[str, int] = {}
         for url in replica_urls:  # export every series from the start, zeros included
-            self.requests.labels(url, policy)
-            for m in (self.retries, self.stream_failures, self.est_queried, self.est_hits, self.prompt_tokens,
-                      self.cached_tokens):
-                m.labels(url)
-            for g in (self.healthy, self.load, self.in_flight, self.est_hit_rate):
-                g.labels(url).set(0)
+            self.add_replica(url)
+
+    def add_replica(self, url: str) -> None:
+        self._queried.setdefault(url, 0)
+        self._hits.setdefault(url, 0)
+        self.requests.labels(url, self.policy)
+        for m in (self.retries, self.stream_failures, self.est_queried, self.est_hits, self.prompt_tokens,
+                  self.cached_tokens):
+            m.labels(url)
+        for g in (self.healthy, self.load, self.in_flight, self.est_hit_rate):
+            g.labels(url).set(0)
+
+    def forget_replica(self, url: str) -> None:
+        """A replica left: its gauges go (a stale 'healthy' would mislead); its counters stay, they are history."""
+        for g in (self.healthy, self.load, self.in_flight, self.est_hit_rate):
+            try:
+                g.remove(url)
+            except KeyError:
+                pass
+
+    def on_response(self, group: str, first_byte: float, duration: float, error: bool,
+                    generation: bool) -> None:
+        self.first_byte.labels(group).observe(first_byte)
+        self.duration.labels(group).observe(duration)
+        if error:
+            self.group_errors.labels(group).inc()
+        if generation:
+            self.recent_first_byte[group].add(first_byte)
 
     def add_disagg(self, prefill_urls: list[str], decode_urls: list[str]) -> None:
         """Per-role series of the disaggregated router (tokenmill router --prefill ... --decode ...)."""

@@ -2,9 +2,10 @@
 
 Every interval each replica's /health is probed and, when it answers, its /metrics scraped for load
 (`tokenmill:num_requests_running` + `num_requests_waiting`) and KV capacity. A replica that fails a probe
-is taken out of rotation and put back as soon as a probe succeeds again. The forwarding path reports
-failures too: a refused connection takes a replica out at once; other transport errors ask for an
-immediate probe.
+is taken out of rotation and put back as soon as a probe succeeds again; `failures` counts the misses in a row
+(the fleet replaces a replica it launched after a few, fleet.py). The forwarding path reports failures too:
+a refused connection takes a replica out at once; other transport errors ask for an immediate probe.
+Replicas join and leave at run time (add, remove); a draining one is probed but gets no new requests.
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ logger = logging.getLogger("tokenmill")
 @dataclass
 class Replica:
     url: str
+    group: str = "default"                    # replica group (--group), weighted per request
     healthy: bool = False
+    draining: bool = False                    # taken out of rotation on purpose; its in-flight requests finish
+    failures: int = 0                         # failed probes in a row
     in_flight: int = 0                        # requests this router has open there
     running: float = 0.0                      # from its /metrics
     waiting: float = 0.0
@@ -75,9 +79,12 @@ def parse_replica_metrics(text: str) -> ReplicaLoad:
 
 class ReplicaPool:
     def __init__(self, urls: Iterable[str], client: httpx.AsyncClient, interval: float = 1.0,
-                 timeout: float = 5.0, on_update: Optional[Callable[[Replica, bool], None]] = None) -> None:
-        """on_update(replica, was_healthy) runs after every probe and every failure report."""
-        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+                 timeout: float = 5.0, on_update: Optional[Callable[[Replica, bool], None]] = None,
+                 groups: Optional[dict[str, str]] = None) -> None:
+        """on_update(replica, was_healthy) runs after every probe and every failure report; groups: url -> its
+        group (default: "default")."""
+        groups = groups or {}
+        self.replicas = [Replica(url.rstrip("/"), groups.get(url, "default")) for url in urls]
         self.client = client
         self.interval = interval
         self.timeout = timeout
@@ -86,7 +93,21 @@ class ReplicaPool:
 
     def healthy(self, exclude: Iterable[Replica] = ()) -> list[Replica]:
         skip = {r.url for r in exclude}
-        return [r for r in self.replicas if r.healthy and r.url not in skip]
+        return [r for r in self.replicas if r.healthy and not r.draining and r.url not in skip]
+
+    def get(self, url: str) -> Optional[Replica]:
+        return next((r for r in self.replicas if r.url == url.rstrip("/")), None)
+
+    def add(self, url: str, group: str = "default", healthy: bool = False) -> Replica:
+        """A replica joins (healthy: it was just checked, so it takes requests before the next probe)."""
+        replica = Replica(url.rstrip("/"), group, healthy=healthy)
+        self.replicas = [*self.replicas, replica]  # a new list: loops over the old one are not disturbed
+        self.on_update(replica, False)
+        return replica
+
+    def remove(self, replica: Replica) -> None:
+        self.replicas = [r for r in self.replicas if r is not replica]
+        replica.healthy, replica.last_error = False, "removed from the pool"
 
     async def probe(self, replica: Replica) -> None:
         was = replica.healthy
@@ -99,8 +120,9 @@ class ReplicaPool:
                 load = parse_replica_metrics(m.text)
                 replica.running, replica.waiting = load.running, load.waiting
                 replica.kv_capacity_tokens, replica.kv_usage = load.kv_capacity_tokens, load.kv_usage
-            replica.healthy, replica.last_error = True, ""
+            replica.healthy, replica.last_error, replica.failures = True, "", 0
         except (httpx.HTTPError, RuntimeError, ValueError) as e:
+            replica.failures += 1
             self._set_down(replica, f"{type(e).__name__}: {e}")
         if replica.healthy and not was:
             logger.info("replica %s is up", replica.url)

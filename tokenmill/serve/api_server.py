@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
+from tokenmill.serve.admin import ADMIN_KEY_HELP, DrainMiddleware, DrainState, check_admin
 from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -41,6 +42,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $TOKENMILL_API_KEY)")
+    g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"), help=ADMIN_KEY_HELP)
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 + Retry-After while this many requests wait for the engine (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -102,6 +104,7 @@ class ServerState:
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
     created: int = field(default_factory=lambda: int(time.time()))
     dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
+    drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -232,7 +235,19 @@ def build_app(state: ServerState) -> FastAPI:
         if engine.dead is not None:
             return APIError(503, f"The engine is not available: {engine.dead}; it is being restarted",
                             code="engine_unavailable", headers={"Retry-After": "5"}).response()
+        if state.drain.draining:
+            return state.drain.refusal().response()
         return Response(status_code=200)
+
+    @app.api_route("/admin/drain", methods=["GET", "POST"])
+    async def drain(raw: Request) -> Response:
+        from tokenmill.serve.serving import json_response
+
+        check_admin(raw, state.args.admin_key)
+        if raw.method == "POST" and not state.drain.draining:
+            logger.info("draining: no new requests; %d in flight", state.drain.in_flight)
+            state.drain.draining = True
+        return json_response(state.drain.status())
 
     @app.get("/version")
     async def version() -> Response:
@@ -329,6 +344,7 @@ def build_app(state: ServerState) -> FastAPI:
         mount_engine_dashboard(app, state, state.dashboard)
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
+    app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
     add_cors(app, cors_config(state.args))  # outermost: first to run
     return app
