@@ -11,6 +11,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -201,11 +203,13 @@ def test_rolling_upgrade_under_load_fails_no_request(fleet):
     old = {m["url"] for m in fleet_members(router)}
     load = Load(router.url, 3)
     time.sleep(1)
-    r = httpx.post(router.url + "/admin/upgrade", headers=ADMIN_HEADERS, timeout=600,
-                   json={"launch": SERVE + " --max-num-seqs 32"})
+    cmd = [sys.executable, "-m", "tokenmill.cli", "upgrade", "--router", router.url, "--launch",
+           SERVE + " --max-num-seqs 32"]
+    up = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "TOKENMILL_ADMIN_KEY": ADMIN})
     results = load.stop()
-    assert r.status_code == 200, r.text
-    assert {x["old"] for x in r.json()["replaced"]} == old
+    assert up.returncode == 0, up.stderr
+    assert {line.split(" -> ")[0] for line in up.stdout.splitlines() if " -> " in line} == old
+    assert "2 replicas upgraded" in up.stdout
     assert len(results) >= 10 and set(results) == {"ok"}, [x for x in results if x != "ok"]
     now = fleet_members(router)
     assert len(now) == 2 and not old & {m["url"] for m in now}

@@ -170,3 +170,12 @@ def test_router_flags_build_the_fleets():
     bad = build_parser("router").parse_args(["router", "--replica", "http://a:1", "--max-replicas", "3"])
     with pytest.raises(ValueError, match="need --launch"):
         make_fleets(bad, make_router(bad, bad.replica), [])
+
+
+def test_upgrade_command_errors_are_one_line(capsys):
+    from tokenmill.cli import main
+
+    assert main(["upgrade", "--router", "http://127.0.0.1:9", "--launch", "vllm serve x"]) == 2
+    assert "expects a `tokenmill serve ...` command" in capsys.readouterr().err
+    assert main(["upgrade", "--router", "http://127.0.0.1:9", "--launch", "tokenmill serve"]) == 2
+    assert "could not reach the router" in capsys.readouterr().err

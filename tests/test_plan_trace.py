@@ -85,7 +85,7 @@ def test_erlang_c_and_p99_wait_by_hand():
 
 DAY = [Interval(r["t"], 60, r["rate"]) for r in diurnal(24, peak_rate=10, seed=1)]
 REPLICA = Replica(capacity=1.0, latency_s=0.5, concurrency=4)
-SCALER = Autoscaler(min_replicas=1, max_replicas=32, target_utilization=0.5, scale_down_delay_s=300,
+SCALER = Autoscaler(min_replicas=1, max_replicas=32, target_utilization=0.5, scale_down_delay=300,
                     replica_start_s=0)
 
 

@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | router | bench | plan | tune | quantize | eval`.
+"""`tokenmill serve | generate | router | upgrade | bench | plan | tune | quantize | eval`.
 
 Only the chosen subcommand's arguments are built, so only its modules are imported: `tokenmill --help` and
 `tokenmill generate --help` answer without loading torch or the web stack.
@@ -187,6 +187,14 @@ def _add_router_parser(sub) -> None:
     rt.set_defaults(func=_router)
 
 
+def _add_upgrade_parser(sub) -> None:
+    from tokenmill.router.admin import add_upgrade_args, run_upgrade
+
+    up = sub.add_parser("upgrade", help=_COMMANDS["upgrade"])
+    add_upgrade_args(up)
+    up.set_defaults(func=run_upgrade)
+
+
 def _add_bench_parser(sub) -> None:
     from tokenmill.bench import add_bench_parser
 
@@ -215,6 +223,7 @@ _COMMANDS = {  # name -> help line shown by `tokenmill --help`
     "generate": "generate text from a prompt, streaming tokens to the terminal",
     "serve": "OpenAI-compatible HTTP server",
     "router": "OpenAI-compatible front that routes requests over `tokenmill serve` replicas",
+    "upgrade": "rolling upgrade of a router's launched replicas, one at a time, with no failed request",
     "bench": "benchmarks: serve (load generator), sweep (load points), offline, matrix (technique interactions)",
     "plan": "memory and roofline math for a model on given hardware",
     "tune": "find the best serve configuration for a workload and an SLA by measuring real servers",
@@ -222,6 +231,7 @@ _COMMANDS = {  # name -> help line shown by `tokenmill --help`
     "eval": "evaluate a model (quality under quantization)",
 }
 _ADD_PARSER = {"generate": _add_generate_parser, "serve": _add_serve_parser, "router": _add_router_parser,
+               "upgrade": _add_upgrade_parser,
                "bench": _add_bench_parser, "plan": _add_plan_parser, "tune": _add_tune_parser,
                "quantize": _add_quantize_parser,
                "eval": _add_eval_parser}

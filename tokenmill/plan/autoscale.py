@@ -14,7 +14,7 @@ later requests wait behind until it drains.
 The autoscaler decides at the start of each interval from the rate it saw in the previous one: desired =
 ceil(rate / (capacity x target utilisation)), between the floor and --max-replicas. It scales up at once (new
 replicas serve after --replica-start-s), and down only to the most it desired over the last
---scale-down-delay-s (the cool-down). Every replica that is up, starting or serving, is billed.
+--scale-down-delay (the cool-down). Every replica that is up, starting or serving, is billed.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class Autoscaler:
     min_replicas: int = 1
     max_replicas: int = 16
     target_utilization: float = 0.7
-    scale_down_delay_s: float = 300.0
+    scale_down_delay: float = 300.0
     replica_start_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -82,8 +82,8 @@ class Autoscaler:
                              f"{self.min_replicas} and {self.max_replicas}")
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"--target-utilization must be in (0, 1], got {self.target_utilization}")
-        if self.scale_down_delay_s < 0 or self.replica_start_s < 0:
-            raise ValueError("--scale-down-delay-s and --replica-start-s must be >= 0")
+        if self.scale_down_delay < 0 or self.replica_start_s < 0:
+            raise ValueError("--scale-down-delay and --replica-start-s must be >= 0")
 
     def desired(self, rate: float, capacity: float) -> int:
         want = math.ceil(rate / (capacity * self.target_utilization) - 1e-9)
@@ -109,7 +109,7 @@ def replay(intervals: list[Interval], replica: Replica, scaler: Autoscaler, slo_
     backlog, seen, rows = 0.0, intervals[0].rate, []
     for iv in intervals:
         want = scaler.desired(seen, replica.capacity)
-        wanted = [(t, w) for t, w in wanted if t > iv.t - scaler.scale_down_delay_s] + [(iv.t, want)]
+        wanted = [(t, w) for t, w in wanted if t > iv.t - scaler.scale_down_delay] + [(iv.t, want)]
         keep = max(w for _, w in wanted)
         if want > len(up):
             up += [iv.t + scaler.replica_start_s] * (want - len(up))

@@ -50,7 +50,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-utilization", default="0.7",
                    help="scale so each replica runs at this share of its capacity; a comma-separated list "
                         "(0.5,0.6,0.7) compares them")
-    g.add_argument("--scale-down-delay-s", type=float, default=300.0,
+    g.add_argument("--scale-down-delay", type=float, default=300.0,
                    help="cool-down: scale down only to the most replicas wanted over this many seconds")
     g.add_argument("--replica-start-s", type=float, default=120.0,
                    help="seconds from scale-up to a new replica serving (billed meanwhile)")
@@ -113,7 +113,7 @@ def run_trace(args: argparse.Namespace) -> int:
                Replica(args.replica_capacity, args.replica_p99_ms / 1e3, args.replica_concurrency,
                        "given (--replica-capacity)"))
     trace = load_trace(args.trace, args.bucket_s)
-    scalers = [Autoscaler(args.min_replicas, args.max_replicas, target, args.scale_down_delay_s, args.replica_start_s)
+    scalers = [Autoscaler(args.min_replicas, args.max_replicas, target, args.scale_down_delay, args.replica_start_s)
                for target in parse_list(args.target_utilization, float)]
     if not scalers:
         raise ValueError("--target-utilization needs at least one value")
@@ -194,7 +194,7 @@ def format_trace(res: dict[str, Any], trace: Trace, metric: str, chose: bool) ->
              f"{rep['latency_s'] * 1e3:.0f} ms unqueued; "
              f"{rep['about']}",
              f"  autoscaler {sc['min_replicas']}..{sc['max_replicas']} replicas at {sc['target_utilization']:.0%} "
-             f"utilisation, start-up {sc['replica_start_s']:g} s, scale-down delay {sc['scale_down_delay_s']:g} s",
+             f"utilisation, start-up {sc['replica_start_s']:g} s, scale-down delay {sc['scale_down_delay']:g} s",
              f"  SLA        {metric} P99 <= {slo_ms:g} ms",
              "",
              f"{'time':>5} {'req/s mean':>10} {'peak':>6} {'ready':>7} {'up':>3} {'util':>5} "

@@ -91,3 +91,36 @@ def mount_router_admin(app: FastAPI, router: Router, fleets: list[Fleet], admin_
             raise bad_request(str(e), "launch") from None
         except RuntimeError as e:
             raise APIError(500, str(e), code="upgrade_failed") from None
+
+
+def add_upgrade_args(p) -> None:
+    p.add_argument("--router", required=True, help="the router's base URL, e.g. http://127.0.0.1:9000")
+    p.add_argument("--launch", required=True, help="the new replicas' command: 'tokenmill serve MODEL ...'")
+    p.add_argument("--group", default="default", help="the launched group to upgrade")
+    p.add_argument("--admin-key", default=None, help="the router's --admin-key (default: $TOKENMILL_ADMIN_KEY)")
+
+
+def run_upgrade(args) -> int:
+    """`tokenmill upgrade`: ask a router for a rolling upgrade of one launched group and wait for it (one
+    replica at a time: the new one healthy, then the old one drained and stopped)."""
+    import os
+
+    import httpx
+
+    key = args.admin_key or os.environ.get("TOKENMILL_ADMIN_KEY")
+    parse_launch(args.launch, "--launch")  # a bad command is refused here, before the router is asked
+    try:
+        r = httpx.post(args.router.rstrip("/") + "/admin/upgrade", json={"launch": args.launch, "group": args.group},
+                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=None, trust_env=False)
+    except httpx.HTTPError as e:
+        raise RuntimeError(f"could not reach the router at {args.router}: {e}") from None
+    if r.status_code != 200:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        raise RuntimeError(f"upgrade refused (HTTP {r.status_code}): {message}")
+    for step in r.json()["replaced"]:
+        print(f"{step['old']} -> {step['new']}")
+    print(f"group {args.group}: {len(r.json()['replaced'])} replicas upgraded")
+    return 0
