@@ -121,7 +121,8 @@ class Instance:
         self.kv_tokens = mem["kv_tokens"]          # tokens of KV the instance holds (each rank its shard)
 
     def step(self, tokens: float, pairs: float, kv_read: float, sampled: float, decode: bool = False) -> float:
-        t = roofline_time(step_cost(self.shape, tokens, pairs, kv_read, self.weight_dtype, self.kv_dtype, decode),
+        t = roofline_time(step_cost(self.shape, tokens, pairs, kv_read, self.weight_dtype, self.kv_dtype, decode,
+                                    logits_tokens=sampled),
                           self.peak, self.bandwidth)
         if self.tp > 1:
             t += comm_time(self.comm, self.split, tokens, sampled, self.node_link, self.node_link,

@@ -32,10 +32,14 @@ class Cost:
 
 
 def step_cost(shape: ModelShape, tokens: int, attn_pairs: float, kv_tokens_read: float, weight_dtype: str,
-              kv_dtype: str, decode: bool = False) -> Cost:
+              kv_dtype: str, decode: bool = False, logits_tokens: Optional[float] = None) -> Cost:
     """One forward step over `tokens` tokens whose attention spans `attn_pairs` (query, key) pairs and
-    reads `kv_tokens_read` cached tokens (each token's own K/V is written once)."""
-    flops = 2.0 * shape.matmul_params_active * tokens + shape.attention_flops_per_pair(decode) * attn_pairs
+    reads `kv_tokens_read` cached tokens (each token's own K/V is written once). The LM head runs only for
+    the `logits_tokens` positions that are sampled (default: every token; a prefill samples one per prompt)."""
+    head = shape.embedding_params()
+    logits = tokens if logits_tokens is None else logits_tokens
+    flops = (2.0 * (shape.matmul_params_active - head) * tokens + 2.0 * head * logits
+             + shape.attention_flops_per_pair(decode) * attn_pairs)
     kvb = shape.kv_bytes_per_token(kv_dtype)
     nbytes = shape.params_touched(tokens) * dtype_bytes(weight_dtype) + (kv_tokens_read + tokens) * kvb
     return Cost(flops, nbytes)
@@ -43,17 +47,18 @@ def step_cost(shape: ModelShape, tokens: int, attn_pairs: float, kv_tokens_read:
 
 def scheduled_cost(shape: ModelShape, sched: Any, weight_dtype: str, kv_dtype: str) -> Cost:
     """The cost of one engine step (a SchedulerOutput): each request's chunk attends to its cached prefix."""
-    pairs = kv_read = 0
+    pairs = kv_read = sampled = 0
     for r in sched.scheduled:
         n, s = len(r.token_ids), r.start_pos
         pairs += n * s + n * (n + 1) // 2
         kv_read += s
-    return step_cost(shape, sched.num_batched_tokens, pairs, kv_read, weight_dtype, kv_dtype)
+        sampled += r.num_spec + 1  # (a prompt chunk that does not end the prompt samples nothing: counted anyway)
+    return step_cost(shape, sched.num_batched_tokens, pairs, kv_read, weight_dtype, kv_dtype, logits_tokens=sampled)
 
 
 def prefill_cost(shape: ModelShape, batch: int, input_len: int, weight_dtype: str, kv_dtype: str) -> Cost:
     pairs = batch * input_len * (input_len + 1) / 2  # causal
-    return step_cost(shape, batch * input_len, pairs, 0, weight_dtype, kv_dtype)
+    return step_cost(shape, batch * input_len, pairs, 0, weight_dtype, kv_dtype, logits_tokens=batch)
 
 
 def decode_cost(shape: ModelShape, batch: int, context_len: float, weight_dtype: str, kv_dtype: str) -> Cost:
