@@ -5,14 +5,17 @@ Only the chosen subcommand's arguments are built, so only its modules are import
 """
 from __future__ import annotations
 
-import argparse
-import difflib
-import json
-import logging
-import sys
 import time
 
-from tokenmill import __version__
+ENTRY_TIME = time.time()  # the start-up ledger's end of "interpreter" and start of "imports" (startup.py)
+
+import argparse  # noqa: E402 - after ENTRY_TIME on purpose
+import difflib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from tokenmill import __version__  # noqa: E402
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -97,8 +100,11 @@ def _serve(args: argparse.Namespace) -> int:
 
         return run_data_parallel(args)
     from tokenmill.serve.api_server import run_server
+    from tokenmill.startup import Ledger
 
-    return run_server(args) or 0
+    ledger = Ledger("api")
+    ledger.mark("interpreter", ledger.origin, ENTRY_TIME)
+    return run_server(args, ledger) or 0
 
 
 def _router(args: argparse.Namespace) -> int:

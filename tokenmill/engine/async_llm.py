@@ -33,6 +33,7 @@ from tokenmill.engine.request import FinishReason, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.startup import Ledger, timed
 
 logger = logging.getLogger("tokenmill")
 
@@ -80,9 +81,11 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO,
+                 ledger: Optional[Ledger] = None) -> None:
         """Starts the engine process at once; `tokenizer` None loads the model's own while the engine
-        process starts up (the two overlap)."""
+        process starts up (the two overlap). ledger (startup.Ledger) gets the "tokenizer" phase; the engine's
+        own phases arrive with its ready message (self.ready.startup)."""
         self.config = config
         self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
         self.streams: dict[str, RequestStream] = {}
@@ -113,7 +116,8 @@ class AsyncLLM:
         self._out.bind(f"ipc://{self._ipc_dir}/output")
         self.proc = self._spawn()
         try:
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+            with timed(ledger, "tokenizer"):
+                self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
             if self.tokenizer is None:
                 raise ValueError("the server needs a tokenizer (detokenization happens in the API process)")
         except BaseException:

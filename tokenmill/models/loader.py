@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.models.registry import get_model_class
+from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
 
@@ -80,24 +81,27 @@ class CheckpointReader:
 
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
                quantization: Optional[str] = None, quantize_lm_head: bool = False,
-               layer_range: Optional[tuple[int, int]] = None):
+               layer_range: Optional[tuple[int, int]] = None, ledger=None):
     """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
     checkpoint's own quantization_config is always honoured. quantize_lm_head: the online method covers the
     LM head too (default: it stays in `dtype`). layer_range: this pipeline stage's [start, end) of decoder
     layers (distributed.stage_layers; default the stage's even share). Each tensor-parallel rank reads only its
-    slices of the checkpoint (model.checkpoint_bytes_read says how much it read)."""
+    slices of the checkpoint (model.checkpoint_bytes_read says how much it read). ledger (startup.Ledger) gets
+the phases "weight load" and "weight packing"."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
     from tokenmill.layers.quantization.base import gather_packed_weights
 
     t0 = time.perf_counter()
+    ledger = ledger or Ledger(origin=0.0)
     cls = get_model_class(config)
-    with torch.device(device):
-        model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
-    quant = get_quant_config(quantization, config)
-    if quant is not None:
-        nquant = apply_quantization(model, quant, quantize_lm_head)
-    reader = CheckpointReader(weight_files(model_dir))
-    loaded = model.load_weights(reader)
+    with ledger.phase("weight load"):
+        with torch.device(device):
+            model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
+        quant = get_quant_config(quantization, config)
+        if quant is not None:
+            nquant = apply_quantization(model, quant, quantize_lm_head)
+        reader = CheckpointReader(weight_files(model_dir))
+        loaded = model.load_weights(reader)
     model.checkpoint_bytes_read = reader.bytes_read
     expected = {n for n, _ in model.named_parameters()}
     missing = sorted(expected - loaded)
@@ -105,14 +109,15 @@ def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend,
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:3])}"
                          f"{' ...' if len(missing) > 3 else ''}")
     model.eval()
-    for module in model.modules():  # repack/quantize weights now that they are final
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-    if quant is not None:
-        gather_packed_weights(model)
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
+    with ledger.phase("weight packing"):
+        for module in model.modules():  # repack/quantize weights now that they are final
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+        if quant is not None:
+            gather_packed_weights(model)
+        if hasattr(model, "process_weights_after_loading"):
+            model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if quant is not None:
         head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \

@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 import tokenmill
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
+from tokenmill.startup import Ledger
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
                                      TokenizeRequest)
 
@@ -94,6 +95,7 @@ class ServerState:
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
+    ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, name: Optional[str]) -> None:
@@ -188,10 +190,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        ledger = state.ledger
+        ledger.mark_since_last("server setup")  # app and uvicorn set-up (while the engine loads)
         await state.engine.start(timeout=state.args.engine_start_timeout)
         ready = state.engine.ready
-        state.metrics.set_cache_config(ready.block_size, ready.num_blocks, state.config.cache.enable_prefix_caching)
-        import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
+        ledger.extend(ready.startup)
+        with ledger.phase("serving start"):
+            state.metrics.set_cache_config(ready.block_size, ready.num_blocks,
+                                           state.config.cache.enable_prefix_caching)
+            import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
+        state.metrics.set_startup(ledger.finish())
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
         try:
             yield
@@ -209,11 +217,18 @@ def build_app(state: ServerState) -> FastAPI:
         return _validation_error(exc).response()
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(detail: bool = False) -> Response:
+        """200 with an empty body (what load balancers poll); ?detail=1 adds a JSON body with the start-up
+        ledger (startup.py)."""
         engine = state.engine
         if engine.dead is not None:
             return APIError(503, f"The engine is not available: {engine.dead}; it is being restarted",
                             code="engine_unavailable", headers={"Retry-After": "5"}).response()
+        if detail:
+            from tokenmill.serve.serving import json_response
+
+            return json_response({"status": "ok", "engine_restarts": engine.num_restarts,
+                                  "startup": state.ledger.as_dict()})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -360,7 +375,8 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, ledger=None) -> int:
+    """ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise."""
     import torch
     import uvicorn
 
@@ -373,22 +389,25 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics
 
+    ledger = ledger or Ledger("api")
+    ledger.mark_since_last("imports")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
                          "hermes, llama3_json or mistral)")
     config = EngineConfig.from_cli_args(args)
-    config.finalize(install_default=getattr(args, "install_default_model", False))
+    config.finalize(install_default=getattr(args, "install_default_model", False), ledger=ledger)
     chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
     try:
-        engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+        engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
+                          ledger=ledger)
     except BaseException:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
-                        args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None, ledger)
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
