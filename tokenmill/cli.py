@@ -215,7 +215,7 @@ _COMMANDS = {  # name -> help line shown by `tokenmill --help`
     "generate": "generate text from a prompt, streaming tokens to the terminal",
     "serve": "OpenAI-compatible HTTP server",
     "router": "OpenAI-compatible front that routes requests over `tokenmill serve` replicas",
-    "bench": "benchmarks: serve (load generator), sweep (load points), offline",
+    "bench": "benchmarks: serve (load generator), sweep (load points), offline, startup",
     "plan": "memory and roofline math for a model on given hardware",
     "quantize": "write a pre-quantized (fp8, int8, w8a8) copy of a float checkpoint",
     "eval": "evaluate a model (quality under quantization)",
