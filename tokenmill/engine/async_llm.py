@@ -78,6 +78,21 @@ class RequestStream:
     num_generation_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)  # of samples finished so far (n > 1)
     finished: bool = False
+    # The request ledger (wall clock, for --enable-request-timing): first scheduled (engine side), first token
+    # seen here, and time spent detokenizing steps that carried this request's tokens.
+    scheduled_wall: Optional[float] = None
+    first_token_wall: Optional[float] = None
+    detokenize_s: float = 0.0
+
+    def timing(self, now_wall: float) -> dict[str, float]:
+        """Server-side seconds of a finished request: queue (arrival -> first scheduled), prefill (-> first
+        token here), decode (-> finished), detokenize (incremental detokenization, within prefill and decode),
+        total (arrival -> finished)."""
+        scheduled = self.scheduled_wall if self.scheduled_wall is not None else now_wall
+        first = self.first_token_wall if self.first_token_wall is not None else now_wall
+        return {"queue": max(scheduled - self.arrival_wall, 0.0), "prefill": max(first - scheduled, 0.0),
+                "decode": max(now_wall - first, 0.0), "detokenize": self.detokenize_s,
+                "total": max(now_wall - self.arrival_wall, 0.0)}
 
 
 class AsyncLLM:
@@ -386,19 +401,28 @@ class AsyncLLM:
         for eid, t in msg.scheduled:
             self.unscheduled.discard(eid)
             rid = self.engine_to_user.get(eid)
-            if sl is not None and rid is not None:
-                sl.on_scheduled(max(t - self.streams[rid].arrival_wall, 0.0))
+            if rid is not None:
+                stream = self.streams[rid]
+                if stream.scheduled_wall is None:
+                    stream.scheduled_wall = t
+                if sl is not None:
+                    sl.on_scheduled(max(t - stream.arrival_wall, 0.0))
+        t_detok = time.perf_counter()
         outputs, to_abort = self.processor.process(msg.outputs)
+        detok_s = time.perf_counter() - t_detok  # a step's requests are detokenized together: each waited for it
+        now_wall = time.time()
         if to_abort:  # stop strings matched: the engine must free those requests
             self._in.send_multipart([ABORT, self._encoder.encode(to_abort)])
         for ro in outputs:
             stream = self.streams.get(ro.request_id)
             if stream is None:
                 continue
+            stream.detokenize_s += detok_s
             n_new = sum(len(c.token_ids) for c in ro.outputs)
             if n_new:
                 if stream.first_token is None:
                     stream.first_token = now
+                    stream.first_token_wall = now_wall
                     if sl is not None:
                         sl.on_first_token(now - stream.arrival)
                 elif sl is not None:
@@ -409,6 +433,7 @@ class AsyncLLM:
                     sl.on_generation_tokens(n_new)
             if ro.finished:
                 stream.finished = True
+                ro.metrics["timing"] = stream.timing(now_wall)
                 del self.streams[ro.request_id]
                 for eid in stream.engine_ids:
                     self.engine_to_user.pop(eid, None)
@@ -462,6 +487,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.outputs = sorted(by_index.values(), key=lambda c: c.index)
     a.finished = b.finished
     a.num_cached_tokens = b.num_cached_tokens
+    a.metrics.update(b.metrics)
     if a.prompt_logprobs is None:
         a.prompt_logprobs = b.prompt_logprobs
     if b.kv_transfer_params is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import AsyncIterator, Optional
 
 import httpx
@@ -34,6 +35,15 @@ _SSE_DONE = b"data: [DONE]\n\n"
 
 def forwardable(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
+
+
+def _with_router_timing(headers: dict[str, str], arrived: Optional[float], sent: float) -> dict[str, str]:
+    """A replica that times its requests (--enable-request-timing: a Server-Timing header) gets the router's
+    share added: arrival here to the request leaving for the replica that answered (routing, failed tries)."""
+    key = next((k for k in headers if k.lower() == "server-timing"), None)
+    if key is not None and arrived is not None:
+        headers[key] += f", router;dur={round(1000 * (sent - arrived), 3)}"
+    return headers
 
 
 def routing_text(body: dict) -> str:
@@ -102,6 +112,7 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------------
     async def forward(self, method: str, path: str, query: str, body: bytes, headers) -> Response:
+        arrived = time.perf_counter()
         generation = method == "POST" and path in GENERATION_PATHS
         try:
             request = json.loads(body) if generation else {}
@@ -127,7 +138,7 @@ class Router:
             else:
                 replica = min(candidates, key=lambda r: r.load)
             response = await self._attempt(replica, method, url_tail, body, headers, stream, text,
-                                           may_retry=len(candidates) > 1)
+                                           may_retry=len(candidates) > 1, arrived=arrived)
             if response is not None:
                 return response
             tried.append(replica)
@@ -136,12 +147,14 @@ class Router:
 
     async def _attempt(self, replica: Replica, method: str, url_tail: str, body: bytes, headers: dict,
                        stream: bool, text: str, may_retry: bool,
-                       read_timeout: Optional[float] = None) -> Optional[Response]:
+                       read_timeout: Optional[float] = None, arrived: Optional[float] = None) -> Optional[Response]:
         """The replica's response, or None when the request should go elsewhere. read_timeout bounds the
-        wait for each read (none by default: generations may run long)."""
+        wait for each read (none by default: generations may run long). arrived: when the router got the
+        request (perf_counter), for the router's entry in a replica's Server-Timing header."""
         replica.in_flight += 1
         upstream: Optional[httpx.Response] = None
         relayed = False
+        sent = time.perf_counter()
         try:
             upstream = await self.client.send(
                 self.client.build_request(method, replica.url + url_tail, content=body, headers=headers,
@@ -156,13 +169,14 @@ class Router:
                 if not first:
                     raise httpx.RemoteProtocolError("the stream ended before its first event")
                 relayed = True
-                return StreamingResponse(self._relay(replica, upstream, first, chunks),
-                                         status_code=200, headers=forwardable(upstream.headers))
+                return StreamingResponse(self._relay(replica, upstream, first, chunks), status_code=200,
+                                         headers=_with_router_timing(forwardable(upstream.headers), arrived, sent))
             content = await upstream.aread()  # decoded, hence no content-encoding in the headers below
             if upstream.status_code == 200:
                 self._learn_usage(replica, text, content)
             headers = {k: v for k, v in forwardable(upstream.headers).items() if k.lower() != "content-encoding"}
-            return Response(content, status_code=upstream.status_code, headers=headers)
+            return Response(content, status_code=upstream.status_code,
+                            headers=_with_router_timing(headers, arrived, sent))
         except httpx.TransportError as e:
             replica.last_error = f"{type(e).__name__}: {e}"
             self.pool.report_failure(replica, e)

@@ -54,6 +54,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; mistral "
                         "[TOOL_CALLS]); 'required' and named tool_choice need no parser")
+    g.add_argument("--enable-request-timing", action="store_true",
+                   help="each generation response carries its server-side timing in milliseconds (queue, prefill, "
+                        "decode, detokenize, total): a Server-Timing header, and for streams a `timing` field on "
+                        "the last chunk before [DONE]; `tokenmill router` adds its own time to the header")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")

@@ -12,7 +12,8 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
-                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params)
+                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params,
+                                     with_timing_header)
 from tokenmill.serve.tools import ToolCallStream, ToolPlan, parse_tools, plan_tools, template_messages
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ async def create_chat_completion(state: "ServerState", req: ChatCompletionReques
         result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n, plan))
     finally:
         gen.close()
-    return result if result is not None else Response(status_code=499)
+    return with_timing_header(result, gen) if result is not None else Response(status_code=499)
 
 
 async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
