@@ -99,12 +99,18 @@ def _serve(args: argparse.Namespace) -> int:
         from tokenmill.router.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
-    from tokenmill.serve.api_server import run_server
+    from tokenmill.engine.prestart import PrestartedEngine
     from tokenmill.startup import Ledger
 
     ledger = Ledger("api")
     ledger.mark("interpreter", ledger.origin, ENTRY_TIME)
-    return run_server(args, ledger) or 0
+    engine = PrestartedEngine()  # its imports overlap ours (engine/prestart.py)
+    try:
+        from tokenmill.serve.api_server import run_server
+
+        return run_server(args, ledger, engine) or 0
+    finally:
+        engine.cancel()  # a no-op once the server has handed the process its arguments and stopped it
 
 
 def _router(args: argparse.Namespace) -> int:

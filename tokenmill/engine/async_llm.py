@@ -9,7 +9,6 @@ EngineDeadError and new ones are refused.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -29,6 +28,7 @@ from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, engine_env
 from tokenmill.engine.request import FinishReason, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.outputs import RequestOutput
@@ -36,20 +36,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup import Ledger, timed
 
 logger = logging.getLogger("tokenmill")
-
-
-@contextlib.contextmanager
-def _engine_env():
-    """Environment the engine process starts with. OpenMP threads that spin at barriers stall ~10x
-    whenever another process (this one, serving HTTP) takes a core from them; passive waiting costs
-    little when the engine has the machine to itself. A user's own setting wins."""
-    added = {k: v for k, v in {"OMP_WAIT_POLICY": "PASSIVE"}.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 class EngineDeadError(RuntimeError):
@@ -97,10 +83,11 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO,
-                 ledger: Optional[Ledger] = None) -> None:
-        """Starts the engine process at once; `tokenizer` None loads the model's own while the engine
-        process starts up (the two overlap). ledger (startup.Ledger) gets the "tokenizer" phase; the engine's
-        own phases arrive with its ready message (self.ready.startup)."""
+                 ledger: Optional[Ledger] = None, prestarted: Optional[PrestartedEngine] = None) -> None:
+        """Starts the engine process at once (or hands `prestarted`, a process already importing, its
+        arguments); `tokenizer` None loads the model's own while the engine process starts up (the two
+        overlap). ledger (startup.Ledger) gets the "tokenizer" phase; the engine's own phases arrive with its
+        ready message (self.ready.startup)."""
         self.config = config
         self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
         self.streams: dict[str, RequestStream] = {}
@@ -129,7 +116,7 @@ class AsyncLLM:
         self._in.bind(f"ipc://{self._ipc_dir}/input")
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(f"ipc://{self._ipc_dir}/output")
-        self.proc = self._spawn()
+        self.proc = self._spawn(prestarted)
         try:
             with timed(ledger, "tokenizer"):
                 self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
@@ -142,13 +129,16 @@ class AsyncLLM:
         self.processor = OutputProcessor(self.tokenizer)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def _spawn(self) -> multiprocessing.Process:
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="tokenmill-engine",
-            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", os.getpid(),
-                  self.log_level, self._ipc_dir))
-        with _engine_env():
-            proc.start()
+    def _spawn(self, prestarted: Optional[PrestartedEngine] = None) -> multiprocessing.Process:
+        args = (self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", os.getpid(),
+                self.log_level, self._ipc_dir)
+        if prestarted is not None:
+            proc = prestarted.launch(args)
+        else:
+            proc = multiprocessing.get_context("spawn").Process(target=run_engine_core, name=ENGINE_PROCESS_NAME,
+                                                                args=args)
+            with engine_env():
+                proc.start()
         logger.info("engine core process started (pid %d)", proc.pid)
         return proc
 

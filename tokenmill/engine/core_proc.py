@@ -53,9 +53,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
-                    ipc_dir: Optional[str] = None) -> None:
-    """Process entry point (multiprocessing spawn target). ipc_dir: the API process's socket folder, removed
-    here if that process died without doing so (kill -9)."""
+                    ipc_dir: Optional[str] = None, ledger: Optional[Ledger] = None) -> None:
+    """Process entry point (multiprocessing spawn target, or engine/prestart.py's process once it has its
+    arguments). ipc_dir: the API process's socket folder, removed here if that process died without doing so
+    (kill -9). ledger: a prestarted process's start-up ledger (its imports already in it)."""
     # The API process owns shutdown (SIGTERM drain, Ctrl-C): the engine keeps serving until told to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -74,9 +75,9 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     try:
         from tokenmill.engine.core import EngineCore
 
-        # Interpreter, spawn bootstrap (unpickling the config) and imports, up to here.
-        ledger = Ledger("engine")
-        ledger.mark("engine process start", ledger.origin)
+        if ledger is None:  # interpreter, spawn bootstrap (unpickling the config) and imports, up to here
+            ledger = Ledger("engine")
+            ledger.mark("engine process start", ledger.origin)
         engine = EngineCore(config, ledger)
         out.send(encoder.encode(EngineCoreOutputs(ready=EngineReady(
             engine.scheduler.kv.num_blocks, config.cache.block_size, config.model.max_model_len,

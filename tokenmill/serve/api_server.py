@@ -379,8 +379,9 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def run_server(args: argparse.Namespace, ledger=None) -> int:
-    """ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise."""
+def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> int:
+    """ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise.
+    prestarted: an engine process the CLI started first thing (engine/prestart.py)."""
     import torch
     import uvicorn
 
@@ -405,7 +406,7 @@ def run_server(args: argparse.Namespace, ledger=None) -> int:
     metrics = ServerMetrics(config.model.served_model_name)
     try:
         engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
-                          ledger=ledger)
+                          ledger=ledger, prestarted=prestarted)
     except BaseException:
         sock.close()
         raise
