@@ -19,8 +19,10 @@ time per request. KV bytes come from the instances' /metrics when they export th
 transfer time is the decode side's mean pull time (tokenmill:kv_transfer_seconds) when the instance exports it, and
 in any case is measured by a probe after the load: a fresh long prompt is prefilled on the
 producer directly (max_tokens 1, do_remote_decode), then sent to the consumer with the returned kv_transfer_params;
-the consumer's time to first token (the pull plus one decode step) is compared with the same request sent without
-params (the consumer recomputes the prompt) and with a one-token prompt (a decode step alone).
+the consumer's time to first token (the pull: it emits the producer's first token once the KV is in) is compared
+with the same request sent without params (the consumer recomputes the prompt) and with a one-token prompt (a
+decode step alone). (Runs before the first-token handoff measured the pull plus one decode step there, and
+reported transfer_ms as that minus the one-token step.)
 `tokenmill plan --disaggregate 1P1D` for the same traffic shape (local-cpu, and Llama-3.1-8B on H100-SXM) is
 printed beside the measurement.
 
@@ -176,8 +178,8 @@ def ttft(url: str, body: dict) -> float:
 
 
 def transfer_probe(prefill_url: str, decode_url: str, n_tokens: int, reps: int = 3) -> dict:
-    """The consumer's time to first token for a prefilled prompt (pull + one step) vs recomputing it, vs a
-    one-token prompt (one step alone)."""
+    """The consumer's time to first token for a prefilled prompt (the pull: the producer's first token is
+    emitted once it is in) vs recomputing it, vs a one-token prompt (one step alone)."""
     m = model_id(decode_url)
     rng = random.Random(4242)
     pulled, recomputed, step = [], [], []
@@ -196,7 +198,7 @@ def transfer_probe(prefill_url: str, decode_url: str, n_tokens: int, reps: int =
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
     return {"prompt_tokens": n_tokens, "reps": reps, "ttft_pulled_ms": med(pulled),
             "ttft_recomputed_ms": med(recomputed), "ttft_one_token_ms": med(step),
-            "transfer_ms": med(pulled) - med(step)}
+            "transfer_ms": med(pulled)}
 
 
 def kv_bytes_per_token(model: Optional[str]) -> tuple[int, str]:
@@ -285,12 +287,12 @@ def main() -> None:
             d["kv_bytes_per_request"] = measured / max(n_req, 1)
             d["kv_bytes_source"] = "decode instance /metrics (tokenmill:kv_bytes_received)"
         else:
-            # the decode side pulls prompt_len - 1 tokens' blocks (it computes the last prompt token itself)
-            d["kv_bytes_per_request"] = per_tok * (d["prompt_tokens"] - n_req) / max(n_req, 1)
-            d["kv_bytes_source"] = (f"computed: (prompt tokens - 1) x {per_tok} B/token ({dtype}); the instances' "
+            # the decode side pulls every prompt token's KV (it takes the prefill side's first token)
+            d["kv_bytes_per_request"] = per_tok * d["prompt_tokens"] / max(n_req, 1)
+            d["kv_bytes_source"] = (f"computed: prompt tokens x {per_tok} B/token ({dtype}); the instances' "
                                     "/metrics export no kv_bytes counter")
         d["kv_bytes_per_token"] = per_tok
-        d["kv_bytes_long_request"] = per_tok * (args.long_input_len - 1)
+        d["kv_bytes_long_request"] = per_tok * args.long_input_len
         rc = counters["router"]
         if rc.get("router_prefill_phases"):
             d["router_prefill_phase_mean_ms"] = 1e3 * rc["router_prefill_phase_s"] / rc["router_prefill_phases"]

@@ -106,3 +106,31 @@ def hf_model(path: str, dtype=torch.float32):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def tiny_bert() -> str:
+    """A tiny random BertModel laid out as a sentence-transformers folder (modules.json, mean pooling in
+    1_Pooling/config.json, Normalize), with the byte-level BPE tokenizer of the other tiny models."""
+    if "bert" in _cache:
+        return _cache["bert"]
+    import json
+
+    import transformers
+
+    path = os.path.join(_root_dir(), "bert")
+    tok = build_tokenizer(path)
+    config = transformers.BertConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=512, initializer_range=0.08,
+                                     pad_token_id=tok.pad_token_id)
+    torch.manual_seed(4321)
+    transformers.BertModel(config).save_pretrained(path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}, f)
+    _cache["bert"] = path
+    return path

@@ -1,6 +1,8 @@
 """Disaggregated prefill/decode (kv_transfer/p2p_*): a prefill engine and a decode engine talking over real TCP
-sockets on 127.0.0.1. Greedy outputs equal a colocated engine's; the decode engine computes only the last
-prompt token of a transferred prompt; corrupt, failed, aborted and never-pulled transfers leave both KV pools
+sockets on 127.0.0.1. Greedy outputs equal a colocated engine's; the decode engine pulls every prompt token's KV,
+takes the prefill engine's first token as its own and computes no prompt token; where it cannot take that token
+exactly (logprobs, min_tokens, a seeded sample, n > 1, a failed pull) it samples the first token itself and the
+output still equals the colocated one; corrupt, failed, aborted and never-pulled transfers leave both KV pools
 whole and every answer right."""
 import random
 import time
@@ -16,7 +18,7 @@ from tokenmill.kv_transfer.p2p_transport import TcpTransport
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-LENGTHS = (5, 16, 17, 40, 70)
+LENGTHS = (1, 2, 5, 16, 17, 32, 40, 70)  # exact multiples of the block size (16) and 1-2 token prompts
 
 
 def _prompt(n, seed):
@@ -41,11 +43,12 @@ def engines():
 _ids = iter(range(10**6))
 
 
-def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks=None, logprobs=None):
+def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks=None, logprobs=None, eos=None,
+         outs=None):
     """(tokens, finishing output) of one request run alone on llm's engine; `blocks` (a list) gets its block
-    ids while it runs, `logprobs` (a list) each new token's."""
+    ids while it runs, `logprobs` (a list) each new token's, `outs` (a list) its outputs as (step number, output)."""
     rid = f"r{next(_ids)}"
-    llm.engine.add_request(EngineCoreRequest(rid, ids, sp, kv_transfer_params=params))
+    llm.engine.add_request(EngineCoreRequest(rid, ids, sp, eos, kv_transfer_params=params))
     tokens, deadline, steps = [], time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         steps += 1
@@ -54,6 +57,8 @@ def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks
         for out in llm.engine.step():
             if out.request_id == rid:
                 tokens += out.new_token_ids
+                if outs is not None:
+                    outs.append((steps, out))
                 if logprobs is not None:
                     logprobs += out.new_logprobs or []
                 if out.finished:
@@ -76,27 +81,136 @@ def _counters(llm):
     return dict(llm.engine.stats().kv_connector)
 
 
-def _disagg(prefill, decode, ids, **kw):
-    _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+def _disagg(prefill, decode, ids, sp=GREEDY, prefill_sp=PREFILL_ONLY, **kw):
+    _, fin = _run(prefill, ids, prefill_sp, {"do_remote_decode": True})
     params = fin.kv_transfer_params
     assert params["do_remote_prefill"] and params["num_tokens"] == len(ids)
-    return _run(decode, ids, GREEDY, params, **kw)
+    assert params["first_token_id"] == fin.new_token_ids[0]
+    return _run(decode, ids, sp, params, **kw)
 
 
-def test_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_token(engines):
+def _computed(llm):
+    """Prompt tokens the engine's model has run so far (EngineStats.prompt_tokens_computed)."""
+    return llm.engine.stats().prompt_tokens_computed
+
+
+PENALIZED = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3,
+                           frequency_penalty=0.5, presence_penalty=0.4)
+
+
+def test_outputs_equal_colocated_and_decode_computes_no_prompt_token(engines):
+    """The decode engine pulls all n prompt tokens' KV (the last block partial) and emits the prefill engine's
+    first token as its own first output as soon as the pull is in, a step before the second token; penalties
+    see that token as an output."""
     prefill, decode, ref = engines
     for i, n in enumerate(LENGTHS):
         ids = _prompt(n, seed=i)
-        expected, _ = _run(ref, ids, GREEDY)
-        kv, before = decode.engine.scheduler.kv, _counters(decode)
-        hits, ext = kv.num_hits, kv.num_external_hits
-        tokens, _ = _disagg(prefill, decode, ids)
-        assert tokens == expected, n
-        assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n - 1  # computed: the last prompt token only
-        after = _counters(decode)
-        assert after.get("kv_pulls", 0) == before.get("kv_pulls", 0) + 1 and not after.get("kv_pull_fallbacks")
+        # (the second run of a prompt finds its first blocks in the decode engine's cache; at 32, after the first
+        # token is taken, all of them: the pulled rows are dropped)
+        for sp in (GREEDY, PENALIZED) if n in (5, 32, 40) else (GREEDY,):
+            expected, _ = _run(ref, ids, sp)
+            kv, before, computed = decode.engine.scheduler.kv, _counters(decode), _computed(decode)
+            hits, ext, outs = kv.num_hits, kv.num_external_hits, []
+            tokens, fin = _disagg(prefill, decode, ids, sp, outs=outs)
+            assert tokens == expected, (n, sp)
+            assert _computed(decode) == computed  # not one prompt token computed on the decode side
+            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n and fin.num_cached_tokens == n
+            (step, first), (next_step, _) = outs[:2]
+            assert first.new_token_ids == expected[:1] and first.num_cached_tokens == n and step < next_step
+            after = _counters(decode)
+            assert after.get("kv_pulls", 0) == before.get("kv_pulls", 0) + 1 and not after.get("kv_pull_fallbacks")
+            assert after["kv_transferred_tokens"] - before.get("kv_transferred_tokens", 0) == n - (kv.num_hits - hits)
+            _settle(prefill, decode)
+    assert not _counters(prefill).get("kv_hold_timeouts")
+
+
+def test_first_token_that_ends_the_request_finishes_it_without_a_step(engines):
+    """max_tokens 1, the first token as EOS, or as a stop token: the decode engine finishes the request as soon as
+    its pull is in, allocating nothing and running no step for it; the answer equals the colocated one."""
+    prefill, decode, ref = engines
+    ids = _prompt(21, seed=30)
+    first = _run(ref, ids, GREEDY)[0][0]
+    cases = [(SamplingParams(temperature=0, max_tokens=1), None, "LENGTH"),
+             (SamplingParams(temperature=0, max_tokens=6), first, "STOP"),  # the first token is EOS
+             (SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[first]), None, "STOP")]
+    for sp, eos, reason in cases:
+        expected, want = _run(ref, ids, sp, eos=eos)
+        _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+        computed, blocks = _computed(decode), []
+        tokens, got = _run(decode, ids, sp, fin.kv_transfer_params, eos=eos, blocks=blocks)
+        assert tokens == expected == [first] and got.finish_reason == want.finish_reason, reason
+        assert got.stop_reason == want.stop_reason and got.num_cached_tokens == len(ids)
+        assert not blocks and _computed(decode) == computed  # never allocated, never ran
         _settle(prefill, decode)
-    assert _counters(prefill)["kv_sent_requests"] == len(LENGTHS) and not _counters(prefill).get("kv_hold_timeouts")
+    assert _counters(decode).get("kv_pull_fallbacks", 0) == 0
+
+
+def test_requests_that_cannot_take_the_first_token_sample_it_themselves(engines):
+    """logprobs (the decode side has none for a token it did not sample), min_tokens (the prefill request runs
+    without it, as the router sends it: its token here is EOS, which min_tokens bans), a seeded sample (the
+    decode side's generator would start a draw behind) and n > 1 (one token cannot seed several samples): the
+    decode engine pulls n - 1 tokens, recomputes the last one and samples; outputs equal the colocated ones."""
+    prefill, decode, ref = engines
+    ids = _prompt(37, seed=31)
+    eos = _run(ref, ids, GREEDY)[0][0]
+    cases = [(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), None, None),
+             (SamplingParams(temperature=0, max_tokens=6, min_tokens=3), eos, None),
+             (SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True),
+              None, SamplingParams(temperature=0.8, seed=7, max_tokens=1, ignore_eos=True))]
+    for sp, eos_id, prefill_sp in cases:
+        want_lps, got_lps = [], []
+        expected, _ = _run(ref, ids, sp, eos=eos_id, logprobs=want_lps)
+        _, fin = _run(prefill, ids, prefill_sp or PREFILL_ONLY, {"do_remote_decode": True}, eos=eos_id)
+        computed, before, hits = _computed(decode), _counters(decode), decode.engine.scheduler.kv.num_hits
+        tokens, _ = _run(decode, ids, sp, fin.kv_transfer_params, eos=eos_id, logprobs=got_lps)
+        assert tokens == expected, sp
+        assert _computed(decode) - computed == 1  # the last prompt token
+        hits = decode.engine.scheduler.kv.num_hits - hits  # (the second case on finds the first's blocks cached)
+        transferred = _counters(decode)["kv_transferred_tokens"] - before.get("kv_transferred_tokens", 0)
+        assert transferred + hits == len(ids) - 1
+        for (a_ids, a_lp, a_rank), (b_ids, b_lp, b_rank) in zip(got_lps, want_lps):
+            assert a_ids == b_ids and a_rank == b_rank and a_lp == pytest.approx(b_lp, abs=1e-4)
+        assert len(got_lps) == len(want_lps)
+        _settle(prefill, decode)
+    # n = 2 (offline generate fans it out): each sample samples its own first token
+    _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+    sp = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True)
+    computed = _computed(decode)
+    got = decode.generate([{"prompt_token_ids": ids, "kv_transfer_params": fin.kv_transfer_params}], sp,
+                          use_tqdm=False)[0]
+    want = ref.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert _computed(decode) - computed >= 2  # at least each sample's last prompt token
+    _settle(prefill, decode)
+
+
+def test_n_samples_do_not_share_the_prefill_instances_first_token():
+    from tokenmill.engine.frontend import fan_out
+
+    params = {"do_remote_prefill": True, "remote_block_ids": [3], "num_tokens": 2, "first_token_id": 9}
+    one = fan_out("r", [1, 2], SamplingParams(n=1), None, True, kv_transfer_params=params)
+    two = fan_out("r", [1, 2], SamplingParams(n=2), None, True, kv_transfer_params=params)
+    assert one[0].kv_transfer_params == params
+    assert [r.kv_transfer_params for r in two] == [{k: v for k, v in params.items() if k != "first_token_id"}] * 2
+
+
+def test_structured_output_takes_the_first_token_and_advances_its_grammar(engines):
+    """A constrained request takes the prefill engine's first token (sampled under the same grammar) and feeds it
+    to its own grammar matcher: the rest of the output follows the grammar and equals the colocated one."""
+    pytest.importorskip("xgrammar")
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    prefill, decode, ref = engines
+    so = StructuredOutputsParams(regex=r"(ab|cd)[a-z]{2,6} [0-9]{3}")
+    sp = SamplingParams(temperature=0, max_tokens=16, structured_outputs=so)
+    one = SamplingParams(temperature=0, max_tokens=1, structured_outputs=so)
+    for i, n in enumerate((9, 32)):
+        ids = _prompt(n, seed=40 + i)
+        expected, _ = _run(ref, ids, sp)
+        computed = _computed(decode)
+        tokens, fin = _disagg(prefill, decode, ids, sp, prefill_sp=one)
+        assert tokens == expected and _computed(decode) == computed, n
+        _settle(prefill, decode)
 
 
 def test_decode_side_prefix_hit_pulls_only_missing_blocks(engines):
@@ -111,23 +225,24 @@ def test_decode_side_prefix_hit_pulls_only_missing_blocks(engines):
     assert tokens == _run(ref, b, GREEDY)[0]
     assert kv.num_hits - hits == 48
     after = _counters(decode)
-    assert after["kv_transferred_tokens"] - before["kv_transferred_tokens"] == len(b) - 1 - 48
+    assert after["kv_transferred_tokens"] - before["kv_transferred_tokens"] == len(b) - 48
     block_bytes = decode.engine.executor.bytes_per_block()
     assert after["kv_bytes_received"] - before["kv_bytes_received"] == 2 * block_bytes  # blocks 3 and 4 only
     _settle(prefill, decode)
 
 
 def test_corrupt_block_is_detected_and_recomputed(engines):
+    """The params carry first_token_id, but a failed pull recomputes the whole prompt and samples here."""
     prefill, decode, ref = engines
-    ids = _prompt(45, seed=7)
-    before = _counters(decode).get("kv_pull_fallbacks", 0)
+    ids = _prompt(45, seed=1007)
+    before, computed = _counters(decode).get("kv_pull_fallbacks", 0), _computed(decode)
     TcpTransport.corrupt_next_blocks = 1
     try:
         tokens, _ = _disagg(prefill, decode, ids)
     finally:
         TcpTransport.corrupt_next_blocks = 0
     assert tokens == _run(ref, ids, GREEDY)[0]
-    assert _counters(decode)["kv_pull_fallbacks"] == before + 1
+    assert _counters(decode)["kv_pull_fallbacks"] == before + 1 and _computed(decode) - computed == len(ids)
     _settle(prefill, decode)  # the puller said done despite the corruption: the prefill side frees at once
     assert not _counters(prefill).get("kv_hold_timeouts")
 
@@ -187,7 +302,7 @@ def test_fp8_kv_cache_transfers_its_narrow_bytes():
             tokens, _ = _disagg(prefill, decode, ids)
             assert tokens == _run(ref, ids, GREEDY)[0]
         c = _counters(decode)
-        assert c["kv_pulls"] == 2 and c["kv_bytes_received"] == 4 * decode.engine.executor.bytes_per_block()
+        assert c["kv_pulls"] == 2 and c["kv_bytes_received"] == 5 * decode.engine.executor.bytes_per_block()
         _settle(prefill, decode)
     finally:
         for llm in (prefill, decode, ref):
@@ -224,20 +339,20 @@ def _kv_tokens(llm, block_ids, n):
 
 def _pulled(prefill, decode, ids, **kw):
     """Prefill on one engine, decode on the other: (tokens, the producer's and the consumer's stored int8 KV of
-    the n - 1 transferred tokens)."""
+    the n transferred tokens)."""
     n, blocks = len(ids), []
     _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
-    sent = _kv_tokens(prefill, fin.kv_transfer_params["remote_block_ids"], n - 1)  # held: not reused yet
+    sent = _kv_tokens(prefill, fin.kv_transfer_params["remote_block_ids"], n)  # held: not reused yet
     tokens, _ = _run(decode, ids, GREEDY, fin.kv_transfer_params, blocks=blocks, **kw)
-    return tokens, sent, _kv_tokens(decode, blocks, n - 1)
+    return tokens, sent, _kv_tokens(decode, blocks, n)
 
 
 def test_int8_kv_transfer_uncalibrated_consumer_adopts_the_producers_scales(int8_producer):
     """A decode engine with no prefill of its own yet takes the producer's scales with the first pull and uses
     the int8 bytes as they arrived (1 byte per value on the wire). Greedy tokens equal a colocated int8 engine
     that calibrated on the same first prompt. (Not its logits bit for bit: a colocated prefill attends to its own
-    chunk's unquantized K/V, the decode engine to the stored int8 KV of the n - 1 pulled tokens, as any
-    colocated prefix-cache hit does.) Scales that arrive corrupt are caught by their CRC: recomputed."""
+    chunk's unquantized K/V, the decode engine to the stored int8 KV of the n pulled tokens, as any colocated
+    prefix-cache hit does.) Scales that arrive corrupt are caught by their CRC: recomputed."""
     prefill = int8_producer
     decode, ref = _llm("kv_consumer", kv_cache_dtype="int8"), _llm(None, kv_cache_dtype="int8",
                                                                     enable_prefix_caching=False)
@@ -250,12 +365,12 @@ def test_int8_kv_transfer_uncalibrated_consumer_adopts_the_producers_scales(int8
             hits, ext = kv.num_hits, kv.num_external_hits
             tokens, sent, stored = _pulled(prefill, decode, ids)
             assert tokens == _run(ref, ids, GREEDY)[0], n
-            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n - 1  # computed: the last token only
+            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n  # no prompt token computed here
             assert all(a.dtype == b.dtype == torch.int8 and torch.equal(a, b) for a, b in zip(sent, stored))
             _settle(prefill, decode)
         assert all(torch.equal(a, b) for a, b in zip(_kv_scales(decode), _kv_scales(prefill)))
         c = _counters(decode)
-        blocks = sum(-(-(n - 1) // 16) for n in (40, 17, 70))
+        blocks = sum(-(-n // 16) for n in (40, 17, 70))
         assert c["kv_pulls"] == 3 and not c.get("kv_pull_fallbacks")
         assert c["kv_bytes_received"] == blocks * decode.engine.executor.bytes_per_block()
         assert _counters(prefill)["kv_bytes_sent"] - sent_before == c["kv_bytes_received"]
@@ -402,7 +517,7 @@ def test_prefill_instance_in_another_process(engines):
             kv = decode.engine.scheduler.kv
             hits, ext = kv.num_hits, kv.num_external_hits
             assert _run(decode, ids, GREEDY, params)[0] == _run(ref, ids, GREEDY)[0]
-            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n - 1
+            assert (kv.num_hits - hits) + (kv.num_external_hits - ext) == n
         _settle(decode)
         assert _counters(decode)["kv_pulls"] == before.get("kv_pulls", 0) + 3
         time.sleep(0.3)  # the producer steps on its own and hands the blocks back

@@ -4,7 +4,8 @@ One module-wide deployment: `tokenmill serve --disaggregate 2P1D` (two prefill i
 instance, the router; instance URLs read from the router's /metrics) beside one plain colocated instance
 (the reference, and an instance without a connector). Checked: the API carries kv_transfer_params in and out;
 2P1D greedy outputs equal the colocated instance for a concurrent batch of varied prompts (float32, streamed
-and not, completions and chat), and the decode instance computed only each transferred prompt's last token;
+and not, completions and chat), each answer's usage counts every prompt token as cached, and the decode
+instance's /metrics show zero prompt tokens computed (it took each prefill instance's first token);
 `tokenmill router --prefill URL --decode URL...` in front of an instance without a connector relays its
 answers unchanged and counts the fallback; every instance's KV cache returns to zero usage after the requests,
 a client abort mid-stream included; a killed prefill instance makes the router use the other one; a decode
@@ -39,10 +40,11 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 def test_prefill_request_is_one_token_without_streaming():
     req = {"model": "m", "prompt": "hi", "max_tokens": 50, "stream": True, "n": 3, "best_of": 3, "min_tokens": 4,
            "stream_options": {"include_usage": True}, "temperature": 0}
-    body = prefill_request(req, chat=False)
+    body = prefill_request(req, "/v1/completions")
     assert body == {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False, "n": 1, "temperature": 0,
                     "kv_transfer_params": {"do_remote_decode": True}}
-    assert prefill_request({"messages": CHAT}, chat=True)["max_completion_tokens"] == 1
+    assert prefill_request({"messages": CHAT}, "/v1/chat/completions")["max_completion_tokens"] == 1
+    assert prefill_request({"input": "hi", "max_output_tokens": 9}, "/v1/responses")["max_output_tokens"] == 1
     assert req["max_tokens"] == 50  # the original is untouched: it goes to the decode instance
     assert is_batch({"prompt": ["a", "b"]}) and not is_batch({"prompt": ["a"]}) and not is_batch({"prompt": [1, 2]})
 
@@ -123,13 +125,16 @@ def deployment():
     d.stop()
 
 
-def _body(prompt, stream: bool, chat: bool = False, max_tokens: int = 8) -> dict:
+def _body(prompt, stream: bool, chat: bool = False, max_tokens: int = 8, usage: bool = False) -> dict:
     body = {"temperature": 0, "max_tokens": max_tokens, "stream": stream}
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
     return {**body, "messages": prompt} if chat else {**body, "prompt": prompt}
 
 
 def _generate(url: str, body: dict) -> tuple[str, str, dict]:
-    """(text, finish_reason, the last JSON object: the response or the final chunk)."""
+    """(text, finish_reason, the last JSON object: the response, or a stream's usage chunk or else its final
+    chunk)."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     with httpx.Client(base_url=url, timeout=60) as http:
         if not body["stream"]:
@@ -144,7 +149,8 @@ def _generate(url: str, body: dict) -> tuple[str, str, dict]:
     chunks = [e for e in events[:-1] if e["choices"]]
     text = "".join(c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text", "")
                    for c in chunks)
-    return text, chunks[-1]["choices"][0]["finish_reason"], chunks[-1]
+    last = next((e for e in reversed(events[:-1]) if e.get("usage")), chunks[-1])
+    return text, chunks[-1]["choices"][0]["finish_reason"], last
 
 
 def _sum(m: dict, prefix: str) -> float:
@@ -177,29 +183,31 @@ def test_kv_transfer_params_accepted_by_an_instance(deployment):
         assert "kv_transfer_params" not in response
 
 
-def test_2p1d_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_token(deployment):
+def test_2p1d_outputs_equal_colocated_and_decode_computes_no_prompt_token(deployment):
     d, decode = deployment, deployment.decode[0]
     expected = {json.dumps(p): _generate(d.ref.url, _body(p, False, chat))[:2] for p, chat in CASES}
-    counted = ("kv_pulls", "kv_transferred_tokens", "prefix_cache_hits", "prompt_tokens")
+    counted = ("kv_pulls", "kv_transferred_tokens", "prefix_cache_hits", "prompt_tokens", "prompt_tokens_computed")
     start = {c: _counter(decode, c) for c in counted}
     before = metrics(d.launcher)
     jobs = [(p, s, chat) for p, chat in CASES for s in (False, True)]
     with ThreadPoolExecutor(len(jobs)) as pool:  # one concurrent batch
-        results = list(pool.map(lambda j: _generate(d.launcher.url, _body(j[0], j[1], j[2])), jobs))
+        results = list(pool.map(lambda j: _generate(d.launcher.url, _body(j[0], j[1], j[2], usage=True)), jobs))
     prompt_tokens = 0
     for (prompt, stream, chat), (text, finish, last) in zip(jobs, results):
         assert (text, finish) == expected[json.dumps(prompt)], (prompt, stream)
-        if not stream:  # the decode instance found every prompt token but the last one already in its cache
-            usage = last["usage"]
-            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, (prompt, usage)
-            prompt_tokens += 2 * usage["prompt_tokens"]  # the streamed twin has the same prompt
+        # The decode instance had every prompt token's KV (pulled, or in its own cache) and the first token
+        usage = last["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"], (prompt, stream, usage)
+        prompt_tokens += usage["prompt_tokens"]
     n, m = len(jobs), metrics(d.launcher)
     delta = {c: _counter(decode, c) - start[c] for c in counted}
     assert delta["kv_pulls"] == n and delta["prompt_tokens"] == prompt_tokens, delta
-    # Every prompt token but the last came by transfer, or from the decode instance's own prefix cache (the
-    # twins run concurrently: the second may find the first's blocks there and pull only the rest).
-    assert 0 < delta["kv_transferred_tokens"] <= prompt_tokens - n, delta
-    assert delta["kv_transferred_tokens"] + delta["prefix_cache_hits"] == prompt_tokens - n, delta
+    assert delta["prompt_tokens_computed"] == 0, delta  # the issue's "zero prompt tokens computed"
+    assert _counter(d.prefill[0], "prompt_tokens_computed") + _counter(d.prefill[1], "prompt_tokens_computed") > 0
+    # Every prompt token came by transfer, or from the decode instance's own prefix cache (the twins run
+    # concurrently: the second may find the first's blocks there and pull only the rest).
+    assert 0 < delta["kv_transferred_tokens"] <= prompt_tokens, delta
+    assert delta["kv_transferred_tokens"] + delta["prefix_cache_hits"] == prompt_tokens, delta
     assert _counter(decode, "kv_pull_fallbacks") == 0
     assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == 0
     phases = {u: _sum(m, f"tokenmill:router_disagg_requests_total{{replica={u},role=prefill}}")
@@ -209,13 +217,32 @@ def test_2p1d_outputs_equal_colocated_and_decode_computes_only_the_last_prompt_t
         - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={decode},role=decode}}") == n
 
 
+def test_responses_api_is_disaggregated_too(deployment):
+    """/v1/responses through 2P1D: a one-token prefill phase (max_output_tokens 1), then the decode instance
+    pulls the prompt's KV; the output equals the colocated instance's."""
+    d, decode = deployment, deployment.decode[0]
+    body = {"input": LONG, "instructions": "Continue.", "temperature": 0, "max_output_tokens": 8}
+    expected = httpx.post(d.ref.url + "/v1/responses", json=body, timeout=60).json()
+    pulls = _counter(decode, "kv_pulls")
+    r = httpx.post(d.launcher.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert out["status"] == expected["status"] == "incomplete"
+    usage = out["usage"]
+    assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"] - 1, usage
+    assert _counter(decode, "kv_pulls") == pulls + 1
+
+
 def test_router_in_front_of_an_instance_without_a_connector(deployment):
     d = deployment
     router = d.router([d.ref.url], d.decode)  # (one URL cannot be both a prefill and a decode instance)
     cases = [(PROMPTS[0], False, False), (PROMPTS[3], True, False), (CHAT, False, True), (CHAT, True, True)]
+    computed = _counter(d.decode[0], "prompt_tokens_computed")
     for prompt, stream, chat in cases:
         direct = _generate(d.ref.url, _body(prompt, False, chat))[:2]
         assert _generate(router.url, _body(prompt, stream, chat))[:2] == direct, (prompt, stream)
+    assert _counter(d.decode[0], "prompt_tokens_computed") > computed  # no KV came: it computed the prompts
     m, n = metrics(router), len(cases)
     assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={d.ref.url},role=prefill}}") == n
     assert m[f"tokenmill:router_disagg_requests_total{{replica={d.decode[0]},role=decode}}"] == n

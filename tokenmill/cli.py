@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | router | bench | plan | quantize | eval`.
+"""`tokenmill serve | generate | router | bench | plan | tune | quantize | eval`.
 
 Only the chosen subcommand's arguments are built, so only its modules are imported: `tokenmill --help` and
 `tokenmill generate --help` answer without loading torch or the web stack.
@@ -211,6 +211,12 @@ def _add_plan_parser(sub) -> None:
     add_plan_args(sub.add_parser("plan", help=_COMMANDS["plan"]))
 
 
+def _add_tune_parser(sub) -> None:
+    from tokenmill.tune import add_tune_args
+
+    add_tune_args(sub.add_parser("tune", help=_COMMANDS["tune"]))
+
+
 def _add_quantize_parser(sub) -> None:
     from tokenmill.models.export import add_quantize_parser
 
@@ -221,13 +227,16 @@ _COMMANDS = {  # name -> help line shown by `tokenmill --help`
     "generate": "generate text from a prompt, streaming tokens to the terminal",
     "serve": "OpenAI-compatible HTTP server",
     "router": "OpenAI-compatible front that routes requests over `tokenmill serve` replicas",
-    "bench": "benchmarks: serve (load generator), sweep (load points), offline, startup",
+    "bench": "benchmarks: serve (load generator), sweep (load points), offline, matrix (technique interactions), "
+             "startup",
     "plan": "memory and roofline math for a model on given hardware",
+    "tune": "find the best serve configuration for a workload and an SLA by measuring real servers",
     "quantize": "write a pre-quantized (fp8, int8, w8a8) copy of a float checkpoint",
     "eval": "evaluate a model (quality under quantization)",
 }
 _ADD_PARSER = {"generate": _add_generate_parser, "serve": _add_serve_parser, "router": _add_router_parser,
-               "bench": _add_bench_parser, "plan": _add_plan_parser, "quantize": _add_quantize_parser,
+               "bench": _add_bench_parser, "plan": _add_plan_parser, "tune": _add_tune_parser,
+               "quantize": _add_quantize_parser,
                "eval": _add_eval_parser}
 
 
@@ -245,13 +254,13 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
     found = set()
     for action in parser._actions:  # argparse has no public listing of a parser's actions
         found.update(action.option_strings)
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
-                found |= _option_strings(child)
+                found |= option_strings(child)
     return found
 
 
@@ -264,7 +273,7 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
 
 def _check_flags(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> None:
     """Report a misspelled flag as such (argparse would first complain that a required one is missing)."""
-    known = _option_strings(parser)
+    known = option_strings(parser)
     for arg in argv:
         if arg == "--":
             break

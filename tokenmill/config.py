@@ -153,6 +153,72 @@ def validate_quantization(requested: Optional[str], hf_config: Any, model_dir: s
     return req
 
 
+ENCODER_ARCHITECTURES = ("BertModel",)
+POOLING_METHODS = ("mean", "cls", "last")
+TASKS = ("auto", "generate", "embed")
+
+
+@dataclass
+class PoolerConfig:
+    """--task embed: a prompt's final hidden states -> one vector (vLLM's pooling runner). An encoder
+    (bidirectional attention) and mean/CLS pooling need the whole prompt in one step; a decoder with last-token
+    pooling may be prefilled in chunks like any prompt."""
+    method: str = "last"           # mean | cls | last (token)
+    normalize: bool = True         # L2-normalize the pooled vector
+    encoder: bool = False          # bidirectional attention over the prompt (BertModel)
+    max_seq_length: Optional[int] = None  # sentence_bert_config.json's limit, when the folder has one
+    matryoshka_dimensions: Optional[list[int]] = None  # `dimensions` a request may ask for (None: refused)
+    is_matryoshka: bool = False    # any `dimensions` up to the full size
+
+    @property
+    def whole_prompt(self) -> bool:
+        return self.encoder or self.method != "last"
+
+
+def _read_json(path: str) -> Optional[Any]:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+
+
+def resolve_pooler(task: str, model_dir: str, hf_config: Any) -> Optional[PoolerConfig]:
+    """The pooler for --task embed, or None (generate). auto is embed for an encoder architecture or a
+    sentence-transformers folder (modules.json), as vLLM decides its runner. The folder's Pooling module and
+    a Normalize module decide method and normalization; without one: last-token, normalized (vLLM's default for
+    decoders) or CLS for an encoder."""
+    if task not in TASKS:
+        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    archs = getattr(hf_config, "architectures", None) or []
+    encoder = any(a in ENCODER_ARCHITECTURES for a in archs)
+    modules = _read_json(os.path.join(model_dir, "modules.json")) if os.path.isdir(model_dir) else None
+    if task == "generate" and encoder:
+        raise ValueError(f"{', '.join(archs)} is an encoder: it cannot generate text; serve it with --task embed")
+    if task == "generate" or (task == "auto" and not encoder and modules is None):
+        return None
+    pc = PoolerConfig(method="cls" if encoder else "last", encoder=encoder)
+    for module in modules or []:
+        if str(module.get("type", "")).endswith(".Pooling"):
+            pool = _read_json(os.path.join(model_dir, module.get("path", ""), "config.json")) or {}
+            modes = [m for m, key in (("mean", "pooling_mode_mean_tokens"), ("cls", "pooling_mode_cls_token"),
+                                      ("last", "pooling_mode_lasttoken")) if pool.get(key)]
+            if len(modes) != 1:
+                raise ValueError(f"{module.get('path')}/config.json: tokenmill pools by exactly one of "
+                                 f"{', '.join(POOLING_METHODS)} tokens; this asks for {modes or 'none of them'}")
+            pc.method = modes[0]
+    if modules is not None:
+        pc.normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
+        st = _read_json(os.path.join(model_dir, "sentence_bert_config.json")) or {}
+        pc.max_seq_length = st.get("max_seq_length")
+    pc.is_matryoshka = bool(getattr(hf_config, "is_matryoshka", False))
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    pc.matryoshka_dimensions = list(dims) if dims else None
+    return pc
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = None
@@ -164,10 +230,12 @@ class ModelConfig:
     served_model_name: Optional[str] = None
     quantization: Optional[str] = None  # online int8|w8a8|fp8|mxfp4|nvfp4; a quantized checkpoint's own method
     quantize_lm_head: bool = False      # online quantization covers the LM head too (default: model dtype)
+    task: str = "auto"                  # generate | embed | auto (an encoder or sentence-transformers folder: embed)
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
     torch_dtype: Optional[torch.dtype] = None
+    pooler: Optional["PoolerConfig"] = None  # task embed: how a prompt's hidden states become one vector
 
     @property
     def online_quantization(self) -> Optional[str]:
@@ -194,7 +262,11 @@ class ModelConfig:
         cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
         with timed(ledger, "dtype selection"):
             self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device, cfg)
+        self.pooler = resolve_pooler(self.task, self.model_dir, cfg)
+        self.task = "embed" if self.pooler is not None else "generate"
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.pooler is not None and self.pooler.max_seq_length:  # sentence-transformers' own limit
+            derived = min(derived, self.pooler.max_seq_length)
         if self.max_model_len is None:
             self.max_model_len = derived
         elif self.max_model_len > derived:
@@ -580,6 +652,7 @@ class EngineConfig:
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
+    step_records: bool = False  # per-step records (tokens, time, MFU/MBU) in EngineStats, for the dashboard
 
     def finalize(self, install_default: bool = False, ledger: Any = None) -> "EngineConfig":
         """ledger: a startup.Ledger to record the model's resolution in (ModelConfig.finalize)."""
@@ -598,7 +671,25 @@ class EngineConfig:
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
             self.speculative.finalize(self.model)
+        if self.model.pooler is not None:
+            self._check_embed()
         return self
+
+    def _check_embed(self) -> None:
+        """--task embed: what pooling cannot combine with, and what an encoder's whole-prompt steps need."""
+        pooler, sched = self.model.pooler, self.scheduler
+        if self.speculative is not None or self.kv_transfer is not None or self.cache.kv_offloading_size:
+            raise ValueError("--task embed runs prompts only: --speculative-config, --kv-transfer-config and "
+                             "--kv-offloading-size do not apply to it")
+        if pooler.encoder and self.parallel.world_size > 1:
+            raise ValueError("encoder models (BertModel) run with a world size of 1 for now; drop "
+                             "--tensor-parallel-size/--pipeline-parallel-size")
+        if pooler.whole_prompt:  # one step per prompt: no chunks, and (bidirectional) no reusable prefix KV
+            self.cache.enable_prefix_caching = False
+            if sched.max_num_batched_tokens < self.model.max_model_len:
+                raise ValueError(f"--task embed with {pooler.method} pooling runs each prompt in one step: "
+                                 f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) must be at least "
+                                 f"--max-model-len ({self.model.max_model_len})")
 
     def _check_parallel_features(self) -> None:
         """Features not built for a split model yet: refused by name rather than run wrong."""
@@ -629,11 +720,13 @@ class EngineConfig:
         device = kw.pop("device", "auto")
         log_step_stats = bool(kw.pop("log_step_stats", False))
         batch_invariant = bool(kw.pop("batch_invariant", False))
+        step_records = bool(kw.pop("step_records", False))
         built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         built["kv_transfer"] = KVTransferConfig.parse(kw.pop("kv_transfer_config", None))
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
-        return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant, **built)
+        return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant,
+                   step_records=step_records, **built)
 
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
@@ -649,6 +742,9 @@ class EngineConfig:
         p.add_argument("--max-model-len", type=int, default=None,
                        help="longest sequence (prompt + output) in tokens (default: the model's "
                             "max_position_embeddings)")
+        p.add_argument("--task", default="auto", choices=list(TASKS),
+                       help="generate text, or embed (/v1/embeddings: pooled, normalized hidden states); auto = "
+                            "embed for an encoder (BertModel) or a sentence-transformers folder, else generate")
         p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (sampling)")
         p.add_argument("--served-model-name", default=None,
                        help="model name the API reports and accepts (default: the model argument)")
@@ -719,11 +815,12 @@ class EngineConfig:
             kv_cache_memory_bytes=a.kv_cache_memory_bytes, gpu_memory_utilization=a.gpu_memory_utilization,
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
-            quantize_lm_head=getattr(a, "quantize_lm_head", False),
+            quantize_lm_head=getattr(a, "quantize_lm_head", False), task=getattr(a, "task", "auto"),
             kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
+            step_records=getattr(a, "no_dashboard", None) is False,  # serve's dashboard is on
             speculative_config=getattr(a, "speculative_config", None),
             kv_transfer_config=getattr(a, "kv_transfer_config", None),
             tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,

@@ -1,4 +1,4 @@
-"""Offline API, vLLM-shaped: LLM(model=...).generate(prompts, sampling_params) and .chat(messages)."""
+"""Offline API, vLLM-shaped: LLM(model=...).generate(prompts, sampling_params), .chat(messages), .embed(inputs)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +10,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import PromptType, eos_token_id, fan_out, load_tokenizer, tokenize_prompt
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
-from tokenmill.outputs import RequestOutput
+from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
+from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -31,6 +32,9 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if self.config.model.pooler is not None:
+            raise ValueError(f"{self.config.model.served_model_name} runs with --task embed: it does not generate "
+                             "text; use LLM.embed")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -38,6 +42,10 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        return self._run_all(prompts, params, use_tqdm)
+
+    def _run_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
+                 use_tqdm: bool) -> list[RequestOutput]:
         order: dict[str, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -69,6 +77,26 @@ class LLM:
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
                    for text in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Union[EmbedInput, Sequence[EmbedInput]], truncate_prompt_tokens: Optional[int] = None,
+              dimensions: Optional[int] = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One pooled vector per input (a text or a list of token ids), in order; needs --task embed (the
+        default for an encoder or a sentence-transformers folder). truncate_prompt_tokens and dimensions as in
+        /v1/embeddings (tokenmill/engine/pooling.py)."""
+        pooler = self.config.model.pooler
+        if pooler is None:
+            raise ValueError(f"{self.config.model.served_model_name} runs with --task generate; "
+                             "pass task='embed' to LLM(...) to embed with it")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        check_dimensions(pooler, dimensions, self.config.model.hf_config.hidden_size,
+                         self.config.model.served_model_name)
+        ids = [embed_token_ids(self.tokenizer, p, truncate_prompt_tokens, self.config.model.max_model_len)
+               for p in prompts]
+        outs = self._run_all([{"prompt_token_ids": i} for i in ids], [embed_params()] * len(ids), use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids,
+                                       EmbeddingOutput(final_vector(o.embedding, pooler, dimensions).tolist()))
+                for o in outs]
 
     # -- internals --------------------------------------------------------------------------
     def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:

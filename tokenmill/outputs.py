@@ -42,3 +42,18 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     kv_transfer_params: Optional[dict] = None  # a prefill instance's finished request: where its KV is
+    embedding: Optional[bytes] = None  # --task embed, when finished: the pooled vector (float32 little-endian)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result per prompt (vLLM's shape): outputs.embedding is the pooled vector."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

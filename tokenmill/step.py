@@ -36,7 +36,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
-    output_token_ids: list[int]   # a re-admitted request's output so far
+    output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -95,6 +95,8 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     spec_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)  # drafts for the next step
     kv_connector_output: Optional[ConnectorOutput] = None  # finished background KV transfers
     expert_load: Optional[list[list[int]]] = None  # MoE: tokens routed per [MoE layer][expert] this step
+    # --task embed: the pooled vector (float32 little-endian bytes) of each request whose prompt ended this step
+    pooled: dict[str, bytes] = msgspec.field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()

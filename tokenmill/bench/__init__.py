@@ -1,5 +1,6 @@
-"""`tokenmill bench serve | sweep | offline | startup`: measure a server from the client's side, sweep load
-points, measure the engine's offline throughput, or time cold and warm server starts."""
+"""`tokenmill bench serve | sweep | offline | matrix | startup`: measure a server from the client's side, sweep
+load points, measure the engine's offline throughput, measure technique interactions, or time cold and warm
+server starts."""
 from __future__ import annotations
 
 import argparse
@@ -21,11 +22,13 @@ def offline_main(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub) -> None:
     """Adds `bench` with its subcommands to the CLI's subparsers."""
+    from tokenmill.bench.matrix import add_matrix_args
     from tokenmill.bench.offline import add_offline_args
     from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
     from tokenmill.bench.startup import add_startup_args
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline, startup")
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline, "
+                                          "matrix (technique interactions), startup (cold/warm start)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -35,6 +38,9 @@ def add_bench_parser(sub) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(p, sweep=True)
     p.set_defaults(func=sweep_main)
+    p = bsub.add_parser("matrix", help="baseline and each technique alone and combined: speedups beside the "
+                                       "product of the single ones, JSON + heat map")
+    add_matrix_args(p)
     p = bsub.add_parser("offline", help="offline throughput of the engine on a random workload")
     p.add_argument("model", nargs="?", default=None, help="HF dir or .gguf (default: built-in default model)")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)

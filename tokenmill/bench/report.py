@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional, Sequence
 logger = logging.getLogger("tokenmill")
 
 PERCENTILES = (50, 90, 99)
-SLO_METRICS = ("ttft", "tpot", "e2e")
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
+_SUMMARY_STAT = {None: "max", 50: "median", 90: "p90", 99: "p99"}  # an SLO key's statistic of a run
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -57,8 +58,22 @@ def parse_duration(text: str) -> float:
     return value * {"ms": 1e-3, "s": 1.0, "us": 1e-6}[unit]
 
 
+def slo_key(key: str) -> tuple[str, Optional[int]]:
+    """'ttft_p90' -> ('ttft', 90); 'tpot' -> ('tpot', None). Raises ValueError for anything else."""
+    metric, sep, pct = key.strip().lower().partition("_p")
+    if metric not in SLO_METRICS or (sep and (not pct.isdigit() or int(pct) not in PERCENTILES)):
+        raise ValueError(f"bad SLO metric {key!r}: use one of {', '.join(SLO_METRICS)}, optionally with a "
+                         f"percentile {', '.join(f'_p{p}' for p in PERCENTILES)} (e.g. ttft_p90)")
+    return metric, int(pct) if pct else None
+
+
 def parse_slo(text: Optional[str]) -> dict[str, float]:
-    """'ttft=500ms,tpot=50ms' -> {'ttft': 0.5, 'tpot': 0.05} (seconds)."""
+    """'ttft=500ms,tpot_p90=50ms' -> {'ttft': 0.5, 'tpot_p90': 0.05} (seconds).
+
+    A key is a metric (ttft, tpot, itl, e2e), optionally qualified by a percentile (_p50, _p90, _p99). Each
+    request is good when its own value is within every limit (for itl: its largest gap, or with a
+    percentile that percentile of its gaps); a run meets the SLA when each qualified percentile over all
+    requests (each bare metric's maximum) is within its limit (`slo_violations`)."""
     if not text:
         return {}
     slo = {}
@@ -66,24 +81,46 @@ def parse_slo(text: Optional[str]) -> dict[str, float]:
         if not part.strip():
             continue
         key, sep, value = part.partition("=")
-        key = key.strip().lower()
-        if not sep or key not in SLO_METRICS:
-            raise ValueError(f"bad SLO {part!r}: use metric=limit with metric in {', '.join(SLO_METRICS)}, "
-                             "e.g. ttft=500ms,tpot=50ms")
-        slo[key] = parse_duration(value)
+        if not sep:
+            raise ValueError(f"bad SLO {part!r}: use metric=limit, e.g. ttft_p90=2s,tpot_p90=100ms")
+        slo_key(key)
+        slo[key.strip().lower()] = parse_duration(value)
     return slo
+
+
+def _request_value(rec: dict[str, Any], metric: str, pct: Optional[int]) -> Optional[float]:
+    if metric != "itl":
+        return rec.get(metric)
+    gaps = rec.get("itl") or []
+    if not gaps:
+        return None
+    return max(gaps) if pct is None else percentile(gaps, pct)
 
 
 def meets_slo(rec: dict[str, Any], slo: dict[str, float]) -> bool:
     if not rec["success"]:
         return False
     for key, limit in slo.items():
-        value = rec.get(key)
-        if key == "tpot" and value is None:  # one output token: no inter-token time to miss
+        metric, pct = slo_key(key)
+        value = _request_value(rec, metric, pct)
+        if value is None and metric in ("tpot", "itl"):  # one output token: no inter-token time to miss
             continue
         if value is None or value > limit:
             return False
     return True
+
+
+def slo_violations(summary: dict[str, Any], slo: dict[str, float]) -> list[str]:
+    """Why a run misses the SLA: each percentile (or maximum) over the run above its limit; [] if it meets it."""
+    if not summary["completed"]:
+        return ["no request completed"]
+    out = []
+    for key, limit in slo.items():
+        metric, pct = slo_key(key)
+        value = summary[f"{metric}_ms"][_SUMMARY_STAT[pct]]
+        if value is not None and value > limit * 1e3:
+            out.append(f"{key} {value:.0f}ms > {limit * 1e3:g}ms")
+    return out
 
 
 def summarize(records: list[dict[str, Any]], duration: float, slo: Optional[dict[str, float]] = None) -> dict:
@@ -120,6 +157,7 @@ def summarize(records: list[dict[str, Any]], duration: float, slo: Optional[dict
         s["slo"] = {k: v * 1e3 for k, v in slo.items()}  # ms, as the tables show them
         s["goodput"] = good / duration if duration > 0 else 0.0
         s["slo_attainment"] = good / len(records) if records else 0.0
+        s["slo_violations"] = slo_violations(s, slo)
     return s
 
 
@@ -218,12 +256,15 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
         f"{'concurrency':<24}mean {s['mean_concurrency']:.1f}, max {s['max_concurrency']}",
         f"{'tokens':<24}{s['total_input_tokens']} in, {s['total_output_tokens']} out (from usage)",
         f"{'request throughput':<24}{s['request_throughput']:.2f} req/s",
+        *([f"{'input throughput':<24}{s['input_throughput']:.2f} inputs/s"] if "input_throughput" in s else []),
         f"{'output throughput':<24}{s['output_throughput']:.1f} tok/s",
         f"{'total throughput':<24}{s['total_token_throughput']:.1f} tok/s",
     ]
     if "goodput" in s:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in s["slo"].items())
         lines.append(f"{'goodput':<24}{s['goodput']:.2f} req/s ({s['slo_attainment']:.0%} of requests meet {slo})")
+        if s.get("slo_violations"):
+            lines.append(f"{'SLA':<24}missed: " + "; ".join(s["slo_violations"]))
     if "client_cpu_s" in s:
         lines.append(f"{'client CPU':<24}{s['client_cpu_s']:.2f} s ({s['client_cpu_s'] / s['duration_s']:.0%} of a core"
                      " while measuring)" if s["duration_s"] > 0 else f"{'client CPU':<24}{s['client_cpu_s']:.2f} s")
@@ -268,7 +309,7 @@ def format_sweep_table(points: list[dict[str, Any]]) -> str:
 
 
 # -- plots ----------------------------------------------------------------------------------------
-def _pyplot():
+def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None (with a message) when not installed."""
     try:
         import matplotlib
@@ -303,7 +344,7 @@ def _cdf(ax, values_ms: list[float], label: str) -> None:
 def plot_serve(result: dict[str, Any], out_dir: str) -> list[str]:
     """latency_cdf.png (TTFT, ITL, E2E) and timeline.png (each request's wait / decode, in-flight count).
     Returns the paths written ([] without matplotlib)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
@@ -362,10 +403,10 @@ def plot_serve(result: dict[str, Any], out_dir: str) -> list[str]:
     return paths
 
 
-def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "") -> list[str]:
-    """pareto.png: per-user tok/s (median 1/TPOT) against total output tok/s, one point per sweep point,
-    the Pareto-optimal ones joined."""
-    plt = _pyplot()
+def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "", name: str = "pareto.png") -> list[str]:
+    """pareto.png: per-user tok/s (median 1/TPOT) against total output tok/s, one point per sweep point (labelled
+    by its "label", else its load), the Pareto-optimal ones joined."""
+    plt = pyplot()
     if plt is None:
         return []
     os.makedirs(out_dir, exist_ok=True)
@@ -376,8 +417,11 @@ def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "") -> 
             continue
         xs.append(s["per_user_tok_s"]["median"])
         ys.append(s["output_throughput"])
-        rate = "" if math.isinf(p["request_rate"]) else f" rate {p['request_rate']:g}"
-        labels.append(("conc " + str(p["max_concurrency"]) if p["max_concurrency"] is not None else "") + rate)
+        if "label" in p:
+            labels.append(p["label"])
+        else:
+            rate = "" if math.isinf(p["request_rate"]) else f" rate {p['request_rate']:g}"
+            labels.append(("conc " + str(p["max_concurrency"]) if p["max_concurrency"] is not None else "") + rate)
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.scatter(xs, ys, zorder=3)
     for x, y, lab in zip(xs, ys, labels):
@@ -393,7 +437,7 @@ def plot_pareto(points: list[dict[str, Any]], out_dir: str, title: str = "") -> 
     ax.set_xlim(0, max(xs, default=1) * 1.12)
     ax.set_ylim(0, max(ys, default=1) * 1.12)  # room for the labels
     fig.tight_layout()
-    path = os.path.join(out_dir, "pareto.png")
+    path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]

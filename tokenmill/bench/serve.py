@@ -1,10 +1,13 @@
 """Load generator for any OpenAI-compatible server: `tokenmill bench serve` and `tokenmill bench sweep`.
 
-Every request streams (SSE) and is timed from the client's side with a monotonic clock:
+Generation requests stream (SSE) and are timed from the client's side with a monotonic clock:
 - TTFT: send -> first chunk carrying tokens; ITL: gaps between successive chunks carrying tokens;
 - E2E: send -> end of stream; TPOT: (E2E - TTFT) / (output tokens - 1).
 Token counts come from the response's `usage` (requested with stream_options.include_usage), not from
 chunk counts: one chunk may carry several tokens.
+
+--endpoint embeddings sends /v1/embeddings requests (--inputs-per-request prompts each, not streamed): E2E is
+their latency, and the summary adds inputs/s.
 
 Arrivals follow a Poisson process at --request-rate (inf: all at once) and never exceed --max-concurrency
 in flight; a request waiting for a slot starts its clock when it is sent. Warm-up requests run first and
@@ -33,11 +36,15 @@ from tokenmill.bench.report import (format_sweep_table, format_table, parse_slo,
 logger = logging.getLogger("tokenmill")
 
 
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
+
+
 @dataclass
 class ServeConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: Optional[str] = None            # None: the first model the server lists
-    endpoint: str = "completions"          # or "chat"
+    endpoint: str = "completions"          # or "chat", "embeddings"
+    inputs_per_request: int = 1            # embeddings: prompts per request (its `input` list)
     api_key: Optional[str] = None
     dataset: str = "random"
     input_len: int = 256
@@ -60,8 +67,10 @@ class ServeConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        if self.endpoint not in ("completions", "chat"):
-            raise ValueError(f"--endpoint must be completions or chat, got {self.endpoint!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.inputs_per_request < 1:
+            raise ValueError(f"--inputs-per-request must be at least 1, got {self.inputs_per_request}")
         if self.num_prompts < 1:
             raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
         if self.request_rate <= 0:
@@ -84,7 +93,7 @@ class ServeConfig:
 
     @property
     def url(self) -> str:
-        return self.api_base + ("/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions")
+        return self.api_base + ENDPOINTS[self.endpoint]
 
     @property
     def headers(self) -> dict[str, str]:
@@ -141,6 +150,8 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     incomplete_stream, bad_response)."""
     import httpx
 
+    if cfg.endpoint == "embeddings":
+        return await _send_embedding(client, cfg, req, index, t0)
     chat = cfg.endpoint == "chat"
     rec: dict[str, Any] = {"index": index, "start": 0.0, "ttft": None, "itl": [], "e2e": 0.0, "tpot": None,
                            "prompt_tokens": None, "output_tokens": None, "expected_prompt_len": req.prompt_len,
@@ -230,6 +241,55 @@ class _ConnectionTrace:
             self.rec["connection_reused"] = False
         else:  # complete or failed
             self.rec["connect"] += time.perf_counter() - self.started
+
+
+@dataclass
+class EmbeddingBatch:
+    """One /v1/embeddings request: several dataset prompts as its input list."""
+    prompts: list[str]
+    prompt_len: int
+    output_len: int = 0
+
+
+def _embedding_batches(source: Iterator[BenchRequest], k: int) -> Iterator[EmbeddingBatch]:
+    while True:
+        reqs = [next(source) for _ in range(k)]
+        yield EmbeddingBatch([r.prompt for r in reqs], sum(r.prompt_len for r in reqs))
+
+
+async def _send_embedding(client, cfg: ServeConfig, req: EmbeddingBatch, index: int, t0: float) -> dict[str, Any]:
+    """One /v1/embeddings request, timed send -> whole response (the record's e2e)."""
+    import httpx
+
+    rec: dict[str, Any] = {"index": index, "start": 0.0, "ttft": None, "itl": [], "e2e": 0.0, "tpot": None,
+                           "prompt_tokens": None, "output_tokens": 0, "inputs": len(req.prompts),
+                           "expected_prompt_len": req.prompt_len, "expected_output_len": 0, "success": False,
+                           "error_kind": None, "error": None, "usage_missing": False, "connect": 0.0,
+                           "connection_reused": True}
+    body = {"model": cfg.model, "input": req.prompts, **cfg.extra_body}
+    start = time.perf_counter()
+    rec["start"] = start - t0
+    try:
+        resp = await client.post(cfg.url, json=body, headers=cfg.headers,
+                                 extensions={"trace": _ConnectionTrace(rec)})
+        if resp.status_code != 200:
+            rec["error_kind"], rec["error"] = f"http_{resp.status_code}", _error_message(resp.content)
+        else:
+            out = resp.json()
+            if len(out.get("data") or []) != len(req.prompts):
+                rec["error_kind"], rec["error"] = "bad_response", f"{len(out.get('data') or [])} embeddings"
+            usage = out.get("usage") or {}
+            rec["prompt_tokens"] = usage.get("prompt_tokens", req.prompt_len)
+            rec["usage_missing"] = "prompt_tokens" not in usage
+    except httpx.TimeoutException as e:
+        rec["error_kind"], rec["error"] = "timeout", f"{type(e).__name__} after {cfg.timeout:g}s"
+    except httpx.HTTPError as e:
+        rec["error_kind"], rec["error"] = "http_error", str(e)[:300] or type(e).__name__
+    except ValueError as e:
+        rec["error_kind"], rec["error"] = "bad_response", str(e)[:300]
+    rec["e2e"] = time.perf_counter() - start
+    rec["success"] = rec["error_kind"] is None
+    return rec
 
 
 # -- a run ----------------------------------------------------------------------------------------
@@ -368,12 +428,18 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
     source = request_source(cfg, tokenizer, seed)
     source = itertools.chain([next(source)], source)  # bad dataset specs and files fail before any traffic
     warm_source = request_source(cfg, tokenizer, seed + 104729)
+    if cfg.endpoint == "embeddings":
+        source = _embedding_batches(source, cfg.inputs_per_request)
+        warm_source = _embedding_batches(warm_source, cfg.inputs_per_request)
     warmup = [next(warm_source) for _ in range(cfg.warmup)]
     n = None if cfg.duration is not None else cfg.num_prompts
     cpu = time.process_time()
     records, duration, extra = asyncio.run(_run(cfg, source, n, warmup, title or "bench"))
     summary = summarize(records, duration, cfg.slo)
     summary.update({k: v for k, v in extra.items() if v})  # spec_decode, kv_transfer: when the server has them
+    if cfg.endpoint == "embeddings":
+        inputs = sum(r["inputs"] for r in records if r["success"])
+        summary["input_throughput"] = inputs / duration if duration > 0 else 0.0
     # a busy client delays its own timestamps: its CPU share says whether the numbers can be trusted
     summary["client_cpu_s"] = time.process_time() - cpu
     conf = dataclasses.asdict(cfg)
@@ -385,7 +451,7 @@ def run_benchmark(cfg: ServeConfig, tokenizer=None, seed: Optional[int] = None, 
 
 
 # -- CLI ------------------------------------------------------------------------------------------
-def _rate(text: str) -> float:
+def parse_rate(text: str) -> float:
     if text.strip().lower() in ("inf", "infinity"):
         return math.inf
     try:
@@ -404,14 +470,8 @@ def _json_obj(text: str) -> dict:
     return obj
 
 
-def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
-    g = p.add_argument_group("endpoint")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
-    g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"],
-                   help="/v1/completions or /v1/chat/completions")
-    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags (dataset, lengths, sampling), shared by `bench serve | sweep | matrix` and `tune`."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", default="random", help="random, shared-prefix, sharegpt:PATH or jsonl:PATH")
     g.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, shared-prefix question)")
@@ -428,6 +488,19 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly --output-len tokens (vLLM's ignore_eos extension)")
     g.add_argument("--extra-body", type=_json_obj, default={}, help="JSON merged into every request body")
+
+
+def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    g = p.add_argument_group("endpoint")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
+    g.add_argument("--model", default=None, help="model name to request (default: the first in /v1/models)")
+    g.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
+                   help="/v1/completions, /v1/chat/completions or /v1/embeddings")
+    g.add_argument("--inputs-per-request", type=int, default=1,
+                   help="embeddings: prompts in each request's input list")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    add_workload_args(p)
     g = p.add_argument_group("load")
     if sweep:
         g.add_argument("--max-concurrency", default="1,4,16,64",
@@ -435,14 +508,16 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
         g.add_argument("--request-rate", default="inf", help="comma-separated rates in req/s (inf: all at once)")
     else:
         g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no limit)")
-        g.add_argument("--request-rate", type=_rate, default=math.inf,
+        g.add_argument("--request-rate", type=parse_rate, default=math.inf,
                        help="Poisson arrival rate in req/s (default inf: all at once)")
     g.add_argument("--num-prompts", type=int, default=100, help="requests to send" + (" per point" if sweep else ""))
     g.add_argument("--duration", type=float, default=None,
                    help="seconds to keep sending (instead of --num-prompts); in-flight requests are awaited")
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and not counted")
     g = p.add_argument_group("report")
-    g.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s")
+    g.add_argument("--slo", default=None,
+                   help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=10s; a _p50/_p90/_p99 suffix (ttft_p90=2s) "
+                        "also checks that percentile of the run")
     g.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the config, summary and every request's record as JSON")
     g.add_argument("--plot", default=None, metavar="DIR",
@@ -450,14 +525,20 @@ def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
 
 
+def workload_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """ServeConfig fields from add_workload_args' flags."""
+    return dict(dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
+                range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, tokenizer=args.tokenizer,
+                extra_body=args.extra_body)
+
+
 def config_from_args(args: argparse.Namespace, **override: Any) -> ServeConfig:
     kw = dict(base_url=args.base_url, model=args.model, endpoint=args.endpoint, api_key=args.api_key,
-              dataset=args.dataset, input_len=args.input_len, output_len=args.output_len, range_ratio=args.range_ratio,
-              prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, num_prompts=args.num_prompts,
-              duration=args.duration, request_rate=args.request_rate, max_concurrency=args.max_concurrency,
-              warmup=args.warmup, seed=args.seed, slo=parse_slo(args.slo), temperature=args.temperature,
-              ignore_eos=args.ignore_eos, timeout=args.timeout, tokenizer=args.tokenizer,
-              extra_body=args.extra_body, progress=args.progress)
+              inputs_per_request=args.inputs_per_request, num_prompts=args.num_prompts, duration=args.duration,
+              request_rate=args.request_rate,
+              max_concurrency=args.max_concurrency, warmup=args.warmup, slo=parse_slo(args.slo),
+              timeout=args.timeout, progress=args.progress, **workload_kwargs(args))
     kw.update(override)
     return ServeConfig(**kw)
 
@@ -484,7 +565,7 @@ def serve_main(args: argparse.Namespace) -> int:
     return 0 if result["summary"]["completed"] else 1
 
 
-def _list(text: str, parse) -> list:
+def parse_list(text: str, parse) -> list:
     try:
         return [parse(x.strip()) for x in text.split(",") if x.strip()]
     except (ValueError, argparse.ArgumentTypeError) as e:
@@ -492,8 +573,8 @@ def _list(text: str, parse) -> list:
 
 
 def sweep_main(args: argparse.Namespace) -> int:
-    concs = _list(args.max_concurrency, lambda x: None if x.lower() in ("none", "inf") else int(x))
-    rates = _list(args.request_rate, _rate)
+    concs = parse_list(args.max_concurrency, lambda x: None if x.lower() in ("none", "inf") else int(x))
+    rates = parse_list(args.request_rate, parse_rate)
     if not concs or not rates:
         raise ValueError("--max-concurrency and --request-rate need at least one value each")
     base = config_from_args(args, max_concurrency=concs[0], request_rate=rates[0])

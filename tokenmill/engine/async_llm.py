@@ -64,6 +64,8 @@ class RequestStream:
     num_generation_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)  # of samples finished so far (n > 1)
     finished: bool = False
+    num_cached_tokens: int = 0
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, new tokens): dashboard
     # The request ledger (wall clock, for --enable-request-timing): first scheduled (engine side), first token
     # seen here, and time spent detokenizing steps that carried this request's tokens.
     scheduled_wall: Optional[float] = None
@@ -167,7 +169,8 @@ class AsyncLLM:
         loop.remove_reader(self.proc.sentinel)
         loop.add_reader(self.proc.sentinel, self._on_engine_exit)
         self._fit = SimpleNamespace(max_model_len=self.ready.max_model_len, block_size=self.ready.block_size,
-                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks))
+                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks),
+                                    pooler=self.config.model.pooler)
         self._output_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
         logger.info("engine ready: %d KV blocks of %d tokens", self.ready.num_blocks, self.ready.block_size)
 
@@ -419,6 +422,8 @@ class AsyncLLM:
                     sl.on_inter_token(now - stream.last_token)
                 stream.last_token = now
                 stream.num_generation_tokens += n_new
+                stream.token_times.append((now, n_new))
+                stream.num_cached_tokens = ro.num_cached_tokens or 0
                 if sl is not None:
                     sl.on_generation_tokens(n_new)
             if ro.finished:
@@ -482,6 +487,8 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         a.prompt_logprobs = b.prompt_logprobs
     if b.kv_transfer_params is not None:
         a.kv_transfer_params = b.kv_transfer_params
+    if b.embedding is not None:
+        a.embedding = b.embedding
     return a
 
 

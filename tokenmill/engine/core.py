@@ -33,6 +33,9 @@ class EngineStats:
     # Prompt tokens past the device hit looked up in / supplied by lower KV tiers (vLLM's external_prefix_cache_*)
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Prompt tokens the model actually ran (cumulative): not prefix-cache hits, not tokens a KV connector
+    # supplied (a decode instance's transferred prompts count 0), again after a preemption
+    prompt_tokens_computed: int = 0
     # Speculative decoding (cumulative; zero without it)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -44,6 +47,9 @@ class EngineStats:
     # KV connectors' counters (cumulative): tiers (saved_blocks, host_hit_blocks, ...) and disaggregated
     # transfer (kv_pulls, kv_pull_fallbacks, kv_bytes_received/_sent, kv_held_requests, ...)
     kv_connector: dict[str, int] = field(default_factory=dict)
+    # Steps since the last stats (engine/step_records.py STEP_FIELDS); empty unless config.step_records
+    steps: list[list[float]] = field(default_factory=list)
+    num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix (refreshed a few times a second)
 
 
 class EngineCore:
@@ -75,6 +81,11 @@ class EngineCore:
             from tokenmill.plan.roofline import StepStatsLogger
 
             self.step_stats = StepStatsLogger(config)
+        self.step_records = None
+        if config.step_records:
+            from tokenmill.engine.step_records import StepRecorder
+
+            self.step_records = StepRecorder(config)
         # Pipeline parallel: steps in flight, oldest first: (scheduler output, its future, submit time).
         self.num_in_flight = config.parallel.pipeline_parallel_size
         self.batch_queue: deque = deque()
@@ -127,8 +138,12 @@ class EngineCore:
         if result is not None and result.expert_load is not None:
             load = np.asarray(result.expert_load, dtype=np.int64)
             self.expert_load = load if self.expert_load is None else self.expert_load + load
-        if self.step_stats is not None and not sched.empty:
-            self.step_stats.log(sched, time.perf_counter() - t0)
+        if not sched.empty:
+            seconds = time.perf_counter() - t0
+            if self.step_stats is not None:
+                self.step_stats.log(sched, seconds)
+            if self.step_records is not None:
+                self.step_records.record(sched, seconds)
         return self.scheduler.take_pending() + outputs
 
     def _execute(self, sched, run):
@@ -155,7 +170,7 @@ class EngineCore:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
                             s.num_preemptions, kv.pool.num_free, kv.num_blocks, kv.num_external_queries,
-                            kv.num_external_hits)
+                            kv.num_external_hits, s.num_prompt_tokens_computed)
         if s.spec is not None:
             c = s.spec.counters
             stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens
@@ -165,6 +180,9 @@ class EngineCore:
             stats.expert_load = self.expert_load.tolist()
         if s.connector is not None:
             stats.kv_connector = s.connector.counters()
+        if self.step_records is not None:
+            stats.steps = self.step_records.drain()
+            stats.num_cached_free_blocks = self.step_records.cached_free_blocks(kv.pool)
         return stats
 
     def check_health(self) -> None:

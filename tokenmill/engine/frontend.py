@@ -50,10 +50,13 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos:
             arrival_time: float = 0.0, kv_transfer_params: Optional[dict] = None) -> list[EngineCoreRequest]:
     """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
     (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM.
-    kv_transfer_params (disaggregated prefill/decode) goes to every one of them."""
+    kv_transfer_params (disaggregated prefill/decode) goes to every one of them, less a prefill instance's
+    first_token_id: one sampled token cannot start n different samples (each samples its first token itself)."""
     if params.n == 1:
         return [EngineCoreRequest(request_id, prompt_ids, params, eos, arrival_time,
                                   cache_salt if enable_prefix_caching else None, kv_transfer_params)]
+    if kv_transfer_params is not None:
+        kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token_id"}
     salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
     reqs = []
     for i in range(params.n):

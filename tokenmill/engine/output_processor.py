@@ -73,6 +73,7 @@ class RequestState:
         self.sent_prompt_logprobs = False
         self.num_cached_tokens = 0
         self.kv_transfer_params: Optional[dict] = None  # reported with the finished output
+        self.embedding: Optional[bytes] = None  # --task embed: the pooled vector, reported when finished
         self.arrival = time.monotonic()
         self.first_token_time: Optional[float] = None
 
@@ -106,6 +107,8 @@ class RequestState:
         self.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.pooled is not None:
+            self.embedding = out.pooled
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
         if s.finish_reason is not None:
@@ -154,7 +157,7 @@ class RequestState:
                                  [CompletionOutput(s.index, s.text, list(s.token_ids), s.cumulative_logprob, s.logprobs,
                                                    s.finish_reason, s.stop_reason) for s in self.samples],
                                  self.finished, self.prompt_logprobs, self.num_cached_tokens,
-                                 kv_transfer_params=kv_params)
+                                 kv_transfer_params=kv_params, embedding=self.embedding)
         outs = []
         touched, self.dirty = sorted(self.dirty.items()), {}
         for _, s in touched:
@@ -182,7 +185,7 @@ class RequestState:
         self.sent_prompt_logprobs = self.sent_prompt_logprobs or plp_ready
         return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, self.finished,
                              self.prompt_logprobs if plp_ready else None, self.num_cached_tokens,
-                             kv_transfer_params=kv_params)
+                             kv_transfer_params=kv_params, embedding=self.embedding if self.finished else None)
 
 
 class OutputProcessor:

@@ -59,6 +59,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: Optional[str] = None  # why, with finish_reason REJECTED or ERROR
     kv_transfer_params: Optional[dict[str, Any]] = None  # a prefill instance's finished request: where its KV is
+    pooled: Optional[bytes] = None  # --task embed: the finished request's embedding (float32 little-endian)
 
     @property
     def finished(self) -> bool:

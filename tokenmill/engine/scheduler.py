@@ -25,9 +25,14 @@ KV tiers (a KV connector, tokenmill/kv_transfer): after the device prefix hit, t
 more leading tokens it holds. Those get device blocks like new tokens, but count as computed: the worker
 copies them in before the forward pass. When they must first come from a slow tier (disk) or another
 instance (a decode instance pulling a prompt's KV from the prefill instance), the request steps aside into
-`loading` (others run) and is looked up again once the connector says it is ready. A connector may also keep
+`loading` (others run) and is looked up again once the connector says it is ready; a pulled prompt may come
+with its first output token (the prefill instance's sample), emitted as if sampled here right after the
+update that reported the pull, so that the request's first step decodes from it. A connector may also keep
 a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
 them); it names the requests whose blocks may go back, polled at the start of each step.
+
+--task embed (engine/pooling.py): a request finishes with its pooled vector as soon as its prompt has run; with
+an encoder or a mean/CLS pooler its prompt is admitted only whole (never chunked).
 """
 from __future__ import annotations
 
@@ -47,12 +52,26 @@ from tokenmill.structured import StructuredOutputManager
 logger = logging.getLogger("tokenmill")
 
 
+def check_fits_pooling(prompt_len: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
+    """--task embed: the prompt is all a request runs, and it may fill the whole context."""
+    if prompt_len > max_model_len:
+        raise ValueError(f"the input has {prompt_len} tokens, but the model's maximum is {max_model_len}; "
+                         "shorten it or set truncate_prompt_tokens")
+    if -(-prompt_len // block_size) > num_blocks:
+        raise ValueError(f"the input needs {prompt_len} tokens of KV cache but the whole cache holds "
+                         f"{num_blocks * block_size}; raise --kv-cache-memory-bytes")
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, connector: Optional[KVConnectorScheduler] = None) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
         self.block_size = config.cache.block_size
+        # --task embed: a request finishes with its pooled vector once its prompt has run (no decode); an
+        # encoder's or a mean/CLS pooler's prompt runs whole in one step (never chunked)
+        self.pooler = config.model.pooler
+        self.whole_prompts = self.pooler is not None and self.pooler.whole_prompt
         self.connector = connector
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  connector.on_evict if connector is not None else None)
@@ -72,6 +91,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # Prompt tokens the model ran (not found in a cache or supplied by a connector; again after a preemption)
+        self.num_prompt_tokens_computed = 0
         spec = config.speculative
         self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive) if spec else None
         self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
@@ -82,6 +103,9 @@ class Scheduler:
         """Reject at once what could never run, rather than letting it wait forever."""
         if prompt_len == 0:
             raise ValueError("the prompt is empty; it must contain at least one token")
+        if self.pooler is not None:
+            check_fits_pooling(prompt_len, self.max_model_len, self.block_size, self.kv.num_blocks)
+            return
         if prompt_len >= self.max_model_len:
             raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
                              f"{self.max_model_len}; nothing is left to generate")
@@ -232,6 +256,8 @@ class Scheduler:
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
             self.in_flight.add(req.request_id)
+            start = req.num_computed_tokens
+            self.num_prompt_tokens_computed += max(min(start + n, req.num_prompt_tokens) - start, 0)
             req.num_computed_tokens += n + len(drafts)
             self.drafts.pop(req.request_id, None)
             out.num_batched_tokens += n + len(drafts)
@@ -294,6 +320,8 @@ class Scheduler:
                     continue
                 num_ext = ext.num_tokens
             n = min(req.num_tokens - num_hit - num_ext, budget)
+            if self.whole_prompts and n < req.num_tokens - num_hit - num_ext:
+                break  # next step: it runs whole or not at all
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
                 if not lookahead or not self.kv.allocate_slots(req, num_ext + n, hits):
@@ -343,6 +371,27 @@ class Scheduler:
             else 0,
             next_token=req.all_token_ids[start + n] if (self.spec is not None and not sample) else None,
             new=new, token_bitmask=bitmask)
+
+    def _take_first_tokens(self) -> list[EngineCoreOutput]:
+        """Loading requests whose whole prompt's KV has arrived with their first output token (a decode instance
+        takes the prefill instance's sample): each token is emitted at once, as if sampled here (stop-checked,
+        fed to the grammar); the request's next step runs it at position prompt_len. One it ends (EOS, a stop
+        token, max_tokens 1) finishes here, with no step and no blocks."""
+        outs = []
+        for req in list(self.loading):
+            token = self.connector.first_token(req)
+            if token is None:
+                continue
+            req.append_token(token)
+            so = req.sampling_params.structured_outputs
+            if so is not None:
+                self.structured.accept(req.request_id, [token], so)
+            out = EngineCoreOutput(req.request_id, [token], num_cached_tokens=req.num_prompt_tokens)
+            if req.check_stop():
+                fin = self._finish(req)
+                out.finish_reason, out.stop_reason = fin.finish_reason, fin.stop_reason
+            outs.append(out)
+        return outs
 
     def _resume_loaded(self) -> None:
         """Requests whose background KV transfers finished go back to the head of the queue, in order."""
@@ -399,9 +448,18 @@ class Scheduler:
         self._back(sched)
         if self.connector is not None:  # first: a request finishing below may need what the worker reported
             self.connector.update(result.kv_connector_output)
+            if self.loading:
+                outs += self._take_first_tokens()
         for s in sched.scheduled:
             req = self.requests.get(s.request_id)
             if req is None:
+                continue
+            pooled = result.pooled.get(s.request_id)
+            if pooled is not None:  # --task embed: its prompt has run; that is all it does
+                req.finish_reason = FinishReason.STOP
+                out = self._finish(req)
+                out.pooled = pooled
+                outs.append(out)
                 continue
             plp = result.prompt_logprobs.get(s.request_id)
             tokens = result.sampled.get(s.request_id)
@@ -414,7 +472,7 @@ class Scheduler:
                 req.num_computed_tokens -= s.num_spec - accepted  # the rejected drafts' KV is stale
                 self.spec.observe_round(s.num_spec, accepted)
             if s.token_bitmask is not None:
-                self.structured.accept(req.request_id, tokens)
+                self.structured.accept(req.request_id, tokens, req.sampling_params.structured_outputs)
             if self.quarantine and self.quarantine[0] == req.request_id:
                 self.quarantine.pop(0)  # it ran alone and sampled: it is not the culprit
             lps = result.logprobs.get(s.request_id)

@@ -34,7 +34,8 @@ def make_scheduler_connector(config: EngineConfig, bytes_per_block: int) -> Opti
     if config.kv_transfer is not None:
         from tokenmill.kv_transfer.p2p_scheduler import TransferScheduler
 
-        transfer = TransferScheduler(config.kv_transfer, config.cache.block_size)
+        transfer = TransferScheduler(config.kv_transfer, config.cache.block_size,
+                                     config.model.hf_config.vocab_size)
     if offload is None and transfer is None:
         return None
     from tokenmill.kv_transfer.composite import CompositeScheduler

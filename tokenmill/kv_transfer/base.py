@@ -29,6 +29,7 @@ Hooks for connectors that send KV to another instance (disaggregated prefill, p2
   while any request is held `build_plan()` returns a plan, so the engine keeps stepping and the worker keeps
   reporting.
 - Per-request parameters arrive as `Request.kv_transfer_params` (EngineCoreRequest's, vLLM's shape).
+- `first_token(req)`: a pulled prompt may come with the first output token the prefill instance sampled.
 """
 from __future__ import annotations
 
@@ -66,6 +67,13 @@ class KVConnectorScheduler(ABC):
     def is_ready(self, req: Request) -> bool:
         """Whether the background transfers req waits for have finished (successfully or not)."""
         return True
+
+    def first_token(self, req: Request) -> Optional[int]:
+        """req (waiting in `loading`, no output yet) has its first output token from elsewhere, now that the
+        transfer bringing its whole prompt's KV is in: a decode instance takes the prefill instance's sample.
+        The scheduler appends it as if sampled here, right after the update() that reported the transfer; the
+        next lookup then supplies every prompt token. None: req samples its first token itself."""
+        return None
 
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
         """The device pool is about to reuse a block that still holds cached KV for block_hash."""

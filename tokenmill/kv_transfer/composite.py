@@ -48,6 +48,10 @@ class CompositeScheduler(KVConnectorScheduler):
         part = self.owner.get(req.request_id)
         return part is None or part.is_ready(req)
 
+    def first_token(self, req: Request) -> Optional[int]:
+        part = self.owner.get(req.request_id)
+        return None if part is None else part.first_token(req)
+
     def on_evict(self, block_id: int, block_hash: bytes) -> None:
         for part in self.parts:
             part.on_evict(block_id, block_hash)

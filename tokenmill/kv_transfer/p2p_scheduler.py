@@ -5,21 +5,31 @@ scheduled, the plan tells the worker to offer the prompt's blocks after that ste
 request finishes (STOP or LENGTH), its blocks are held, not freed, and its output carries the params a decode
 instance needs: {"do_remote_prefill": true, "remote_engine_id", "remote_host", "remote_port",
 "remote_request_id", "remote_block_ids", "num_tokens" (= every prompt token: the last block may be partial),
-"kv_fingerprint"}. The blocks go back to the pool when the puller says it is done, or after hold_timeout_s.
+"kv_fingerprint", "first_token_id" (the token it sampled after the prompt)}. The blocks go back to the pool
+when the puller says it is done, or after hold_timeout_s.
 
 Consumer (a request carrying those params): lookup() starts a pull of the blocks it lacks beyond its own
-prefix-cache hit, up to prompt_len - 1 tokens (the last prompt token is recomputed so this instance samples
-the first token itself: the output equals a colocated run), and answers not-ready; the request waits in
-`loading`. Once the pull is reported, the next lookup supplies those tokens (the hit may end inside a
-block) and on_allocated has the staged rows copied into the request's device blocks. A failed, corrupt or
-timed-out pull supplies 0 tokens: the prompt is recomputed, `kv_pull_fallbacks` goes up.
+prefix-cache hit and answers not-ready; the request waits in `loading`. Once the pull is reported, the next
+lookup supplies those tokens (the hit may end inside a block) and on_allocated has the staged rows copied
+into the request's device blocks. A failed, corrupt or timed-out pull supplies 0 tokens: the whole prompt is
+recomputed here and this instance samples the first token itself, `kv_pull_fallbacks` goes up.
+How much is pulled depends on whether the request can take the prefill instance's first token (_first_token):
+- yes: every prompt token. As soon as the pull is reported intact, first_token() hands the scheduler
+  first_token_id, which it emits as the request's first output; the request then starts with its prompt
+  computed and that token to run, so this instance computes no prompt token at all.
+- no (logprobs, min_tokens, a seeded sample, no first_token_id in the params; n > 1, whose samples the front
+  sends without it: one prefill token cannot seed several samples): prompt_len - 1 tokens, and the last prompt
+  token is recomputed here so that this instance samples the first token itself. Either way the output equals
+  a colocated run's.
 
 Invariants: a held request is freeable once its puller is done or its timeout passed (take_freeable), so the
 pool becomes whole again; blocks are offered only between the end of the step that wrote them and the step
-that may reuse them; staged rows are loaded or dropped exactly once per pull.
+that may reuse them; staged rows are loaded or dropped exactly once per pull; the first token is handed over
+at most once (only while the request has no output).
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections import Counter
@@ -31,6 +41,8 @@ from tokenmill.engine.request import FinishReason, Request, RequestStatus
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
 from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters
 
+logger = logging.getLogger("tokenmill")
+
 
 @dataclass
 class _PullState:
@@ -40,11 +52,12 @@ class _PullState:
     ok: bool = False          # ... with every block intact
     consumed: bool = False    # loaded into device blocks or dropped: supplies nothing any more
     hit_from: int = 0         # the device hit at the last lookup: where the supplied tokens start
+    first_token: Optional[int] = None  # the prefill instance's first output token, taken as this request's
 
 
 class TransferScheduler(KVConnectorScheduler):
-    def __init__(self, cfg: KVTransferConfig, block_size: int) -> None:
-        self.cfg, self.block_size = cfg, block_size
+    def __init__(self, cfg: KVTransferConfig, block_size: int, vocab_size: int) -> None:
+        self.cfg, self.block_size, self.vocab_size = cfg, block_size, vocab_size
         self.engine_id = uuid.uuid4().hex
         self.worker_info: Optional[dict] = None   # {"host", "port", "kv_fingerprint"}, from the worker
         self.exposed: dict[str, list[int]] = {}   # producer: request id -> blocks offered
@@ -71,15 +84,47 @@ class TransferScheduler(KVConnectorScheduler):
         return ExternalHit(st.end - num_device_tokens if usable else 0, True)
 
     def _start_pull(self, req: Request, params: dict, num_device_tokens: int) -> None:
-        """Pull the blocks after the device hit up to prompt_len - 1 tokens (none: just say done)."""
+        """Pull the blocks after the device hit up to the prompt's end when req takes the prefill instance's
+        first token, else up to prompt_len - 1 tokens (none: just say done)."""
         bs = self.block_size
-        end = max(min(int(params.get("num_tokens", 0)), req.num_prompt_tokens - 1), num_device_tokens)
+        first_token = self._first_token(req, params)
+        end = req.num_prompt_tokens if first_token is not None else min(int(params.get("num_tokens", 0)),
+                                                                         req.num_prompt_tokens - 1)
+        end = max(end, num_device_tokens)
         first = num_device_tokens // bs
         blocks = list(params.get("remote_block_ids", []))[first:-(-end // bs)]
-        if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none
-            blocks, end = [], num_device_tokens
-        self.pulls[req.request_id] = _PullState(first, end)
+        if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none, sample here
+            blocks, end, first_token = [], num_device_tokens, None
+        self.pulls[req.request_id] = _PullState(first, end, first_token=first_token)
         self._plan.pulls.append(self._pull(req.request_id, params, blocks))
+
+    def _first_token(self, req: Request, params: dict) -> Optional[int]:
+        """The prefill instance's first output token if req can take it as its own with the output still equal
+        to a colocated run's; None: this instance recomputes the last prompt token and samples it itself."""
+        token = params.get("first_token_id")
+        if token is None:
+            return None
+        if type(token) is not int or not 0 <= token < self.vocab_size or \
+                params.get("num_tokens") != req.num_prompt_tokens:
+            logger.warning("request %s: kv_transfer_params first_token_id %r does not fit its prompt or the "
+                           "vocabulary; sampling the first token here", req.request_id, token)
+            return None
+        sp = req.sampling_params
+        if sp.logprobs is not None:  # this instance would have no logprobs for a token it did not sample
+            return None
+        if sp.min_tokens:  # the prefill request runs without min_tokens: its token may be a stop token it bans
+            return None
+        # A seeded sample sequence: this instance's generator, starting fresh, would draw the second token with
+        # the draw a colocated run used for the first.
+        if sp.seed is not None and not sp.greedy:
+            return None
+        return token
+
+    def first_token(self, req: Request) -> Optional[int]:
+        st = self.pulls.get(req.request_id)
+        if st is None or not (st.ready and st.ok) or st.consumed or req.num_output_tokens:
+            return None  # a failed pull recomputes the whole prompt here and samples its first token itself
+        return st.first_token
 
     @staticmethod
     def _pull(rid: str, params: dict, blocks: list[int]) -> Pull:
@@ -138,10 +183,12 @@ class TransferScheduler(KVConnectorScheduler):
             self._plan.expose.append((rid, ids))
         self.held[rid] = time.monotonic() + self.cfg.hold_timeout_s
         info = self.worker_info
-        return True, {"do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                      "remote_host": info["host"], "remote_port": info["port"], "remote_request_id": rid,
-                      "remote_block_ids": ids, "num_tokens": req.num_prompt_tokens,
-                      "kv_fingerprint": info["kv_fingerprint"]}
+        params = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_host": info["host"],
+                  "remote_port": info["port"], "remote_request_id": rid, "remote_block_ids": ids,
+                  "num_tokens": req.num_prompt_tokens, "kv_fingerprint": info["kv_fingerprint"]}
+        if req.num_output_tokens:
+            params["first_token_id"] = req.output_token_ids[0]
+        return True, params
 
     def take_freeable(self) -> list[str]:
         now = time.monotonic()

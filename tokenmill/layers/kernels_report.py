@@ -48,7 +48,9 @@ def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
     stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
     libraries = cpu_build.library_status()
     fallbacks = _library_fallbacks(libraries)
-    kernels = {"attention": _attention(model.layers[0].self_attn.backend, device, dtype, fallbacks),
+    attn = model.layers[0].self_attn  # an encoder's has no paged backend (layers/attention/bidirectional.py)
+    kernels = {"attention": _attention(attn.backend, device, dtype, fallbacks) if hasattr(attn, "backend")
+               else "sdpa-bidirectional",
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
                "decoder_stack": stack, "libraries": libraries, "fallbacks": fallbacks}

@@ -1,9 +1,10 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from tokenmill.models import llama, moe
+from tokenmill.models import bert, llama, moe
 
 _REGISTRY = {
+    "BertModel": bert.BertModel,
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.LlamaForCausalLM,
     "Qwen2ForCausalLM": llama.LlamaForCausalLM,

@@ -41,6 +41,16 @@ def step_cost(shape: ModelShape, tokens: int, attn_pairs: float, kv_tokens_read:
     return Cost(flops, nbytes)
 
 
+def scheduled_cost(shape: ModelShape, sched: Any, weight_dtype: str, kv_dtype: str) -> Cost:
+    """The cost of one engine step (a SchedulerOutput): each request's chunk attends to its cached prefix."""
+    pairs = kv_read = 0
+    for r in sched.scheduled:
+        n, s = len(r.token_ids), r.start_pos
+        pairs += n * s + n * (n + 1) // 2
+        kv_read += s
+    return step_cost(shape, sched.num_batched_tokens, pairs, kv_read, weight_dtype, kv_dtype)
+
+
 def prefill_cost(shape: ModelShape, batch: int, input_len: int, weight_dtype: str, kv_dtype: str) -> Cost:
     pairs = batch * input_len * (input_len + 1) / 2  # causal
     return step_cost(shape, batch * input_len, pairs, 0, weight_dtype, kv_dtype)
@@ -234,12 +244,7 @@ class StepStatsLogger:
             logger.info("step stats: unknown device, MFU/MBU not reported")
 
     def step_cost(self, sched: Any) -> Cost:
-        pairs = kv_read = 0
-        for r in sched.scheduled:
-            n, s = len(r.token_ids), r.start_pos
-            pairs += n * s + n * (n + 1) // 2
-            kv_read += s
-        return step_cost(self.shape, sched.num_batched_tokens, pairs, kv_read, self.dtype, self.kv_dtype)
+        return scheduled_cost(self.shape, sched, self.dtype, self.kv_dtype)
 
     def log(self, sched: Any, seconds: float) -> dict[str, float]:
         self.num_steps += 1

@@ -1,7 +1,8 @@
 """`tokenmill router`: an OpenAI-compatible front that forwards each request to one of several replicas.
 
 Endpoints of its own: /health (200 while any replica is healthy) and /metrics (`tokenmill:router_*`).
-Everything else (/v1/models, /v1/completions, /v1/chat/completions with SSE, /tokenize, ...) is forwarded.
+Everything else (/v1/models, /v1/completions, /v1/chat/completions and /v1/responses with SSE,
+/v1/embeddings, /tokenize, ...) is forwarded.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from starlette.responses import Response
 from tokenmill.config import ROUTER_POLICIES, RouterConfig
 from tokenmill.router.forward import Router
 from tokenmill.serve.api_server import APIKeyMiddleware
+from tokenmill.serve.cors import CorsConfig, add_cors, add_cors_args, cors_config
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import install_error_handlers
 
@@ -58,9 +60,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (forwarded to the replicas as sent)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish")
+    p.add_argument("--no-dashboard", action="store_true", help="do not serve the router's dashboard at /dashboard")
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")
+    add_cors_args(p)
 
 
 def router_config(args: argparse.Namespace, replicas: list[str]) -> RouterConfig:
@@ -86,7 +90,8 @@ def make_router(args: argparse.Namespace, replicas: list[str], prefill: list[str
     return DisaggRouter(router_config(args, [*prefill, *decode]), prefill, decode, args.prefill_timeout)
 
 
-def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
+def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: bool = True,
+                     cors: Optional[CorsConfig] = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.pool.probe_all()
@@ -118,6 +123,11 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
             router.metrics.on_replica(r.url, r.healthy, r.load, r.in_flight)
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if dashboard:  # before the catch-all forward
+        from tokenmill.router.dashboard import mount_router_dashboard
+
+        mount_router_dashboard(app, router)
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(path: str, raw: Request) -> Response:
         body = await raw.body()
@@ -127,18 +137,21 @@ def build_router_app(router: Router, api_key: Optional[str] = None) -> FastAPI:
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    add_cors(app, cors)  # outermost: a preflight is answered here, not forwarded
     return app
 
 
 def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
-                 uvicorn_log_level: str = "warning") -> int:
+                 uvicorn_log_level: str = "warning", dashboard: bool = True,
+                 cors: Optional[CorsConfig] = None) -> int:
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
 
     from tokenmill.serve.api_server import DrainingServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
-    uv = uvicorn.Config(build_router_app(router, api_key), log_level=uvicorn_log_level, lifespan="on",
+    app = build_router_app(router, api_key, dashboard, cors)
+    uv = uvicorn.Config(app, log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     server = DrainingServer.make(uv)
     server.run(sockets=[sock])
@@ -155,6 +168,7 @@ def run_router(args: argparse.Namespace) -> int:
     if not (args.replica or args.prefill or args.decode):
         raise ValueError("the router needs --replica URLs, or --prefill and --decode URLs")
     router = make_router(args, args.replica, args.prefill, args.decode)
+    cors = cors_config(args)
     sock = bind_listening_socket(args.host, args.port)
     if args.prefill:
         logger.info("routing http://%s:%d disaggregated: prefill on %s (%s), decode on %s (least load)",
@@ -163,6 +177,7 @@ def run_router(args: argparse.Namespace) -> int:
         logger.info("routing http://%s:%d to %s (%s)", args.host, args.port, ", ".join(router.config.replicas),
                     router.config.policy)
     try:
-        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
+                            not args.no_dashboard, cors)
     finally:
         sock.close()

@@ -27,7 +27,8 @@ logger = logging.getLogger("tokenmill")
 # Flags that belong to the launcher and the router, not to a replica.
 _LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "router_load_weight", "router_prefix_chunk_chars",
                    "health_check_interval", "health_check_timeout", "prefill_timeout", "disaggregate", "host",
-                   "port", "install_default_model", "func", "serve_parser", "command", "log_level", "help"}
+                   "port", "install_default_model", "func", "serve_parser", "command", "log_level", "help",
+                   "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"}
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -181,7 +182,9 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
     then serve build_router(urls) -> (router, description) on the user's --host/--port; stop them after."""
     from tokenmill.router.app import serve_router
     from tokenmill.serve.api_server import bind_listening_socket
+    from tokenmill.serve.cors import cors_config
 
+    cors = cors_config(args)  # the router's; a malformed flag fails before anything starts
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     instances: Optional[Replicas] = None
@@ -192,7 +195,8 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
         router, description = build_router(instances.urls)
         logger.info("%s behind the %s router on http://%s:%d", description, router.config.policy, args.host,
                     args.port)
-        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level)
+        return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
+                            not getattr(args, "no_dashboard", False), cors)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()

@@ -5,7 +5,9 @@ Each generation request runs in two phases, as vLLM's disaggregated proxy does:
    goes to a prefill instance chosen by the router's policy (prefix-aware by default); its response carries
    the finished request's `kv_transfer_params` (where its KV blocks wait to be pulled);
 2. decode: the original request plus those params goes to the decode instance with the least load (then the
-   most free KV), whose response (stream or not) is relayed to the client byte for byte.
+   most free KV), whose response (stream or not) is relayed to the client byte for byte. The params carry the
+   prefill instance's sampled token (first_token_id): the decode instance emits it as its first output and
+   computes no prompt token (kv_transfer/p2p_scheduler.py says when it does not take it).
 A failing prefill instance is retried on another one; with none left, or when a prefill instance answers
 without params (no connector there), the decode instance gets the original request and recomputes the
 prompt (counted in router_disagg_fallbacks_total). A decode instance failing before its first byte is
@@ -31,12 +33,14 @@ logger = logging.getLogger("tokenmill")
 _NOT_FOR_PREFILL = ("stream_options", "best_of", "min_tokens", "prompt_logprobs", "echo")
 
 
-def prefill_request(request: dict, chat: bool) -> dict:
-    """The prefill phase's copy of a client request."""
+def prefill_request(request: dict, path: str) -> dict:
+    """The prefill phase's copy of a client request to `path`."""
     body = {k: v for k, v in request.items() if k not in _NOT_FOR_PREFILL}
     body.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
-    if chat:
+    if path.startswith("/v1/chat/"):
         body["max_completion_tokens"] = 1
+    elif path.startswith("/v1/responses"):  # its own name for the limit (n and max_tokens are ignored there)
+        body["max_output_tokens"] = 1
     return body
 
 
@@ -104,7 +108,7 @@ class DisaggRouter(Router):
         if is_batch(request):
             self.metrics.fallbacks.labels("batch").inc()
             return None, None
-        body = json.dumps(prefill_request(request, url_tail.startswith("/v1/chat/"))).encode()
+        body = json.dumps(prefill_request(request, url_tail)).encode()
         tried: list[Replica] = []
         while candidates := self._healthy(self.prefill_urls, tried):
             replica, cached = self.choose(candidates, hashes)

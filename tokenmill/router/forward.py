@@ -1,6 +1,6 @@
 """The router's request path: pick a replica, forward, retry elsewhere while nothing has reached the client.
 
-Generation requests (/v1/completions, /v1/chat/completions) are routed by the policy with the request's
+Generation requests (/v1/completions, /v1/chat/completions, /v1/responses) are routed by the policy with the request's
 prefix hashes; anything else goes to the least loaded replica. Bytes pass through untouched: status,
 body and SSE events are the replica's own. A request is retried on another replica when its replica
 fails before answering (connection refused or reset, 503 overloaded/engine dead) and, for streams,
@@ -26,7 +26,7 @@ from tokenmill.serve.errors import APIError
 
 logger = logging.getLogger("tokenmill")
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Hop-by-hop headers (RFC 9110 7.6.1) and the ones the HTTP layer recomputes are not forwarded.
 _HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                 "transfer-encoding", "upgrade", "host", "content-length", "date", "server"}
@@ -48,9 +48,15 @@ def _with_router_timing(headers: dict[str, str], arrived: Optional[float], sent:
 
 def routing_text(body: dict) -> str:
     """The part of a generation request that becomes its prompt prefix: the messages (as canonical JSON,
-    which keeps shared leading messages a shared leading string) or the (first) prompt."""
+    which keeps shared leading messages a shared leading string), a Responses request's instructions and input
+    (in that order, as its prompt has them), or the (first) prompt."""
     if "messages" in body:
         return json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
+    if "input" in body:
+        items = body["input"]
+        text = items if isinstance(items, str) else json.dumps(items, sort_keys=True, ensure_ascii=False)
+        instructions = body.get("instructions")
+        return f"{instructions}\n{text}" if isinstance(instructions, str) and instructions else text
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its prompts land on one replica; route by the first
@@ -91,9 +97,10 @@ class Router:
 
     def _learn_usage(self, replica: Replica, text: str, content: bytes) -> None:
         try:
-            usage = json.loads(content).get("usage") or {}
-            prompt = int(usage.get("prompt_tokens") or 0)
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            usage = json.loads(content).get("usage") or {}  # chat/completions' names, else the Responses API's
+            prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+            cached = int(details.get("cached_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
             return
         self.metrics.on_usage(replica.url, prompt, cached)

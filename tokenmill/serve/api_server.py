@@ -1,8 +1,10 @@
 """`tokenmill serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The API process does HTTP, chat templates, tokenization and detokenization; the engine core runs in its
-own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize, /health, /version, /metrics. SIGTERM stops accepting connections, lets in-flight requests
+own process behind AsyncLLM. Endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses
+(serve/responses.py, a translation over the chat path), /v1/embeddings (with --task embed, which serves it
+instead of the generation endpoints), /tokenize, /detokenize, /health, /version, /metrics, /dashboard.
+SIGTERM stops accepting connections, lets in-flight requests
 finish for up to --shutdown-timeout seconds (then aborts them), stops the engine and exits 0.
 """
 from __future__ import annotations
@@ -25,10 +27,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
+from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
+from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
 from tokenmill.startup import Ledger
-from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, RequestLimits,
-                                     TokenizeRequest)
 
 logger = logging.getLogger("tokenmill")
 
@@ -63,8 +66,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="uvicorn's own logging ('info' logs every request)")
     g.add_argument("--engine-start-timeout", type=float, default=900.0,
                    help="seconds to wait for the engine process to load the model")
+    g.add_argument("--no-dashboard", action="store_true",
+                   help="do not serve the live dashboard at /dashboard (nor record per-step stats for it)")
     g.add_argument("--install-default-model", action="store_true",
                    help="pip-install the built-in default model if it is missing")
+    add_cors_args(p)
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
     lim.add_argument("--max-n", type=int, default=d.max_n,
                      help="largest n (and best_of) of one request; never more than --max-num-seqs")
@@ -101,14 +107,26 @@ class ServerState:
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
     ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
+    def check_task(self, task: str) -> None:
+        """An embedding server (--task embed) does not generate and a generating one does not embed."""
+        if self.config.model.task == task:
+            return
+        if task == "embed":
+            raise bad_request(f"The model `{self.model_name}` is served with --task generate: /v1/embeddings is "
+                              "not available; start the server with --task embed to embed with it", "model")
+        raise bad_request(f"The model `{self.model_name}` is served with --task embed: it does not generate text; "
+                          "use /v1/embeddings", "model")
+
 
 # -- middleware and error handlers -----------------------------------------------------------------
-PROTECTED = ("/v1", "/tokenize", "/detokenize")  # what --api-key guards: everything that touches the model
+# what --api-key guards: everything that touches the model, and the dashboard's data (its pages hold none)
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/dashboard/api")
 
 
 class APIKeyMiddleware:
@@ -262,13 +280,36 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         from tokenmill.serve.completions import create_completion
 
+        state.check_task("generate")
         return await create_completion(state, req, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         from tokenmill.serve.chat import create_chat_completion
 
+        state.check_task("generate")
         return await create_chat_completion(state, req, raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
+        from tokenmill.serve.embeddings import create_embedding
+
+        state.check_task("embed")
+        return await create_embedding(state, req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        from tokenmill.serve.responses import create_response
+
+        state.check_task("generate")
+
+        return await create_response(state, req, raw)
+
+    @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"No response {response_id.split('/')[0]!r}: this server keeps no responses (it is "
+                            "stateless; send the whole conversation as input).", param="response_id",
+                       code="response_not_found")
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
@@ -301,9 +342,14 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens")
         return json_response({"prompt": await off_loop(state.tokenizer.decode, req.tokens)})
 
+    if state.dashboard is not None:
+        from tokenmill.serve.dashboard_engine import mount_engine_dashboard
+
+        mount_engine_dashboard(app, state, state.dashboard)
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
-    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)  # outermost: first to run
+    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
+    add_cors(app, cors_config(state.args))  # outermost: first to run
     return app
 
 
@@ -399,20 +445,29 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
                          "hermes, llama3_json or mistral)")
+    cors_config(args)  # a malformed CORS flag fails before the model loads
     config = EngineConfig.from_cli_args(args)
     config.finalize(install_default=getattr(args, "install_default_model", False), ledger=ledger)
     chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
+    dashboard = stat_logger = None
+    if config.step_records:
+        from tokenmill.serve.dashboard import DashboardStats, StatFanout
+
+        dashboard = DashboardStats()
+        stat_logger = StatFanout(metrics, dashboard)
     try:
-        engine = AsyncLLM(config, None, metrics, log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
-                          ledger=ledger, prestarted=prestarted)
+        engine = AsyncLLM(config, None, stat_logger or metrics,
+                          log_level=logging.getLogger("tokenmill").getEffectiveLevel(), ledger=ledger,
+                          prestarted=prestarted)
     except BaseException:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
-                        args.tool_call_parser if args.enable_auto_tool_choice else None, ledger)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None, ledger,
+                        dashboard=dashboard)
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)

@@ -113,25 +113,38 @@ def plan_request_tools(state: "ServerState", req: ChatCompletionRequest) -> Tool
                       auto_parser=state.tool_parser, limits=state.limits)
 
 
-async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
+async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str) -> tuple[Generation, ToolPlan]:
+    """Validate, render and admit a chat request as engine request `rid` (the Responses API enters here too);
+    the tool plan reads the generated text back into content and tool calls."""
     state.check_model(req.model)
     plan = plan_request_tools(state, req)
     params = req.to_sampling_params(state.limits, plan.constraint)
     prompt = await render_request_chat(state, req, plan.template_tools())
+    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params), plan
+
+
+async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
     rid = random_id("chatcmpl")
-    gen = Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params)
-    top_n = req.top_logprobs or 0
+    gen, plan = await start_chat(state, req, rid)
     if req.stream:
-        return stream_response(_stream(state, req, gen, rid, top_n, plan), gen)
+        return stream_response(_sse(chat_chunks(state, req, gen, rid, plan)), gen)
     try:
-        result = await until_disconnected(raw, _collect(state, req, gen, rid, top_n, plan))
+        body = await until_disconnected(raw, collect_chat(state, req, gen, rid, plan))
     finally:
         gen.close()
-    return with_timing_header(result, gen) if result is not None else Response(status_code=499)
+    return with_timing_header(json_response(body), gen) if body is not None else Response(status_code=499)
 
 
-async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                   top_n: int, plan: ToolPlan) -> Response:
+async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async for chunk in chunks:
+        yield sse(chunk)
+    yield SSE_DONE
+
+
+async def collect_chat(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
+                       plan: ToolPlan) -> dict:
+    """The chat.completion body of an admitted request, once it has finished."""
+    top_n = req.top_logprobs or 0
     n = gen.params.n
     texts, tokens = [""] * n, [[] for _ in range(n)]
     lps: list[list] = [[] for _ in range(n)]
@@ -153,9 +166,9 @@ async def _collect(state: "ServerState", req: ChatCompletionRequest, gen: Genera
                                                 "tool_calls": [c.to_openai() for c in calls]},
                         "logprobs": logprobs, "finish_reason": plan.finish_reason(finish[i], bool(calls)),
                         "stop_reason": stop[i]})
-    return json_response(with_kv_transfer_params(
+    return with_kv_transfer_params(
         {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
-         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
+         "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen)
 
 
 def _stream_choices(c, tools: Optional[ToolCallStream], logprobs: Optional[dict]) -> list[dict]:
@@ -174,8 +187,10 @@ def _stream_choices(c, tools: Optional[ToolCallStream], logprobs: Optional[dict]
     return choices
 
 
-async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generation, rid: str,
-                  top_n: int, plan: ToolPlan) -> AsyncIterator[bytes]:
+async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Generation,
+                      rid: str, plan: ToolPlan) -> AsyncIterator[dict]:
+    """The chat.completion.chunk bodies of an admitted streaming request (without the SSE framing)."""
+    top_n = req.top_logprobs or 0
     created = now_s()
     model = state.model_name
     opts = req.stream_options
@@ -189,22 +204,26 @@ async def _stream(state: "ServerState", req: ChatCompletionRequest, gen: Generat
             c["usage"] = gen.usage()
         return c
 
-    for i in range(gen.params.n):  # the role comes first, as in OpenAI's streams
-        yield sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}]))
+    started = [False] * gen.params.n
+    tool_streams = [plan.stream() for _ in range(gen.params.n)]
     async for _, ro in gen:
         for c in ro.outputs:
             if not c.text and not c.token_ids and c.finish_reason is None:
                 continue
+            if not started[c.index]:
+                # The role chunk leads each choice, but only once the model has produced something, as vLLM's
+                # and OpenAI's streams do: clients (vllm bench serve, aiperf) time the first token by it.
+                started[c.index] = True
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
             logprobs = (chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
                         if req.logprobs else None)
             for choice in _stream_choices(c, tool_streams[c.index], logprobs):
                 if choice["finish_reason"] is not None:
                     choice["stop_reason"] = c.stop_reason
-                    yield sse(with_kv_transfer_params(chunk([choice]), gen))
+                    yield with_kv_transfer_params(chunk([choice]), gen)
                 else:
-                    yield sse(chunk([choice]))
+                    yield chunk([choice])
     if include_usage:
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-                   "usage": gen.usage()})
-    yield SSE_DONE
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": gen.usage()}

@@ -50,6 +50,9 @@ class ServerMetrics:
                                  "(device or offloaded), cumulative.")
         self.preemptions = c("num_preemptions", "Requests preempted because the KV cache was full.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens_computed = c("prompt_tokens_computed", "Prompt tokens the model ran: not found in a "
+                                        "prefix cache, not restored from a KV tier or transferred from a "
+                                        "prefill instance (again after a preemption).")
         self.generation_tokens = c("generation_tokens", "Generated tokens.")
         success = Counter("tokenmill:request_success", "Finished requests (samples) by finish reason.",
                           ["model_name", "finished_reason"], registry=r)
@@ -132,7 +135,8 @@ class ServerMetrics:
         for counter, name in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits"),
                               (self.external_queries, "external_prefix_cache_queries"),
                               (self.external_hits, "external_prefix_cache_hits"),
-                              (self.preemptions, "num_preemptions")):
+                              (self.preemptions, "num_preemptions"),
+                              (self.prompt_tokens_computed, "prompt_tokens_computed")):
             counter.inc(max(getattr(s, name) - (getattr(last, name) if last is not None else 0), 0))
         if s.prefix_cache_queries:
             self.prefix_hit_rate.set((s.prefix_cache_hits + s.external_prefix_cache_hits) / s.prefix_cache_queries)

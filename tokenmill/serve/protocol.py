@@ -329,6 +329,30 @@ class ChatCompletionRequest(SamplingRequest):
         return self._sampling_params(limits, max_tokens, logprobs, structured_outputs=tool_constraint)
 
 
+class ResponsesRequest(RequestBody):
+    """/v1/responses (OpenAI's Responses API, text only). serve/responses.py translates it into a
+    ChatCompletionRequest; vLLM's sampling extensions (top_k, seed, stop, ...) pass through as extra fields.
+    Only what the translation reads is typed here: items are checked there, with their position in the error."""
+    model: Optional[str] = None
+    input: Union[str, list[Any]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[Annotated[int, Field(ge=1, le=INT64_MAX)]] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    # Stateful features this server refuses (it keeps no responses): see serve/responses.py
+    store: Optional[bool] = None
+    previous_response_id: Optional[str] = None
+    conversation: Optional[Any] = None
+    background: Optional[bool] = None
+
+
 class TokenizeRequest(RequestBody):
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -345,3 +369,23 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class EmbeddingRequest(RequestBody):
+    """/v1/embeddings (OpenAI), plus vLLM's truncate_prompt_tokens. `user` is accepted and ignored."""
+    model: Optional[str] = None
+    input: Union[str, list[str], list[Count], list[list[Count]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int64] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[Int64] = None
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if not x:
+            raise bad_request("input must not be an empty list", "input")
+        if isinstance(x[0], int):
+            return [x]
+        return list(x)

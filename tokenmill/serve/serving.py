@@ -185,10 +185,14 @@ def with_timing_header(response: Response, gen: Generation) -> Response:
 
 
 def _with_timing_field(chunk: bytes, gen: Generation) -> bytes:
-    """An SSE chunk with the request ledger added as a top-level `timing` field (milliseconds)."""
-    body = msgspec.json.decode(chunk[len(b"data: "):])
+    """An SSE chunk with the request ledger added as a top-level `timing` field (milliseconds); a named
+    event's `event:` line (/v1/responses) is kept."""
+    head, sep, data = chunk.partition(b"data: ")
+    if not sep:
+        return chunk
+    body = msgspec.json.decode(data)
     body["timing"] = {f"{k}_ms": v for k, v in gen.timing_ms().items()}
-    return sse(body)
+    return head + sse(body)
 
 
 async def _timed_chunks(chunks: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
@@ -206,8 +210,8 @@ async def _timed_chunks(chunks: AsyncIterator[bytes], gen: Generation) -> AsyncI
             yield chunk
         else:
             held = chunk
-    if held is not None:
-        yield held
+    if held is not None:  # a stream without [DONE] (/v1/responses): its last event carries it
+        yield _with_timing_field(held, gen)
 
 
 def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:

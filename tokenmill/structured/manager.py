@@ -133,20 +133,25 @@ class StructuredOutputManager:
     def bitmask(self, request_id: str, so: StructuredOutputsParams) -> Optional[torch.Tensor]:
         """[ceil(V/32)] int32 allowed-token bits for the request's next sampled token (its grammar is ready);
         None once the grammar has terminated (e.g. ignore_eos): nothing is left to constrain."""
-        xgr = _xgr()
-        m = self._matchers.get(request_id)
-        if m is None:
-            m = self._matchers[request_id] = xgr.GrammarMatcher(self._grammars[so.key].result())
+        m = self._matcher(request_id, so)
         if m.is_terminated():
             return None
-        mask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        mask = _xgr().allocate_token_bitmask(1, self.vocab_size)
         m.fill_next_token_bitmask(mask, 0)
         return mask[0]
 
-    def accept(self, request_id: str, tokens: list[int]) -> None:
+    def _matcher(self, request_id: str, so: StructuredOutputsParams):
         m = self._matchers.get(request_id)
+        if m is None:
+            m = self._matchers[request_id] = _xgr().GrammarMatcher(self._grammars[so.key].result())
+        return m
+
+    def accept(self, request_id: str, tokens: list[int], so: StructuredOutputsParams) -> None:
+        """Advance the request's matcher over its new output tokens (sampled here, or a prefill instance's
+        first token: then its matcher starts here); its grammar is compiled."""
+        m = self._matcher(request_id, so)
         for t in tokens:
-            if m is not None and not m.is_terminated() and not m.accept_token(t):
+            if not m.is_terminated() and not m.accept_token(t):
                 logger.warning("request %s: sampled token %d is outside its grammar", request_id, t)
 
     def free(self, request_id: str) -> None:

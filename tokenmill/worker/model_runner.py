@@ -12,7 +12,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from tokenmill.config import PoolerConfig
 from tokenmill.distributed import IntermediateTensors, pp_rank, pp_recv, pp_send, pp_size
+from tokenmill.layers.pooler import pool
 from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors, logprobs_of, sample)
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
@@ -23,8 +25,10 @@ from tokenmill.worker.request_states import RequestStates
 
 class ModelRunner:
     def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
-                 drafter: Optional[Proposer] = None, max_model_len: int = 0) -> None:
+                 drafter: Optional[Proposer] = None, max_model_len: int = 0,
+                 pooler: Optional[PoolerConfig] = None) -> None:
         self.model = model
+        self.pooler = pooler  # --task embed: pool the prompt's hidden states instead of sampling
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -154,6 +158,8 @@ class ModelRunner:
         hidden = self._forward(input_ids, meta)
         if hidden is None:  # a pipeline stage before the last: its part is done
             return out
+        if self.pooler is not None:
+            return self._pool(reqs, qsl, hidden, out)
 
         plain = [i for i, r in enumerate(reqs) if r.sample and not r.num_spec]
         spec = [i for i, r in enumerate(reqs) if r.sample and r.num_spec]
@@ -178,6 +184,17 @@ class ModelRunner:
         if self.count_experts:
             load = self.model.expert_load()  # this stage's MoE layers; resets the layers' counters
             out.expert_load = load.tolist() if load is not None else None
+        return out
+
+    def _pool(self, reqs: list[ScheduledRequest], qsl: np.ndarray, hidden: torch.Tensor,
+              out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """--task embed: requests whose prompt ends this step get their pooled vector (a whole-prompt pooler's
+        requests always run whole, so their rows here are the whole prompt)."""
+        done = [i for i, r in enumerate(reqs) if r.sample]
+        if done:
+            vecs = pool(hidden, [int(qsl[i]) for i in done], [int(qsl[i + 1]) for i in done], self.pooler.method,
+                        self.pooler.normalize)
+            out.pooled = {reqs[i].request_id: v for i, v in zip(done, vecs)}
         return out
 
     def _forward(self, input_ids: torch.Tensor, meta) -> Optional[torch.Tensor]:

@@ -82,7 +82,7 @@ class Worker:
 
             self.drafter = make_proposer(config, self.model, self.backend)
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
-                                  mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len)
+                                  mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len, mc.pooler)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         self.kernels: dict = {}  # kernels_report.report, once the KV cache exists
@@ -129,6 +129,8 @@ class Worker:
         # touched; torch.zeros would instead touch all 4 GiB up front (seconds of start-up).
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
+        if not getattr(self.model, "uses_kv_cache", True):  # an encoder: the scheduler's blocks are bookkeeping
+            shape, alloc = (0,), torch.empty
         self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
         for kv in self.runner.kv_caches:
             advise_huge_pages(kv)  # CPU only; before the first write, so the pages come huge

@@ -1,0 +1,291 @@
+"""The live dashboard (/dashboard) of `tokenmill serve` and `tokenmill router`.
+
+One real server on the default model (with --api-key) and one router in front of it serve the whole
+module. The HTTP tests check the key guards the data, the snapshot stream agrees with /metrics and the
+Grafana dashboard only names metrics /metrics has. The browser test drives Debian's chromium with
+Playwright while a load runs (skipped when either is missing); its screenshots go to
+$TOKENMILL_ARTIFACTS or pytest's tmp dir, never the repository.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from models import tiny_model
+from server_utils import API_KEY, CliProc, ServerProc, metrics, require_default_model, shared_server
+from tokenmill.serve.dashboard import percentiles
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    require_default_model()
+    return shared_server(request.config, None, api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def router(server):
+    proc = CliProc(["router", "--replica", server.url, "--health-check-interval", "0.5"], api_key=API_KEY)
+    yield proc
+    proc.stop()
+
+
+class Load:
+    """A small steady load: `workers` threads sending short chat completions until stopped."""
+
+    def __init__(self, url: str, workers: int = 2, max_tokens: int = 12) -> None:
+        self.url, self.max_tokens, self.sent, self.errors = url, max_tokens, 0, []
+        self.stop_event = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=120) as c:
+            while not self.stop_event.is_set():
+                body = {"messages": [{"role": "user", "content": f"Count to {self.sent % 7 + i + 3}, please."}],
+                        "max_tokens": self.max_tokens, "temperature": 0.8}
+                r = c.post(self.url + "/v1/chat/completions", json=body, headers=AUTH)
+                if r.status_code != 200:
+                    self.errors.append(r.text)
+                self.sent += 1
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(120)
+
+
+def snapshots(url: str, n: int, timeout: float = 30) -> list[dict]:
+    out = []
+    with httpx.stream("GET", url + "/dashboard/api/events", headers=AUTH, timeout=timeout) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(json.loads(line[6:]))
+                if len(out) == n:
+                    return out
+    return out
+
+
+def test_percentiles_nearest_rank():
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+    p = percentiles(range(1, 101))
+    assert (p["p50"], p["p90"], p["p99"]) == (50, 90, 99)
+    assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+
+
+def test_engine_step_records(tiny):
+    """The engine's per-step records: prefill + decode tokens add up to the tokens the steps ran."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(tiny("llama"), dtype="float32", kv_cache_memory_bytes="16MiB", step_records=True)
+    engine = llm.engine
+    outs = llm.generate(["hello there world", "a b c d e f"], SamplingParams(max_tokens=5, temperature=0,
+                                                                           ignore_eos=True))
+    records = engine.stats().steps
+    assert records and all(len(r) == 7 for r in records)
+    assert sum(r[2] for r in records) == sum(len(o.prompt_token_ids) for o in outs)
+    assert sum(r[3] for r in records) == 2 * 4  # 5 tokens each, the first sampled at the end of the prefill
+    assert all(r[1] > 0 and r[4] >= 1 and r[5] > 0 and r[6] > 0 for r in records)
+    assert engine.stats().steps == []  # drained
+
+
+def test_figures_measured_low_are_raised_to_what_steps_reach(tiny, tmp_path, monkeypatch, caplog):
+    """A CPU figure measured on a busy machine (here: cached as 1 MB/s and 1 MFLOP/s) would put MBU/MFU over
+    100%: the first step that beats it raises the ceilings to the observed rates, says so, and fixes the
+    cache."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine import step_records
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = step_records._cpu_figures_path()
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump({"memory_bytes": 2**30, "bandwidth": 1e6, "flops": {"fp32": 1e6}}, f)
+    llm = LLM(tiny("llama"), dtype="float32", kv_cache_memory_bytes="16MiB", step_records=True)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        llm.generate(["hello there world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    records = llm.engine.stats().steps
+    assert records and all(0 < r[5] <= 1 and 0 < r[6] <= 1 for r in records)
+    assert sum("measured low" in m for m in caplog.messages) == 1
+    with open(path) as f:
+        assert json.load(f)["bandwidth"] > 1e6
+
+
+def test_pages_are_public_but_data_needs_the_key(server, router):
+    for base in (server.url, router.url):
+        page = httpx.get(base + "/dashboard", timeout=10)
+        assert page.status_code == 200 and "dashboard.js" in page.text
+        assert httpx.get(base + "/dashboard/static/dashboard.js", timeout=10).status_code == 200
+        for path in ("/dashboard/api/info", "/dashboard/api/events"):
+            r = httpx.get(base + path, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.get(base + path, headers={"Authorization": "Bearer wrong"}, timeout=10)
+            assert r.status_code == 401
+    assert httpx.get(server.url + "/dashboard/api/info", headers=AUTH).json()["kind"] == "engine"
+    assert httpx.get(router.url + "/dashboard/api/info", headers=AUTH).json()["kind"] == "router"
+    missing = httpx.get(server.url + "/dashboard/static/secrets.txt", timeout=10)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_snapshots_agree_with_metrics(server):
+    with Load(server.url, workers=2):
+        live = snapshots(server.url, 8)
+    assert any(s["engine"].get("running", 0) > 0 for s in live)
+    assert live[-1]["num_steps"] > live[0]["num_steps"]
+    step = live[-1]["steps"][-1]
+    assert step[2] + step[3] > 0 and step[4] >= 1 and step[5] > 0  # tokens, batch, MFU
+    time.sleep(0.5)  # let the last outputs land
+    snap, m = snapshots(server.url, 1)[0], metrics(server)
+    tp = snap["throughput"]
+    assert tp["generation_tokens"] == m["tokenmill:generation_tokens_total"] > 0
+    assert tp["prompt_tokens"] == m["tokenmill:prompt_tokens_total"]
+    done = sum(v for k, v in m.items() if k.startswith("tokenmill:request_success_total"))
+    assert tp["finished_requests"] == done
+    assert snap["latency"]["ttft"]["p50"] is not None and snap["latency"]["itl"]["p99"] is not None
+    kv = snap["engine"]["kv"]
+    assert kv["used"] + kv["cached_free"] + kv["free"] == kv["total"] == m["tokenmill:kv_cache_total_blocks"]
+    assert snap["engine"]["prefix"]["queries"] == m["tokenmill:prefix_cache_queries_total"]
+    rid = next(r["id"] for r in snap["requests"] if r["state"] == "finished")
+    detail = httpx.get(f"{server.url}/dashboard/api/requests/{rid}", headers=AUTH, timeout=10).json()
+    assert detail["tokens"] and all(b[0] >= a[0] for a, b in zip(detail["tokens"], detail["tokens"][1:]))
+    cfg = httpx.get(server.url + "/dashboard/api/config?batch=4", headers=AUTH, timeout=60).json()
+    assert cfg["config"]["dtype"] == "float32" and cfg["config"]["batch_invariant"] is False
+    assert "decode" in cfg["plan"]["text"] and cfg["plan"]["batch_size"] == 4
+
+
+def test_grafana_dashboard_uses_only_real_metrics(server):
+    with open(os.path.join(ROOT, "docs", "grafana", "tokenmill.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"tokenmill:[A-Za-z0-9_:]+", e)}
+    assert len(names) >= 15
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    exported = set(re.findall(r"^(tokenmill:[A-Za-z0-9_:]+)", text, re.M))  # samples
+    for line in re.findall(r"^# TYPE (\S+) (\S+)", text, re.M):  # families without samples yet (e.g. per position)
+        name, kind = line
+        exported |= {name, name + "_total"} if kind == "counter" else {name}
+    missing = sorted(n for n in names if n not in exported)
+    assert not missing, f"docs/grafana/tokenmill.json names metrics /metrics does not have: {missing}"
+
+
+def test_no_dashboard_flag():
+    srv = ServerProc(tiny_model("llama"), "--no-dashboard")
+    try:
+        assert httpx.get(srv.url + "/dashboard", timeout=10).status_code == 404
+        assert httpx.get(srv.url + "/dashboard/api/events", timeout=10).status_code == 404
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
+# -- in a real browser --------------------------------------------------------------------------------
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = _chromium()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    path = os.environ.get("TOKENMILL_ARTIFACTS") or str(tmp_path_factory.mktemp("dashboard-artifacts"))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _number(page, sel: str) -> float:
+    text = page.inner_text(sel).replace(",", "")
+    return float(text) if re.fullmatch(r"-?[\d.]+", text) else float("nan")
+
+
+def test_dashboard_in_a_browser(server, router, browser, artifacts):
+    page = browser.new_page(viewport={"width": 1280, "height": 1500})
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/dashboard")
+    # The key is enforced: no data until it is given; a wrong one is refused.
+    page.wait_for_selector("#key-form:not([hidden])", timeout=15000)
+    assert page.is_hidden("#engine-view")
+    page.fill("#key-input", "wrong")
+    page.click("#key-form button")
+    page.wait_for_function("document.querySelector('#key-error').textContent.includes('refused')", timeout=15000)
+    page.fill("#key-input", API_KEY)
+    page.click("#key-form button")
+    page.wait_for_selector("#engine-view:not([hidden])", timeout=15000)
+    errors.clear()  # the 401s above are logged by the browser as failed loads: they are the point
+
+    with Load(server.url, workers=2) as load:
+        page.wait_for_function("Number(document.querySelector('#v-running').textContent) > 0", timeout=30000)
+        first = {k: _number(page, f"#v-{k}") for k in ("gen-tokens", "finished", "steps")}
+        page.wait_for_function(f"Number(document.querySelector('#v-steps').textContent.replace(/,/g, '')) > "
+                               f"{first['steps'] + 20}", timeout=30000)
+        page.wait_for_function(f"Number(document.querySelector('#v-finished').textContent) > {first['finished']}",
+                               timeout=60000)
+        page.wait_for_function("document.querySelectorAll('#t-requests tbody tr').length > 0", timeout=10000)
+        assert _number(page, "#v-gen-tps") > 0
+        assert page.inner_text("#v-hit") != "–" and page.inner_text("#t-latency").count("–") < 9
+        page.wait_for_function("document.querySelector('#plan-text').textContent.includes('decode')", timeout=60000)
+        assert "SmolLM2" in page.inner_text("#t-config") and "float32" in page.inner_text("#t-config")
+        page.click("#t-requests tbody tr")
+        page.wait_for_selector("#request-detail:not([hidden])", timeout=10000)
+        page.screenshot(path=os.path.join(artifacts, "dashboard-under-load.png"), full_page=True)
+    assert not load.errors, load.errors[:2]
+    # Idle: the page's counters equal /metrics.
+    time.sleep(1.5)
+    m = metrics(server)
+    done = sum(v for k, v in m.items() if k.startswith("tokenmill:request_success_total"))
+    page.wait_for_function(f"Number(document.querySelector('#v-finished').textContent) == {done}", timeout=10000)
+    page.wait_for_function("Number(document.querySelector('#v-gen-tokens').textContent.replace(/,/g, '')) == "
+                           f"{m['tokenmill:generation_tokens_total']}", timeout=10000)
+
+    # The playground streams an answer with per-token latency.
+    page.fill("#pg-input", "What is the capital of France?")
+    page.fill("#pg-temperature", "0")
+    page.click("#pg-send")
+    page.wait_for_function("document.querySelector('#pg-stats').textContent.includes('TTFT')", timeout=60000)
+    assert "Paris" in page.inner_text("#pg-output")
+    assert page.locator("#pg-output span").count() > 3
+    page.screenshot(path=os.path.join(artifacts, "dashboard-playground.png"), full_page=True)
+
+    assert not errors, errors  # no console errors on the engine's page
+    # The router's view: its replica, healthy, and the requests routed through it.
+    page.goto(router.url + "/dashboard")  # another origin (port): the key is asked again
+    page.wait_for_selector("#key-form:not([hidden])", timeout=15000)
+    page.fill("#key-input", API_KEY)
+    page.click("#key-form button")
+    page.wait_for_selector("#router-view:not([hidden])", timeout=15000)
+    errors.clear()  # the 401 before the key again
+    page.wait_for_function("document.querySelector('#r-healthy').textContent.startsWith('1 /')", timeout=15000)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for _ in range(3):
+        assert httpx.post(router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+    page.wait_for_function("Number(document.querySelector('#r-requests').textContent) >= 3", timeout=15000)
+    assert server.url in page.inner_text("#t-replicas")
+    page.screenshot(path=os.path.join(artifacts, "dashboard-router.png"), full_page=True)
+    assert not errors, errors
+    page.close()
