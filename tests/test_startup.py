@@ -168,3 +168,14 @@ def test_bench_serve_reports_connections(plain_server, tmp_path, capsys):
     for x in recs:
         assert x["connect"] >= 0 and (x["connect"] > 0) == (not x["connection_reused"])
         assert x["connect"] <= x["ttft"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--llama-server-bin", "/nonexistent/llama-server"], "not an executable file"),
+    (["--llama-server-bin", "/bin/true", "--", "."], "needs a .gguf model"),
+    (["--cold-runs", "-1"], "--cold-runs must be 0 or more"),
+])
+def test_bench_startup_bad_peer_arguments(args, message, capsys):
+    rc = main(["bench", "startup", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
