@@ -1,22 +1,20 @@
 """Start the engine core process before the API process knows its configuration.
 
-Both processes spend most of a warm start importing the same stack (torch, transformers). Started first
-thing by `tokenmill serve`, the engine process does its imports while the API process does its own and
-resolves the model; it then waits for its arguments on a pipe (`launch`) and runs engine/core_proc.py's loop.
+Both processes spend most of a warm start importing (torch above all). Started first thing by `tokenmill
+serve`, the engine process does its imports while the API process does its own and resolves the model; it
+then waits for its arguments on a pipe (`launch`) and runs engine/core_proc.py's loop. The model's
+transformers config reaches it as a ConfigSnapshot (config_snapshot.py), so it never imports transformers.
 This module stays light (no torch) because the CLI imports it before anything else.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing
 import os
 import pickle
 import signal
 
 ENGINE_PROCESS_NAME = "tokenmill-engine"
-_CONFIG_IMPORTS = ("transformers.configuration_utils", "transformers.modeling_rope_utils",
-                   "transformers.utils.type_validators", "transformers.models.auto.configuration_auto")
 
 
 @contextlib.contextmanager
@@ -38,13 +36,8 @@ def _engine_main(conn) -> None:
     # Ctrl-C reaches the whole process group; the API process decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The imports are the point: the engine loop and everything a one-process worker builds on.
-    # The config carries a transformers config object: its unpickling would import transformers later (the
-    # model family's config module itself is small; what it imports is not).
-    for name in _CONFIG_IMPORTS:
-        with contextlib.suppress(ImportError):  # names of transformers' internals vary by version
-            importlib.import_module(name)
-
+    # The imports are the point: the engine loop and everything a one-process worker builds on. Not
+    # transformers: the model's config arrives as a ConfigSnapshot (config_snapshot.py).
     from tokenmill.engine import core, core_proc  # noqa: F401
     from tokenmill.executor import uniproc  # noqa: F401
     from tokenmill.startup import Ledger
@@ -76,7 +69,9 @@ class PrestartedEngine:
 
     def launch(self, args: tuple) -> multiprocessing.Process:
         """Start the engine proper: args are run_engine_core's (config, addresses, parent pid, ...)."""
-        self.conn.send(args)
+        from tokenmill.engine import config_snapshot
+
+        self.conn.send_bytes(config_snapshot.dumps(args))  # no transformers needed to read it (config_snapshot.py)
         self.conn.close()
         self.launched = True
         return self.proc
