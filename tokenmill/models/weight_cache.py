@@ -71,7 +71,7 @@ def save(model: torch.nn.Module, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_file(state, tmp, metadata={"format_version": str(FORMAT_VERSION)})
         os.replace(tmp, path)
-    except OSError as e:
+    except (OSError, RuntimeError, ValueError) as e:  # disk full, tensors safetensors will not write...
         logger.warning("could not cache the loaded weights in %s: %s", path, e)
         if os.path.exists(tmp):
             os.remove(tmp)
