@@ -49,7 +49,9 @@ def free_port() -> int:
 class CliProc:
     """`python -m tokenmill.cli <args> --port N` on a free port, waited on until its /health answers 200."""
 
-    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 180) -> None:
+    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 180,
+                 poll_s: float = 0.25) -> None:
+        """poll_s: seconds between /health polls (a test timing the start polls often)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -59,7 +61,7 @@ class CliProc:
             cmd += ["--api-key", api_key]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self._wait_healthy(startup_timeout)
+        self._wait_healthy(startup_timeout, poll_s)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -69,7 +71,7 @@ class CliProc:
         with open(self.log.name, errors="replace") as f:
             return f.read()
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_healthy(self, timeout: float, poll_s: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -79,7 +81,7 @@ class CliProc:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(poll_s)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.logs()}")
 
@@ -109,11 +111,11 @@ class CliProc:
 
 class ServerProc(CliProc):
     def __init__(self, model: str | None, *extra: str, api_key: str | None = None,
-                 startup_timeout: float = 180) -> None:
+                 startup_timeout: float = 180, poll_s: float = 0.25) -> None:
         """model None: the built-in default model."""
         super().__init__(["serve", *([model] if model else []), "--dtype", "float32",
                           "--kv-cache-memory-bytes", "64MiB", *extra], api_key=api_key,
-                         startup_timeout=startup_timeout)
+                         startup_timeout=startup_timeout, poll_s=poll_s)
 
 
 def shared_server(pytest_config, model: str, *extra: str, api_key: str | None = None) -> ServerProc:

@@ -5,14 +5,17 @@ Only the chosen subcommand's arguments are built, so only its modules are import
 """
 from __future__ import annotations
 
-import argparse
-import difflib
-import json
-import logging
-import sys
 import time
 
-from tokenmill import __version__
+ENTRY_TIME = time.time()  # the start-up ledger's end of "interpreter" and start of "imports" (startup.py)
+
+import argparse  # noqa: E402 - after ENTRY_TIME on purpose
+import difflib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from tokenmill import __version__  # noqa: E402
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -96,9 +99,18 @@ def _serve(args: argparse.Namespace) -> int:
         from tokenmill.router.data_parallel import run_data_parallel
 
         return run_data_parallel(args)
-    from tokenmill.serve.api_server import run_server
+    from tokenmill.engine.prestart import PrestartedEngine
+    from tokenmill.startup import Ledger
 
-    return run_server(args) or 0
+    ledger = Ledger("api")
+    ledger.mark("interpreter", ledger.origin, ENTRY_TIME)
+    engine = PrestartedEngine()  # its imports overlap ours (engine/prestart.py)
+    try:
+        from tokenmill.serve.api_server import run_server
+
+        return run_server(args, ledger, engine) or 0
+    finally:
+        engine.cancel()  # a no-op once the server has handed the process its arguments and stopped it
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -224,7 +236,8 @@ _COMMANDS = {  # name -> help line shown by `tokenmill --help`
     "serve": "OpenAI-compatible HTTP server",
     "router": "OpenAI-compatible front that routes requests over `tokenmill serve` replicas",
     "upgrade": "rolling upgrade of a router's launched replicas, one at a time, with no failed request",
-    "bench": "benchmarks: serve (load generator), sweep (load points), offline, matrix (technique interactions)",
+    "bench": "benchmarks: serve (load generator), sweep (load points), offline, matrix (technique interactions), "
+             "startup",
     "plan": "memory and roofline math for a model on given hardware",
     "tune": "find the best serve configuration for a workload and an SLA by measuring real servers",
     "quantize": "write a pre-quantized (fp8, int8, w8a8) copy of a float checkpoint",

@@ -244,18 +244,24 @@ class ModelConfig:
             return self.quantization
         return None
 
-    def finalize(self, device: str, install_default: bool = False) -> None:
-        from transformers import AutoConfig
+    def finalize(self, device: str, install_default: bool = False, ledger: Any = None) -> None:
+        """ledger (startup.Ledger): gets the phases "model resolution" (GGUF conversion included) and
+        "dtype selection" (--dtype auto may time the matmul kernels)."""
+        from tokenmill.startup import timed
 
-        self.model_dir = resolve_model_path(self.model, install_default)
-        try:
-            self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-        except Exception as e:  # noqa: BLE001 - surface a one-line reason
-            raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
+        with timed(ledger, "model resolution"):  # transformers' import is most of a warm start's share
+            from transformers import AutoConfig
+
+            self.model_dir = resolve_model_path(self.model, install_default)
+            try:
+                self.hf_config = AutoConfig.from_pretrained(self.model_dir)
+            except Exception as e:  # noqa: BLE001 - surface a one-line reason
+                raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
         cfg = self.hf_config
         self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
         cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
-        self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device, cfg)
+        with timed(ledger, "dtype selection"):
+            self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device, cfg)
         self.pooler = resolve_pooler(self.task, self.model_dir, cfg)
         self.task = "embed" if self.pooler is not None else "generate"
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -648,7 +654,8 @@ class EngineConfig:
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
     step_records: bool = False  # per-step records (tokens, time, MFU/MBU) in EngineStats, for the dashboard
 
-    def finalize(self, install_default: bool = False) -> "EngineConfig":
+    def finalize(self, install_default: bool = False, ledger: Any = None) -> "EngineConfig":
+        """ledger: a startup.Ledger to record the model's resolution in (ModelConfig.finalize)."""
         import torch
 
         if self.device == "auto":
@@ -656,7 +663,7 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.cache.validate()
-        self.model.finalize(self.device, install_default)
+        self.model.finalize(self.device, install_default, ledger)
         self.scheduler.validate(self.model.max_model_len)
         self.parallel.finalize(self.device, self.model.hf_config)
         self._check_parallel_features()

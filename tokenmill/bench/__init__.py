@@ -1,5 +1,6 @@
-"""`tokenmill bench serve | sweep | offline | matrix`: measure a server from the client's side, sweep load points,
-or measure the engine's offline throughput."""
+"""`tokenmill bench serve | sweep | offline | matrix | startup`: measure a server from the client's side, sweep
+load points, measure the engine's offline throughput, measure technique interactions, or time cold and warm
+server starts."""
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,10 @@ def add_bench_parser(sub) -> None:
     from tokenmill.bench.matrix import add_matrix_args
     from tokenmill.bench.offline import add_offline_args
     from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
+    from tokenmill.bench.startup import add_startup_args
 
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), sweep (load points), offline, "
-                                          "matrix (technique interactions)")
+                                          "matrix (technique interactions), startup (cold/warm start)")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
     p = bsub.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E, throughput)",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -44,6 +46,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     add_offline_args(p, compare_transformers=False)
     p.set_defaults(func=offline_main)
+    add_startup_args(bsub.add_parser("startup", help="cold and warm starts of `tokenmill serve`, N times each, "
+                                                     "with min/median/max per start-up phase"))
 
 
 __all__ = ["add_bench_parser", "offline_main"]

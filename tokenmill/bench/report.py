@@ -145,6 +145,12 @@ def summarize(records: list[dict[str, Any]], duration: float, slo: Optional[dict
         "e2e_ms": distribution((r["e2e"] for r in ok), 1e3),
         "per_user_tok_s": distribution(1.0 / t for t in tpots),
         "usage_missing": sum(1 for r in ok if r.get("usage_missing")),
+        # Client-side connection set-up (inside TTFT for a request that opened its connection)
+        "connections_opened": sum(1 for r in records if not r.get("connection_reused", True)),
+        "connections_reused": sum(1 for r in records if r.get("connection_reused", True)),
+        "connect_ms": distribution((r["connect"] for r in records if not r.get("connection_reused", True)), 1e3),
+        "ttft_after_connect_ms": distribution((r["ttft"] - r.get("connect", 0.0) for r in ok if r["ttft"] is not None),
+                                              1e3),
     }
     if slo:
         good = sum(1 for r in records if meets_slo(r, slo))
@@ -269,6 +275,10 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
                      f"tokens, mean accepted length {sd['mean_acceptance_length']:.2f}, per position [{pos}]")
     if s.get("kv_transfer"):
         lines.append(_kv_transfer_line(s["kv_transfer"]))
+    if "connections_opened" in s:
+        c = s["connect_ms"]
+        lines.append(f"{'connections':<24}{s['connections_opened']} opened (set-up median {_fmt(c['median'], 2)} ms, "
+                     f"max {_fmt(c['max'], 2)} ms), {s['connections_reused']} requests reused one")
     if s.get("usage_missing"):
         lines.append(f"{'note':<24}{s['usage_missing']} responses had no usage: their tokens were counted "
                      "from stream chunks")

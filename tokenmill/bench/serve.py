@@ -156,7 +156,7 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     rec: dict[str, Any] = {"index": index, "start": 0.0, "ttft": None, "itl": [], "e2e": 0.0, "tpot": None,
                            "prompt_tokens": None, "output_tokens": None, "expected_prompt_len": req.prompt_len,
                            "expected_output_len": req.output_len, "success": False, "error_kind": None,
-                           "error": None, "usage_missing": False}
+                           "error": None, "usage_missing": False, "connect": 0.0, "connection_reused": True}
     payload = _payload(cfg, req)
     start = time.perf_counter()
     rec["start"] = start - t0
@@ -165,19 +165,20 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     usage = None
     done = False
     try:
-        async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers) as resp:
+        async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers,
+                                 extensions={"trace": _ConnectionTrace(rec)}) as resp:
             if resp.status_code != 200:
                 rec["error_kind"] = f"http_{resp.status_code}"
                 rec["error"] = _error_message(await resp.aread())
             else:
                 async for line in resp.aiter_lines():
                     now = time.perf_counter()
-                    if not line.startswith("data:"):
+                    if done or not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
                         done = True
-                        break
+                        continue  # read on to the end of the body: a half-read response's connection is closed
                     chunk = json.loads(data)
                     if "error" in chunk:
                         err = chunk["error"]
@@ -222,6 +223,26 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     return rec
 
 
+class _ConnectionTrace:
+    """httpx's `trace` extension (httpcore events): did this request open a connection, and how long did
+    setting it up take (TCP connect, TLS)? Sets the record's `connect` (s) and `connection_reused`."""
+    _SETUP = ("connection.connect_tcp", "connection.connect_unix_socket", "connection.start_tls")
+
+    def __init__(self, rec: dict[str, Any]) -> None:
+        self.rec = rec
+        self.started = 0.0
+
+    async def __call__(self, name: str, info: dict) -> None:
+        event, _, stage = name.rpartition(".")
+        if event not in self._SETUP:
+            return
+        if stage == "started":
+            self.started = time.perf_counter()
+            self.rec["connection_reused"] = False
+        else:  # complete or failed
+            self.rec["connect"] += time.perf_counter() - self.started
+
+
 @dataclass
 class EmbeddingBatch:
     """One /v1/embeddings request: several dataset prompts as its input list."""
@@ -243,12 +264,14 @@ async def _send_embedding(client, cfg: ServeConfig, req: EmbeddingBatch, index: 
     rec: dict[str, Any] = {"index": index, "start": 0.0, "ttft": None, "itl": [], "e2e": 0.0, "tpot": None,
                            "prompt_tokens": None, "output_tokens": 0, "inputs": len(req.prompts),
                            "expected_prompt_len": req.prompt_len, "expected_output_len": 0, "success": False,
-                           "error_kind": None, "error": None, "usage_missing": False}
+                           "error_kind": None, "error": None, "usage_missing": False, "connect": 0.0,
+                           "connection_reused": True}
     body = {"model": cfg.model, "input": req.prompts, **cfg.extra_body}
     start = time.perf_counter()
     rec["start"] = start - t0
     try:
-        resp = await client.post(cfg.url, json=body, headers=cfg.headers)
+        resp = await client.post(cfg.url, json=body, headers=cfg.headers,
+                                 extensions={"trace": _ConnectionTrace(rec)})
         if resp.status_code != 200:
             rec["error_kind"], rec["error"] = f"http_{resp.status_code}", _error_message(resp.content)
         else:

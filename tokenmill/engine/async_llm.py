@@ -9,7 +9,6 @@ EngineDeadError and new ones are refused.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -29,26 +28,14 @@ from tokenmill.engine.core import EngineStats
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
+from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, engine_env
 from tokenmill.engine.request import FinishReason, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.startup import Ledger, timed
 
 logger = logging.getLogger("tokenmill")
-
-
-@contextlib.contextmanager
-def _engine_env():
-    """Environment the engine process starts with. OpenMP threads that spin at barriers stall ~10x
-    whenever another process (this one, serving HTTP) takes a core from them; passive waiting costs
-    little when the engine has the machine to itself. A user's own setting wins."""
-    added = {k: v for k, v in {"OMP_WAIT_POLICY": "PASSIVE"}.items() if k not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 class EngineDeadError(RuntimeError):
@@ -79,12 +66,30 @@ class RequestStream:
     finished: bool = False
     num_cached_tokens: int = 0
     token_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, new tokens): dashboard
+    # The request ledger (wall clock, for --enable-request-timing): first scheduled (engine side), first token
+    # seen here, and time spent detokenizing steps that carried this request's tokens.
+    scheduled_wall: Optional[float] = None
+    first_token_wall: Optional[float] = None
+    detokenize_s: float = 0.0
+
+    def timing(self, now_wall: float) -> dict[str, float]:
+        """Server-side seconds of a finished request: queue (arrival -> first scheduled), prefill (-> first
+        token here), decode (-> finished), detokenize (incremental detokenization, within prefill and decode),
+        total (arrival -> finished)."""
+        scheduled = self.scheduled_wall if self.scheduled_wall is not None else now_wall
+        first = self.first_token_wall if self.first_token_wall is not None else now_wall
+        return {"queue": max(scheduled - self.arrival_wall, 0.0), "prefill": max(first - scheduled, 0.0),
+                "decode": max(now_wall - first, 0.0), "detokenize": self.detokenize_s,
+                "total": max(now_wall - self.arrival_wall, 0.0)}
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO) -> None:
-        """Starts the engine process at once; `tokenizer` None loads the model's own while the engine
-        process starts up (the two overlap)."""
+    def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO,
+                 ledger: Optional[Ledger] = None, prestarted: Optional[PrestartedEngine] = None) -> None:
+        """Starts the engine process at once (or hands `prestarted`, a process already importing, its
+        arguments); `tokenizer` None loads the model's own while the engine process starts up (the two
+        overlap). ledger (startup.Ledger) gets the "tokenizer" phase; the engine's own phases arrive with its
+        ready message (self.ready.startup)."""
         self.config = config
         self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
         self.streams: dict[str, RequestStream] = {}
@@ -113,9 +118,10 @@ class AsyncLLM:
         self._in.bind(f"ipc://{self._ipc_dir}/input")
         self._out = self._ctx.socket(zmq.PULL)
         self._out.bind(f"ipc://{self._ipc_dir}/output")
-        self.proc = self._spawn()
+        self.proc = self._spawn(prestarted)
         try:
-            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+            with timed(ledger, "tokenizer"):
+                self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
             if self.tokenizer is None:
                 raise ValueError("the server needs a tokenizer (detokenization happens in the API process)")
         except BaseException:
@@ -125,13 +131,16 @@ class AsyncLLM:
         self.processor = OutputProcessor(self.tokenizer)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def _spawn(self) -> multiprocessing.Process:
-        proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, name="tokenmill-engine",
-            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", os.getpid(),
-                  self.log_level, self._ipc_dir))
-        with _engine_env():
-            proc.start()
+    def _spawn(self, prestarted: Optional[PrestartedEngine] = None) -> multiprocessing.Process:
+        args = (self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", os.getpid(),
+                self.log_level, self._ipc_dir)
+        if prestarted is not None:
+            proc = prestarted.launch(args)
+        else:
+            proc = multiprocessing.get_context("spawn").Process(target=run_engine_core, name=ENGINE_PROCESS_NAME,
+                                                                args=args)
+            with engine_env():
+                proc.start()
         logger.info("engine core process started (pid %d)", proc.pid)
         return proc
 
@@ -385,19 +394,28 @@ class AsyncLLM:
         for eid, t in msg.scheduled:
             self.unscheduled.discard(eid)
             rid = self.engine_to_user.get(eid)
-            if sl is not None and rid is not None:
-                sl.on_scheduled(max(t - self.streams[rid].arrival_wall, 0.0))
+            if rid is not None:
+                stream = self.streams[rid]
+                if stream.scheduled_wall is None:
+                    stream.scheduled_wall = t
+                if sl is not None:
+                    sl.on_scheduled(max(t - stream.arrival_wall, 0.0))
+        t_detok = time.perf_counter()
         outputs, to_abort = self.processor.process(msg.outputs)
+        detok_s = time.perf_counter() - t_detok  # a step's requests are detokenized together: each waited for it
+        now_wall = time.time()
         if to_abort:  # stop strings matched: the engine must free those requests
             self._in.send_multipart([ABORT, self._encoder.encode(to_abort)])
         for ro in outputs:
             stream = self.streams.get(ro.request_id)
             if stream is None:
                 continue
+            stream.detokenize_s += detok_s
             n_new = sum(len(c.token_ids) for c in ro.outputs)
             if n_new:
                 if stream.first_token is None:
                     stream.first_token = now
+                    stream.first_token_wall = now_wall
                     if sl is not None:
                         sl.on_first_token(now - stream.arrival)
                 elif sl is not None:
@@ -410,6 +428,7 @@ class AsyncLLM:
                     sl.on_generation_tokens(n_new)
             if ro.finished:
                 stream.finished = True
+                ro.metrics["timing"] = stream.timing(now_wall)
                 del self.streams[ro.request_id]
                 for eid in stream.engine_ids:
                     self.engine_to_user.pop(eid, None)
@@ -463,6 +482,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.outputs = sorted(by_index.values(), key=lambda c: c.index)
     a.finished = b.finished
     a.num_cached_tokens = b.num_cached_tokens
+    a.metrics.update(b.metrics)
     if a.prompt_logprobs is None:
         a.prompt_logprobs = b.prompt_logprobs
     if b.kv_transfer_params is not None:

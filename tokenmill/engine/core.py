@@ -14,6 +14,7 @@ from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Reques
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
+from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
 MAX_FAILED_STEPS = 32  # consecutive failed steps after which the engine gives up (and is restarted)
@@ -52,12 +53,16 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ledger: Optional[Ledger] = None) -> None:
+        """ledger (startup.Ledger): gets the output rank's phases and "kv allocation"."""
         self.config = config
         t0 = time.perf_counter()
+        ledger = ledger or Ledger(origin=0.0)
         self.executor = Executor.create(config)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_cache(num_blocks)
+        ledger.extend(self.executor.startup_phases())
+        with ledger.phase("kv allocation"):
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_cache(num_blocks)
         bs = config.cache.block_size
         gib = num_blocks * self.executor.bytes_per_block() / 2**30
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s)", num_blocks, bs, num_blocks * bs, gib,

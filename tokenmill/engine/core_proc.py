@@ -23,6 +23,7 @@ import msgspec
 
 from tokenmill.engine.core import EngineStats
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest
+from tokenmill.startup import Ledger, Phase
 
 logger = logging.getLogger("tokenmill")
 
@@ -37,6 +38,7 @@ class EngineReady(msgspec.Struct, array_like=True):
     vocab_size: int
     pid: int
     kernels: dict = {}  # layers/kernels_report.py: the kernels in use and any fallbacks
+    startup: list[Phase] = []  # this process's and the output rank's start-up phases (startup.py)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -51,9 +53,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, log_level: int,
-                    ipc_dir: Optional[str] = None) -> None:
-    """Process entry point (multiprocessing spawn target). ipc_dir: the API process's socket folder, removed
-    here if that process died without doing so (kill -9)."""
+                    ipc_dir: Optional[str] = None, ledger: Optional[Ledger] = None) -> None:
+    """Process entry point (multiprocessing spawn target, or engine/prestart.py's process once it has its
+    arguments). ipc_dir: the API process's socket folder, removed here if that process died without doing so
+    (kill -9). ledger: a prestarted process's start-up ledger (its imports already in it)."""
     # The API process owns shutdown (SIGTERM drain, Ctrl-C): the engine keeps serving until told to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -72,10 +75,13 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     try:
         from tokenmill.engine.core import EngineCore
 
-        engine = EngineCore(config)
+        if ledger is None:  # interpreter, spawn bootstrap (unpickling the config) and imports, up to here
+            ledger = Ledger("engine")
+            ledger.mark("engine process start", ledger.origin)
+        engine = EngineCore(config, ledger)
         out.send(encoder.encode(EngineCoreOutputs(ready=EngineReady(
             engine.scheduler.kv.num_blocks, config.cache.block_size, config.model.max_model_len,
-            engine.vocab_size, os.getpid(), engine.executor.kernels()))))
+            engine.vocab_size, os.getpid(), engine.executor.kernels(), ledger.phases))))
         _EngineLoop(engine, inp, out, encoder, parent_pid).run()
     except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
         from tokenmill.executor.base import WorkerDiedError

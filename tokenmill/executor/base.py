@@ -37,6 +37,10 @@ def _kernels(worker) -> dict:
     return worker.kernels
 
 
+def _startup_phases(worker) -> list:
+    return worker.ledger.phases
+
+
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -81,6 +85,10 @@ class Executor:
     def kernels(self) -> dict:
         """layers/kernels_report.report of the output rank: the kernels in use and any fallbacks."""
         return self.collective_rpc(_kernels)[self.output_rank]
+
+    def startup_phases(self) -> list:
+        """The output rank's start-up phases (startup.Phase: kernels, weight load, weight packing)."""
+        return self.collective_rpc(_startup_phases)[self.output_rank]
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if a rank is gone (the engine loop calls this while idle too)."""

@@ -111,7 +111,8 @@ def pack(weight: torch.Tensor) -> Optional[Panels]:
 
 def _panels(weight: torch.Tensor) -> Panels:
     N, K = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -N % NP))
+    pad = -N % NP  # F.pad copies even when there is nothing to pad: a whole extra pass over the weight
+    padded = F.pad(weight.detach(), (0, 0, 0, pad)) if pad else weight.detach()
     data = torch.empty((padded.shape[0] // NP, K, NP), dtype=weight.dtype)
     advise_huge_pages(data)  # before the first write, so the pages come huge (weights stream every step)
     data.copy_(padded.view(-1, NP, K).transpose(1, 2))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.engine.config_snapshot import ConfigSnapshot
 from tokenmill.layers import cpu_fused
 
 
@@ -29,6 +30,8 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
+    if isinstance(config, ConfigSnapshot):  # the engine process's copy: transformers wants its own object
+        config = config.original()
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
     # on the device the model is being built on (the loader's torch.device context), like the default branch
     return inv_freq.float().to(torch.get_default_device()), float(scaling)

@@ -10,7 +10,9 @@ from typing import Optional
 import torch
 from safetensors import safe_open
 
+from tokenmill.models import weight_cache
 from tokenmill.models.registry import get_model_class
+from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
 
@@ -78,47 +80,74 @@ class CheckpointReader:
                 yield name, CheckpointTensor(f.get_slice(name), self)
 
 
+def _check_loaded(model, loaded: set[str], model_dir: str) -> None:
+    missing = sorted({n for n, _ in model.named_parameters()} - loaded)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''}")
+
+
+def _weight_cache_file(files: list[str], cls: type, dtype: torch.dtype, device: str, quant,
+                       layer_range) -> Optional[str]:
+    """Where this load's weights are cached (weight_cache.py), or None: float models on the CPU whose
+    checkpoint has at least weight_cache.min_bytes() (a small one loads in milliseconds anyway)."""
+    if quant is not None or device != "cpu" or sum(os.path.getsize(f) for f in files) < weight_cache.min_bytes():
+        return None
+    from tokenmill.distributed import tp_rank, tp_size
+
+    key = weight_cache.cache_key(files, f"{cls.__module__}.{cls.__qualname__}", dtype, layer_range,
+                                 (tp_size(), tp_rank()))
+    return weight_cache.cache_path(key)
+
+
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
                quantization: Optional[str] = None, quantize_lm_head: bool = False,
-               layer_range: Optional[tuple[int, int]] = None):
+               layer_range: Optional[tuple[int, int]] = None, ledger=None):
     """quantization: an online method (int8, w8a8, fp8, mxfp4, nvfp4) applied to a float checkpoint; a
     checkpoint's own quantization_config is always honoured. quantize_lm_head: the online method covers the
     LM head too (default: it stays in `dtype`). layer_range: this pipeline stage's [start, end) of decoder
     layers (distributed.stage_layers; default the stage's even share). Each tensor-parallel rank reads only its
-    slices of the checkpoint (model.checkpoint_bytes_read says how much it read)."""
+    slices of the checkpoint (model.checkpoint_bytes_read says how much it read). ledger (startup.Ledger) gets
+the phases "weight load" and "weight packing"."""
     from tokenmill.layers.quantization import apply_quantization, get_quant_config
     from tokenmill.layers.quantization.base import gather_packed_weights
 
     t0 = time.perf_counter()
+    ledger = ledger or Ledger(origin=0.0)
     cls = get_model_class(config)
-    with torch.device(device):
-        model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
-    quant = get_quant_config(quantization, config)
-    if quant is not None:
-        nquant = apply_quantization(model, quant, quantize_lm_head)
-    reader = CheckpointReader(weight_files(model_dir))
-    loaded = model.load_weights(reader)
-    model.checkpoint_bytes_read = reader.bytes_read
-    expected = {n for n, _ in model.named_parameters()}
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing[:3])}"
-                         f"{' ...' if len(missing) > 3 else ''}")
+    with ledger.phase("weight load"):
+        with torch.device(device):
+            model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
+        quant = get_quant_config(quantization, config)
+        if quant is not None:
+            nquant = apply_quantization(model, quant, quantize_lm_head)
+        files = weight_files(model_dir)
+        cached = _weight_cache_file(files, cls, dtype, device, quant, layer_range)
+        mapped = weight_cache.load_into(model, cached) if cached and os.path.isfile(cached) else None
+        if mapped is None:
+            reader = CheckpointReader(files)
+            _check_loaded(model, model.load_weights(reader), model_dir)
+    if mapped is None and cached:
+        with ledger.phase("weight cache write"):  # once: later starts map it (weight_cache.py)
+            weight_cache.save(model, cached)
+    model.checkpoint_bytes_read = reader.bytes_read if mapped is None else 0
     model.eval()
-    for module in model.modules():  # repack/quantize weights now that they are final
-        method = getattr(module, "quant_method", None)
-        if method is not None and hasattr(method, "process_weights_after_loading"):
-            method.process_weights_after_loading(module)
-    if quant is not None:
-        gather_packed_weights(model)
-    if hasattr(model, "process_weights_after_loading"):
-        model.process_weights_after_loading()
+    with ledger.phase("weight packing"):
+        for module in model.modules():  # repack/quantize weights now that they are final
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(module)
+        if quant is not None:
+            gather_packed_weights(model)
+        if hasattr(model, "process_weights_after_loading"):
+            model.process_weights_after_loading()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if quant is not None:
         head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \
             " (LM head in the model dtype; --quantize-lm-head includes it)"
         logger.info("quantization: %s on %d linear layers%s", quant.describe(), nquant, head)
-    logger.info("loaded %s (%s, %.1f MB of weights; read %.1f of the checkpoint's %.1f MB) in %.1fs",
-                cls.__name__, str(dtype).removeprefix("torch."), nbytes / 1e6, reader.bytes_read / 1e6,
-                reader.bytes_total / 1e6, time.perf_counter() - t0)
+    source = (f"mapped from the weight cache {cached}" if mapped is not None else
+              f"read {reader.bytes_read / 1e6:.1f} of the checkpoint's {reader.bytes_total / 1e6:.1f} MB")
+    logger.info("loaded %s (%s, %.1f MB of weights; %s) in %.1fs", cls.__name__, str(dtype).removeprefix("torch."),
+                nbytes / 1e6, source, time.perf_counter() - t0)
     return model

@@ -39,6 +39,15 @@ def forwardable(headers) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
 
 
+def _with_router_timing(headers: dict[str, str], arrived: Optional[float], sent: float) -> dict[str, str]:
+    """A replica that times its requests (--enable-request-timing: a Server-Timing header) gets the router's
+    share added: arrival here to the request leaving for the replica that answered (routing, failed tries)."""
+    key = next((k for k in headers if k.lower() == "server-timing"), None)
+    if key is not None and arrived is not None:
+        headers[key] += f", router;dur={round(1000 * (sent - arrived), 3)}"
+    return headers
+
+
 def routing_text(body: dict) -> str:
     """The part of a generation request that becomes its prompt prefix: the messages (as canonical JSON,
     which keeps shared leading messages a shared leading string), a Responses request's instructions and input
@@ -139,6 +148,7 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------------------
     async def forward(self, method: str, path: str, query: str, body: bytes, headers) -> Response:
+        arrived = time.perf_counter()
         generation = method == "POST" and path in GENERATION_PATHS
         try:
             request = json.loads(body) if generation else {}
@@ -165,7 +175,7 @@ class Router:
             else:
                 replica = min(candidates, key=lambda r: r.load)
             response = await self._attempt(replica, method, url_tail, body, headers, stream, text,
-                                           may_retry=len(healthy) > 1)
+                                           may_retry=len(healthy) > 1, arrived=arrived)
             if response is not None:
                 return response
             tried.append(replica)
@@ -174,14 +184,16 @@ class Router:
 
     async def _attempt(self, replica: Replica, method: str, url_tail: str, body: bytes, headers: dict,
                        stream: bool, text: str, may_retry: bool,
-                       read_timeout: Optional[float] = None) -> Optional[Response]:
+                       read_timeout: Optional[float] = None, arrived: Optional[float] = None) -> Optional[Response]:
         """The replica's response, or None when the request should go elsewhere. read_timeout bounds the
-        wait for each read (none by default: generations may run long)."""
+        wait for each read (none by default: generations may run long). arrived: when the router got the
+        request (perf_counter), for the router's entry in a replica's Server-Timing header."""
         replica.in_flight += 1
         started = time.monotonic()
         generation = url_tail.split("?", 1)[0] in GENERATION_PATHS
         upstream: Optional[httpx.Response] = None
         relayed = False
+        sent = time.perf_counter()
         try:
             upstream = await self.client.send(
                 self.client.build_request(method, replica.url + url_tail, content=body, headers=headers,
@@ -201,14 +213,16 @@ class Router:
                                                      lambda failed: self.metrics.on_response(
                                                          replica.group, first_byte, time.monotonic() - started,
                                                          failed, generation)),
-                                         status_code=200, headers=forwardable(upstream.headers))
+                                         status_code=200,
+                                         headers=_with_router_timing(forwardable(upstream.headers), arrived, sent))
             content = await upstream.aread()  # decoded, hence no content-encoding in the headers below
             elapsed = time.monotonic() - started
             self.metrics.on_response(replica.group, elapsed, elapsed, upstream.status_code >= 500, generation)
             if upstream.status_code == 200:
                 self._learn_usage(replica, text, content)
             headers = {k: v for k, v in forwardable(upstream.headers).items() if k.lower() != "content-encoding"}
-            return Response(content, status_code=upstream.status_code, headers=headers)
+            return Response(content, status_code=upstream.status_code,
+                            headers=_with_router_timing(headers, arrived, sent))
         except httpx.TransportError as e:
             replica.last_error = f"{type(e).__name__}: {e}"
             self.pool.report_failure(replica, e)

@@ -32,6 +32,7 @@ from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
+from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
 
@@ -58,6 +59,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; mistral "
                         "[TOOL_CALLS]); 'required' and named tool_choice need no parser")
+    g.add_argument("--enable-request-timing", action="store_true",
+                   help="each generation response carries its server-side timing in milliseconds (queue, prefill, "
+                        "decode, detokenize, total): a Server-Timing header, and for streams a `timing` field on "
+                        "the last chunk before [DONE]; `tokenmill router` adds its own time to the header")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")
@@ -102,6 +107,7 @@ class ServerState:
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
+    ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
@@ -209,10 +215,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        ledger = state.ledger
+        ledger.mark_since_last("server setup")  # app and uvicorn set-up (while the engine loads)
         await state.engine.start(timeout=state.args.engine_start_timeout)
         ready = state.engine.ready
-        state.metrics.set_cache_config(ready.block_size, ready.num_blocks, state.config.cache.enable_prefix_caching)
-        import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
+        ledger.extend(ready.startup)
+        with ledger.phase("serving start"):
+            state.metrics.set_cache_config(ready.block_size, ready.num_blocks,
+                                           state.config.cache.enable_prefix_caching)
+            import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
+        state.metrics.set_startup(ledger.finish())
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
         try:
             yield
@@ -230,13 +242,20 @@ def build_app(state: ServerState) -> FastAPI:
         return _validation_error(exc).response()
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(detail: bool = False) -> Response:
+        """200 with an empty body (what load balancers poll); ?detail=1 adds a JSON body with the start-up
+        ledger (startup.py)."""
         engine = state.engine
         if engine.dead is not None:
             return APIError(503, f"The engine is not available: {engine.dead}; it is being restarted",
                             code="engine_unavailable", headers={"Retry-After": "5"}).response()
         if state.drain.draining:
             return state.drain.refusal().response()
+        if detail:
+            from tokenmill.serve.serving import json_response
+
+            return json_response({"status": "ok", "engine_restarts": engine.num_restarts,
+                                  "startup": state.ledger.as_dict()})
         return Response(status_code=200)
 
     @app.api_route("/admin/drain", methods=["GET", "POST"])
@@ -422,7 +441,9 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> int:
+    """ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise.
+    prestarted: an engine process the CLI started first thing (engine/prestart.py)."""
     import torch
     import uvicorn
 
@@ -435,12 +456,14 @@ def run_server(args: argparse.Namespace) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics
 
+    ledger = ledger or Ledger("api")
+    ledger.mark_since_last("imports")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (how the model writes tool calls: "
                          "hermes, llama3_json or mistral)")
     cors_config(args)  # a malformed CORS flag fails before the model loads
     config = EngineConfig.from_cli_args(args)
-    config.finalize(install_default=getattr(args, "install_default_model", False))
+    config.finalize(install_default=getattr(args, "install_default_model", False), ledger=ledger)
     chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
@@ -452,13 +475,15 @@ def run_server(args: argparse.Namespace) -> int:
         stat_logger = StatFanout(metrics, dashboard)
     try:
         engine = AsyncLLM(config, None, stat_logger or metrics,
-                          log_level=logging.getLogger("tokenmill").getEffectiveLevel())
+                          log_level=logging.getLogger("tokenmill").getEffectiveLevel(), ledger=ledger,
+                          prestarted=prestarted)
     except BaseException:
         sock.close()
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
-                        args.tool_call_parser if args.enable_auto_tool_choice else None, dashboard=dashboard)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None, ledger,
+                        dashboard=dashboard)
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)

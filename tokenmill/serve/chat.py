@@ -12,7 +12,8 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
-                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params)
+                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params,
+                                     with_timing_header)
 from tokenmill.serve.tools import ToolCallStream, ToolPlan, parse_tools, plan_tools, template_messages
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ async def create_chat_completion(state: "ServerState", req: ChatCompletionReques
         body = await until_disconnected(raw, collect_chat(state, req, gen, rid, plan))
     finally:
         gen.close()
-    return json_response(body) if body is not None else Response(status_code=499)
+    return with_timing_header(json_response(body), gen) if body is not None else Response(status_code=499)
 
 
 async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[bytes]:

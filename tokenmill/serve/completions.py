@@ -11,7 +11,7 @@ from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import CompletionRequest
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response, tokenize_text, with_kv_transfer_params)
+                                     stream_response, tokenize_text, with_kv_transfer_params, with_timing_header)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -73,7 +73,7 @@ async def create_completion(state: "ServerState", req: CompletionRequest, raw: R
         result = await until_disconnected(raw, _collect(state, req, gen, rid))
     finally:
         gen.close()
-    return result if result is not None else Response(status_code=499)
+    return with_timing_header(result, gen) if result is not None else Response(status_code=499)
 
 
 def _prompt_text(state: "ServerState", p: Prompt) -> str:

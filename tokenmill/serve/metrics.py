@@ -90,6 +90,17 @@ class ServerMetrics:
             self._model_name, str(block_size), str(num_blocks), str(enable_prefix_caching)).set(1)
         self.kv_total_blocks.set(num_blocks)
 
+    def set_startup(self, report) -> None:
+        """The start-up ledger (startup.StartupReport), set once the server is ready: each phase's share of the
+        time from process start to ready (they sum to tokenmill:startup_seconds)."""
+        phases = Gauge("tokenmill:startup_phase_seconds", "Seconds each start-up phase added to the time from "
+                       "process start to ready (overlapped work counts where it delayed the start).",
+                       ["model_name", "phase"], registry=self.registry)
+        for name, seconds in report.critical.items():
+            phases.labels(self._model_name, name).set(seconds)
+        Gauge("tokenmill:startup_seconds", "Process start to ready (serving), seconds.", ["model_name"],
+              registry=self.registry).labels(self._model_name).set(report.total)
+
     # -- hooks (called from AsyncLLM's output loop) -------------------------------------------
     def on_scheduled(self, queue_time: float) -> None:
         self.queue_time.observe(queue_time)

@@ -25,7 +25,7 @@ from tokenmill.serve.tools import ToolPlan
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import APIError, bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ResponsesRequest
-from tokenmill.serve.serving import Generation, json_response, now_s, sse, stream_response
+from tokenmill.serve.serving import Generation, json_response, now_s, sse, stream_response, with_timing_header
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -423,4 +423,6 @@ async def create_response(state: "ServerState", req: ResponsesRequest, raw: Requ
         body = await until_disconnected(raw, collect_chat(state, chat, gen, ctx.id, plan))
     finally:
         gen.close()
-    return json_response(from_chat_body(ctx, body)) if body is not None else Response(status_code=499)
+    if body is None:
+        return Response(status_code=499)
+    return with_timing_header(json_response(from_chat_body(ctx, body)), gen)

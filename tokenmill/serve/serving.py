@@ -110,6 +110,8 @@ class Generation:
         self.cached_tokens = [0] * len(prompts)
         self.num_generated = 0
         self.kv_transfer_params: Optional[dict] = None  # what a finished engine request returned
+        self.timing_enabled = bool(getattr(state.args, "enable_request_timing", False))
+        self.timings: list[dict[str, float]] = []  # of finished prompts (AsyncLLM's RequestStream.timing)
         try:
             for rid, p in zip(self.ids, prompts):
                 engine.add_request(rid, p.text, p.token_ids, params, queue=self.queue, cache_salt=cache_salt,
@@ -139,12 +141,19 @@ class Generation:
                     self.kv_transfer_params = ro.kv_transfer_params
                 if ro.finished:
                     self.open.discard(ro.request_id)
+                    if "timing" in ro.metrics:
+                        self.timings.append(ro.metrics["timing"])
                 yield i, ro
 
     def close(self) -> None:
         for rid in list(self.open):
             self.engine.abort(rid)
         self.open.clear()
+
+    def timing_ms(self) -> dict[str, float]:
+        """The request ledger in milliseconds: each part's longest value over the request's prompts."""
+        keys = ("queue", "prefill", "decode", "detokenize", "total")
+        return {k: round(1000 * max((t[k] for t in self.timings), default=0.0), 3) for k in keys}
 
     def usage(self) -> dict:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -161,8 +170,56 @@ def with_kv_transfer_params(body: dict, gen: Generation) -> dict:
     return body
 
 
+TIMING_HEADER = "server-timing"  # the W3C Server-Timing format: `queue;dur=1.2, prefill;dur=30.5` (ms)
+
+
+def server_timing(timing_ms: dict[str, float]) -> str:
+    return ", ".join(f"{k};dur={v}" for k, v in timing_ms.items())
+
+
+def with_timing_header(response: Response, gen: Generation) -> Response:
+    """--enable-request-timing: a finished (non-streamed) response carries the request ledger in a header."""
+    if gen.timing_enabled and response.status_code == 200:
+        response.headers[TIMING_HEADER] = server_timing(gen.timing_ms())
+    return response
+
+
+def _with_timing_field(chunk: bytes, gen: Generation) -> bytes:
+    """An SSE chunk with the request ledger added as a top-level `timing` field (milliseconds); a named
+    event's `event:` line (/v1/responses) is kept."""
+    head, sep, data = chunk.partition(b"data: ")
+    if not sep:
+        return chunk
+    body = msgspec.json.decode(data)
+    body["timing"] = {f"{k}_ms": v for k, v in gen.timing_ms().items()}
+    return head + sse(body)
+
+
+async def _timed_chunks(chunks: AsyncIterator[bytes], gen: Generation) -> AsyncIterator[bytes]:
+    """--enable-request-timing: the last chunk before [DONE] carries the request ledger. Chunks pass through
+    at once until the generation has finished; only then is each one held back until the next shows
+    whether it was the last."""
+    held: Optional[bytes] = None
+    async for chunk in chunks:
+        if chunk == SSE_DONE and held is not None:
+            held = _with_timing_field(held, gen)
+        if held is not None:
+            yield held
+            held = None
+        if gen.open or chunk == SSE_DONE:
+            yield chunk
+        else:
+            held = chunk
+    if held is not None:  # a stream without [DONE] (/v1/responses): its last event carries it
+        yield _with_timing_field(held, gen)
+
+
 def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingResponse:
     """SSE response. The generator's finally (client gone, server shutting down) aborts what is open."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if gen.timing_enabled:  # the timing is known only at the end; the header says where it will be
+        chunks = _timed_chunks(chunks, gen)
+        headers[TIMING_HEADER] = 'stream;desc="in the timing field of the last chunk"'
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -174,5 +231,4 @@ def stream_response(chunks: AsyncIterator[bytes], gen: Generation) -> StreamingR
         finally:
             gen.close()
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

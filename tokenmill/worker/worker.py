@@ -16,6 +16,7 @@ from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
+from tokenmill.startup import Ledger
 from tokenmill.worker.cpu_threads import ThreadSizer
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -59,6 +60,11 @@ class Worker:
         if config.batch_invariant and not (cpu_linear.available() and cpu_kernels.load() is not None):
             raise RuntimeError("--batch-invariant needs tokenmill's C kernels, which could not be built here "
                                "(is a C compiler installed? see the warning above)")
+        # This rank's start-up phases (the engine merges the output rank's into the server's ledger).
+        self.ledger = Ledger(f"rank{rank}", origin=0.0)
+        if self.device == "cpu":
+            with self.ledger.phase("kernels"):  # build (cold) or load (warm) every C library up front
+                kernels_report.load_all_libraries()
         self.backend = get_attention_backend(self.device)
         if mc.quantize_lm_head and mc.online_quantization is None:
             logger.warning("--quantize-lm-head has no effect on this model: it applies to --quantization on a "
@@ -68,7 +74,8 @@ class Worker:
                                 max_positions=mc.max_model_len, quantization=mc.online_quantization,
                                 quantize_lm_head=mc.quantize_lm_head,
                                 layer_range=stage_layers(mc.hf_config.num_hidden_layers,
-                                                         config.parallel.layers_per_stage(mc.hf_config.num_hidden_layers)))
+                                                         config.parallel.layers_per_stage(mc.hf_config.num_hidden_layers)),
+                                ledger=self.ledger)
         self.drafter = None
         if config.speculative is not None:
             from tokenmill.spec_decode import make_proposer
