@@ -148,7 +148,7 @@ class LocalLauncher:
 
 
 # -- Ray -------------------------------------------------------------------------------------------------
-class ServeActor:
+class ServeActor(LocalHandle):
     """Runs in a Ray actor on some node: one `tokenmill serve` subprocess there, on the node's address (so the
     router on another machine reaches it). A replica's lifetime is the actor's: killing the actor's worker
     sends the subprocess SIGTERM (PR_SET_PDEATHSIG)."""
@@ -158,22 +158,11 @@ class ServeActor:
 
         host = ray.util.get_node_ip_address()
         port = free_port(host)
-        self.proc = start_serve_process(argv, host, port, log_level, thread_env(threads))
-        self.url = f"http://{host}:{port}"
+        super().__init__(start_serve_process(argv, host, port, log_level, thread_env(threads)),
+                         f"http://{host}:{port}")
 
     def address(self) -> tuple[str, int]:
         return self.url, self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float) -> None:
-        stop_process(self.proc, timeout)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 class RayHandle:

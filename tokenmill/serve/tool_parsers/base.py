@@ -309,6 +309,18 @@ class ToolParser:
         self._stream_call()
         return None
 
+    def _step_call_into(self, next_state: str) -> bool:
+        """The "call" state of the JSON-list formats: feed the call; a complete, known call moves on to
+        `next_state` (the separator), anything else is the subclass's _fail."""
+        status = self._feed_call()
+        if status is None and not self._final:
+            return False
+        if status and self._complete_call():
+            self._state = next_state
+        else:
+            self._fail()
+        return True
+
     def _stream_call(self) -> None:
         obj = self._obj
         if not self.eager or obj.name is None or obj.name not in self.tool_names:

@@ -25,14 +25,7 @@ class Llama3JsonToolParser(ToolParser):
             self._buf = ""
             return False
         if self._state == "call":
-            status = self._feed_call()
-            if status is None and not self._final:
-                return False
-            if status and self._complete_call():
-                self._state = "sep"
-            else:
-                self._fail()
-            return True
+            return self._step_call_into("sep")
         if self._state == "sep":
             if not self._skip_ws():
                 return False
