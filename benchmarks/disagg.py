@@ -283,9 +283,12 @@ def main() -> None:
         n_req = d["requests"]["short"] + d["requests"]["long"]
         measured = counters["decode"].get("kv_bytes_received")
         per_tok, dtype = kv_bytes_per_token(args.model)
+        tokens = counters["decode"].get("kv_transferred_tokens")
         if measured:
             d["kv_bytes_per_request"] = measured / max(n_req, 1)
             d["kv_bytes_source"] = "decode instance /metrics (tokenmill:kv_bytes_received)"
+            if tokens:  # the cache's real width (--dtype auto may serve a float32 checkpoint in bf16)
+                per_tok = round(measured / tokens)
         else:
             # the decode side pulls every prompt token's KV (it takes the prefill side's first token)
             d["kv_bytes_per_request"] = per_tok * d["prompt_tokens"] / max(n_req, 1)
