@@ -168,7 +168,8 @@ def test_bench_serve_reports_connections(plain_server, tmp_path, capsys):
     assert s["connect_ms"]["count"] == s["connections_opened"]
     for x in recs:
         assert x["connect"] >= 0 and (x["connect"] > 0) == (not x["connection_reused"])
-        assert x["connect"] <= x["ttft"]
+        if x["ttft"] is not None:  # (None when all 3 tokens decoded to no visible text yet)
+            assert x["connect"] <= x["ttft"]
 
 
 @pytest.mark.parametrize("args, message", [
