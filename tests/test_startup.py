@@ -164,7 +164,8 @@ def test_bench_serve_reports_connections(plain_server, tmp_path, capsys):
     r = json.loads(out.read_text())
     s, recs = r["summary"], r["requests"]
     # keep-alive: 6 requests, at most 2 at once, so at most 2 connections (and one earlier scrape's may be reused)
-    assert 1 <= s["connections_opened"] <= 2 and s["connections_opened"] + s["connections_reused"] == 6
+    assert 1 <= s["connections_opened"] <= 2
+    assert sum(bool(x["connection_reused"]) for x in recs) >= 4  # the other requests rode kept-alive connections
     assert s["connect_ms"]["count"] == s["connections_opened"]
     for x in recs:
         assert x["connect"] >= 0 and (x["connect"] > 0) == (not x["connection_reused"])

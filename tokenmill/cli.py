@@ -219,10 +219,20 @@ def _add_plan_parser(sub) -> None:
     add_plan_args(sub.add_parser("plan", help=_COMMANDS["plan"]))
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from tokenmill.tune.run import tune_main
+
+    rc, lines = tune_main(args)
+    print("\n".join(lines))
+    return rc
+
+
 def _add_tune_parser(sub) -> None:
     from tokenmill.tune import add_tune_args
 
-    add_tune_args(sub.add_parser("tune", help=_COMMANDS["tune"]))
+    tn = sub.add_parser("tune", help=_COMMANDS["tune"])
+    add_tune_args(tn)
+    tn.set_defaults(func=_tune)
 
 
 def _add_quantize_parser(sub) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,13 +22,9 @@ from typing import Optional
 
 import httpx
 
+from tokenmill.router.launchers import free_port, stop_process
+
 _POLL_S = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -46,17 +41,12 @@ def _spawned(cmd: list[str], url: str, env: dict, timeout: float, what: str):
                 raise RuntimeError(f"{e}:\n{log.read().decode(errors='replace')[-3000:]}") from None
             yield measured
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 30)
 
 
 def start_once(model: Optional[str], extra: list[str], env: dict, timeout: float) -> dict:
     """One `tokenmill serve` start: measured spawn -> /health 200, and the server's own ledger."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.cli", "--log-level", "warning", "serve", *([model] if model else []),
            "--port", str(port), *extra]
     url = f"http://127.0.0.1:{port}"
@@ -69,7 +59,7 @@ def start_once(model: Optional[str], extra: list[str], env: dict, timeout: float
 def llama_server_once(binary: str, gguf: str, extra: list[str], timeout: float) -> dict:
     """One llama.cpp `llama-server` start on the same GGUF: spawn -> /health 200 (it answers 503 while
     loading the model)."""
-    port = _free_port()
+    port = free_port()
     cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), *extra]
     with _spawned(cmd, f"http://127.0.0.1:{port}", dict(os.environ), timeout, "llama-server") as measured:
         return {"measured_s": measured}

@@ -13,11 +13,6 @@ from __future__ import annotations
 import argparse
 
 
-def _tune_main(args: argparse.Namespace) -> int:
-    from tokenmill.tune.run import tune_main
-
-    return tune_main(args)
-
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.bench.serve import add_workload_args
@@ -61,4 +56,3 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="tune-out", metavar="DIR",
                    help="results: trials/<hash>.json, logs/, pareto.png, tune.json; rerunning skips measured trials")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=_tune_main)

@@ -142,7 +142,7 @@ def remeasure(runner: TrialRunner, baseline: dict, winner: dict, args, num_promp
     return out
 
 
-def tune_main(args: argparse.Namespace) -> int:
+def tune_main(args: argparse.Namespace) -> tuple[int, list[str]]:
     import torch
 
     from tokenmill.bench.datasets import load_tokenizer
@@ -197,8 +197,8 @@ def _interrupt_on_sigterm(signum, frame) -> None:
 
 
 def finish(args, runner: TrialRunner, baseline: dict, records: list[dict], pruned: list[dict], sizes: list[int],
-           wall_s: float) -> int:
-    """Re-measure, print, write tune.json and the PNG."""
+           wall_s: float) -> tuple[int, list[str]]:
+    """Re-measure, write tune.json and the PNG; the exit status and the report's lines (the CLI prints them)."""
     finals = sorted(search.final_records(records), key=lambda r: search.rank_key(r, args.objective))
     winner = search.pick_winner(records, args.objective)
     rm = None
@@ -206,10 +206,7 @@ def finish(args, runner: TrialRunner, baseline: dict, records: list[dict], prune
         rm = remeasure(runner, baseline, winner["config"], args, sizes[-1])
     title = f"tokenmill tune: {args.model or 'default model'}, {args.dataset} {args.input_len} in / " \
             f"{args.output_len} out, objective {args.objective}" + (f", SLA {args.slo}" if args.slo else "")
-    print(title)
-    print(report.trials_table(finals, args.objective))
-    for line in report.pruned_lines(pruned):
-        print(line)
+    lines = [title, report.trials_table(finals, args.objective), *report.pruned_lines(pruned)]
     pngs = report.write_pareto(finals, args.out, title)
     summary = {"tool": "tokenmill tune", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model,
                "objective": args.objective, "slo": args.slo, "strategy": "plan-ranked candidates, successive "
@@ -221,17 +218,14 @@ def finish(args, runner: TrialRunner, baseline: dict, records: list[dict], prune
                "pruned": pruned, "pareto_png": pngs[0] if pngs else None}
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
-    print(f"{summary['measured']} trials measured, {summary['resumed']} read back from {args.out}, "
-          f"{runner.server_starts} server starts, {wall_s / 60:.1f} min")
+    lines.append(f"{summary['measured']} trials measured, {summary['resumed']} read back from {args.out}, "
+                 f"{runner.server_starts} server starts, {wall_s / 60:.1f} min")
     if rm is not None:
-        print("\n".join(report.remeasure_lines(rm, args.objective)))
+        lines += report.remeasure_lines(rm, args.objective)
     elif winner is not None and args.repeats:
-        print("the baseline (every serve flag at its default) won: no configuration to re-measure against it")
+        lines.append("the baseline (every serve flag at its default) won: no configuration to re-measure against it")
     if winner is None:
-        print("no configuration could be measured; see the verdicts above and the logs in " + args.out)
-        return 1
+        return 1, lines + ["no configuration could be measured; see the verdicts above and the logs in " + args.out]
     load = {k: winner["config"].get(k) for k in space.LOAD_KEYS if winner["config"].get(k) is not None}
-    print(f"winner: {winner['label']} ({search.verdict(winner)})" +
-          (f"; offered load {load}" if load else ""))
-    print(winner["command"])
-    return 0
+    lines.append(f"winner: {winner['label']} ({search.verdict(winner)})" + (f"; offered load {load}" if load else ""))
+    return 0, lines + [winner["command"]]
