@@ -20,7 +20,7 @@ import pytest
 
 from models import tiny_model
 from server_utils import API_KEY, CliProc, ServerProc, metrics, require_default_model, shared_server
-from tokenmill.serve.dashboard import percentiles
+from tokenmill.serve.dashboard import Broadcaster, Window, percentiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -85,6 +85,26 @@ def test_percentiles_nearest_rank():
     p = percentiles(range(1, 101))
     assert (p["p50"], p["p90"], p["p99"]) == (50, 90, 99)
     assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
+
+
+def test_window_drops_old_samples(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    w = Window(seconds=10, max_samples=3)
+    for v in (5.0, 1.0, 3.0, 2.0):  # the oldest falls off the bounded deque
+        w.add(v)
+    assert w.percentiles()["p99"] == 3.0 and w.percentiles()["p50"] == 2.0
+    now[0] = 111.0  # every sample older than the window
+    assert w.percentiles() == {"p50": None, "p90": None, "p99": None} and not w.times and not w.values
+
+
+def test_snapshots_carry_their_own_cost():
+    import asyncio
+
+    hub = Broadcaster(lambda: {"x": 1}, interval=0.25)
+    first, second = (json.loads(asyncio.run(hub._snapshot()).decode()[6:]) for _ in range(2))
+    assert first == {"x": 1, "snapshot_ms": 0.0, "snapshot_busy": 0.0}  # nothing built before it
+    assert second["snapshot_ms"] > 0 and second["snapshot_busy"] == pytest.approx(second["snapshot_ms"] / 250, abs=1e-4)
 
 
 def test_engine_step_records(tiny):

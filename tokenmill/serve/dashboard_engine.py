@@ -37,7 +37,7 @@ class EngineView:
         self.seen = streams
         return {"t": time.time(), "engine": self._engine_state(), "latency": st.latency(),
                 "throughput": self._throughput(now, streams), "num_steps": st.num_steps,
-                "steps": list(st.steps)[-MAX_STEPS_SHOWN:], "requests": self._requests(now, streams),
+                "steps": st.recent_steps(MAX_STEPS_SHOWN), "requests": self._requests(now, streams),
                 "alive": engine.dead is None}
 
     def _engine_state(self) -> dict:

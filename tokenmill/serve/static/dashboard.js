@@ -189,6 +189,8 @@ function renderEngine(s) {
   $("v-steps").textContent = s.num_steps ?? "–";
   $("status").textContent = s.alive ? "live" : "engine down";
   $("status").className = "pill " + (s.alive ? "live" : "down");
+  $("status").title = `this view costs the server ${fmt(s.snapshot_ms)} ms per snapshot ` +
+    `(${fmt(100 * (s.snapshot_busy ?? 0))}% of one core)`;
 
   push(hist.gen, tp.generation_tok_s ?? null);
   push(hist.prompt, tp.prompt_tok_s ?? null);
