@@ -5,11 +5,12 @@ of the means and the median of the per-round ratios, and the server's own CPU se
 both arms (less noisy than tok/s on a small shared machine: it counts what the server spent, not what it
 was given).
 
-The 3 viewers read /dashboard/api/events and decode every snapshot, as the page does, from a separate
-process at nice 19 (--viewer-nice): a dashboard runs in a browser on the user's machine, not on the
-server's cores, and on a 2-core box un-niced viewers would measure the client's JSON parsing, not the
-server. Each snapshot says what it cost the server to build and encode (snapshot_ms); the result has those
-too.
+The 3 viewers read /dashboard/api/events as the page does, from a separate process at nice 19
+(--viewer-nice) on raw sockets, without decoding the JSON: a dashboard runs in a browser on the user's
+machine, not on the server's cores, and on a 2-core box a heavier client would measure itself, not the
+server. The result separates the API process's CPU per output token from the engine's and gives the
+viewers' own CPU seconds. Each snapshot says what it cost the server to build and encode (snapshot_ms);
+the result has those too.
 
 With --vs-no-dashboard it also runs a second server started with --no-dashboard (no per-step records in the
 engine at all) and reports that ratio too.
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import selectors
 import signal
 import socket
 import statistics
@@ -35,6 +38,7 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "bench-key"
+COST_RE = re.compile(rb'"snapshot_ms":([0-9.]+)')
 
 
 def free_port() -> int:
@@ -65,23 +69,29 @@ def start_server(extra: list[str], dtype: str) -> tuple[subprocess.Popen, str]:
 
 
 def viewer_main(url: str, n: int) -> None:
-    """The viewer process: n streams until SIGTERM, then one JSON line (snapshots read, their snapshot_ms)."""
-    stop, costs = threading.Event(), []
-
-    def read() -> None:
-        with httpx.stream("GET", url + "/dashboard/api/events", timeout=None,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    costs.append(json.loads(line[6:]).get("snapshot_ms", 0.0))
-                if stop.is_set():
-                    return
-
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    """The viewer process: n streams until SIGTERM, then one JSON line (snapshots read, their snapshot_ms,
+    this process's CPU seconds). A lean client on raw sockets: the bytes are read as a browser would, but
+    the JSON is not decoded (that happens on the user's machine); each snapshot's cost is picked out of it."""
+    host, port = url.removeprefix("http://").split(":")
+    request = (f"GET /dashboard/api/events HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+               "Accept: text/event-stream\r\n\r\n").encode()
+    sel = selectors.DefaultSelector()
     for _ in range(n):
-        threading.Thread(target=read, daemon=True).start()
-    stop.wait()
-    print(json.dumps({"snapshots": len(costs), "snapshot_ms": costs}), flush=True)
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(request)
+        sock.setblocking(False)
+        sel.register(sock, selectors.EVENT_READ, bytearray())
+    stop, costs = threading.Event(), []
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        for key, _ in sel.select(timeout=0.5):
+            buf = key.data
+            buf += key.fileobj.recv(1 << 20)
+            *events, rest = bytes(buf).split(b"\n\n")
+            buf[:] = rest
+            costs += [float(m.group(1)) for e in events if (m := COST_RE.search(e))]
+    cpu = os.times()
+    print(json.dumps({"snapshots": len(costs), "snapshot_ms": costs, "cpu_s": cpu.user + cpu.system}), flush=True)
 
 
 class Viewers:
@@ -103,10 +113,10 @@ class Viewers:
         self.result = json.loads(out.strip().splitlines()[-1])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its children (the engine), from /proc."""
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of the API process and of its children (the engine), from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    out = {"api": 0.0, "engine": 0.0}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -116,8 +126,8 @@ def cpu_seconds(pid: int) -> float:
         except OSError:
             continue
         if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: ppid
-            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
+            out["api" if int(entry) == pid else "engine"] += (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def bench(server: subprocess.Popen, url: str, args, seed: int) -> dict:
@@ -131,19 +141,22 @@ def bench(server: subprocess.Popen, url: str, args, seed: int) -> dict:
                        check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=ROOT))
         with open(out.name) as f:
             summary = json.load(f)["summary"]
-    cpu = cpu_seconds(server.pid) - cpu0
-    return {"tok_s": summary["output_throughput"], "cpu_ms_per_token": 1e3 * cpu / summary["total_output_tokens"]}
+    cpu1, n = cpu_seconds(server.pid), summary["total_output_tokens"]
+    api, engine = (1e3 * (cpu1[k] - cpu0[k]) / n for k in ("api", "engine"))
+    return {"tok_s": summary["output_throughput"], "cpu_ms_per_token": api + engine, "api_cpu_ms_per_token": api,
+            "engine_cpu_ms_per_token": engine}
 
 
 def run_rounds(server: subprocess.Popen, url: str, args) -> dict:
     bench(server, url, args, seed=999)  # warm-up (kernels, first-time paths)
-    none, viewed, costs = [], [], []
+    none, viewed, costs, viewer_cpu = [], [], [], []
     for i in range(args.rounds):  # every run its own prompts (no prefix-cache hits from an earlier run)
         if i % 2:  # alternate which goes first
             none.append(bench(server, url, args, seed=2 * i))
         with Viewers(url, args.viewers, args.viewer_nice) as v:
             viewed.append(bench(server, url, args, seed=2 * i + 1))
         costs += v.result["snapshot_ms"]
+        viewer_cpu.append(v.result["cpu_s"])
         if not i % 2:
             none.append(bench(server, url, args, seed=2 * i))
     tok = lambda runs: [r["tok_s"] for r in runs]  # noqa: E731
@@ -154,6 +167,9 @@ def run_rounds(server: subprocess.Popen, url: str, args) -> dict:
             "ratio": statistics.mean(tok(viewed)) / statistics.mean(tok(none)),
             "ratio_median_of_rounds": statistics.median(v / n for v, n in zip(tok(viewed), tok(none))),
             "cpu_ratio": statistics.mean(cpu(viewed)) / statistics.mean(cpu(none)),
+            **{f"{k}_{arm}": statistics.mean(r[k] for r in runs) for k in ("api_cpu_ms_per_token",
+               "engine_cpu_ms_per_token") for arm, runs in (("no_viewer", none), ("viewers", viewed))},
+            "viewer_cpu_s": viewer_cpu,
             "snapshots_read": len(costs),
             "snapshot_ms": {"mean": statistics.mean(costs), "max": max(costs)} if costs else None}
 
