@@ -27,8 +27,8 @@ def _data_attributes(config) -> dict:
             value = getattr(config, name)
         except Exception:  # noqa: BLE001
             continue
-        if not callable(value) and config_snapshot.is_plain(value):
-            out[name] = value
+        if not callable(value) and (value := config_snapshot.plain(value)) is not config_snapshot.NOT_PLAIN:
+            out[name] = value  # torch dtypes by name
     return out
 
 
@@ -44,12 +44,13 @@ def test_snapshot_answers_like_the_config(arch):
     assert snap.to_json_string() == real.to_json_string() and snap.to_dict() == real.to_dict()
 
 
-def test_snapshot_unpickles_without_transformers():
+def test_snapshot_unpickles_without_transformers_or_torch():
     data = config_snapshot.dumps((_config("llama"), "other args"))
     code = ("import pickle, sys; cfg, rest = pickle.loads(sys.stdin.buffer.read()); "
-            "print('transformers' in sys.modules, cfg.model_type, cfg.hidden_size, rest)")
+            "print('transformers' in sys.modules, 'torch' in sys.modules, cfg.model_type, cfg.hidden_size, "
+            "cfg.dtype, rest)")
     out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, check=True).stdout
-    assert out.decode().split() == ["False", "llama", "64", "other", "args"]
+    assert out.decode().split() == ["False", "False", "llama", "64", "float32", "other", "args"]
 
 
 def test_original_is_the_real_config_for_transformers_functions():

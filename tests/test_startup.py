@@ -16,15 +16,18 @@ from tokenmill.startup import OTHER, Phase, critical_path
 
 MODEL = "tiny-llama"
 TIMING_KEYS = ("queue", "prefill", "decode", "detokenize", "total")
-API_PHASES = ("interpreter", "imports", "model resolution", "dtype selection", "tokenizer", "server setup",
-              "serving start")
+API_PHASES = ("interpreter", "imports", "model resolution", "tokenizer", "server setup", "serving start")
 ENGINE_PHASES = ("engine process start", "kernels", "weight load", "weight packing", "kv allocation")
 
 
 @pytest.fixture(scope="module")
 def timed_server():
-    """A server with --enable-request-timing whose start this test measures: spawn -> /health 200."""
+    """A server with --enable-request-timing whose warm start this test measures: spawn -> /health 200."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.frontend import load_tokenizer
+
     model = tiny_model("llama")  # built (once per session) before the clock starts
+    load_tokenizer(EngineConfig.from_kwargs(model=model, dtype="float32").finalize())  # its resolution record
     t0 = time.time()
     server = ServerProc(model, "--served-model-name", MODEL, "--enable-request-timing", poll_s=0.02)
     measured = time.time() - t0
@@ -64,6 +67,8 @@ def test_ledger_sums_to_measured_start(timed_server):
     assert by_name["interpreter"]["start"] == 0.0 and by_name["weight load"]["process"] == "rank0"
     assert by_name["engine process start"]["process"] == "engine"
     assert all(p["seconds"] >= 0 for p in startup["phases"])
+    # a warm start: the API process resolved the model from its record, without torch (the engine has it)
+    assert "dtype selection" not in shares and "torch" not in startup["imported_at_ready"]
 
 
 def test_plain_health_unchanged_and_metrics_have_the_phases(timed_server):

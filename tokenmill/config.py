@@ -234,8 +234,21 @@ class ModelConfig:
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
-    torch_dtype: Optional[torch.dtype] = None
+    dtype_name: str = field(default="", init=False)  # the resolved dtype, a torch attribute name (torch_dtype)
     pooler: Optional["PoolerConfig"] = None  # task embed: how a prompt's hidden states become one vector
+    # models/resolution_cache.py: the record's tokenizer class ("module:name") when finalize found one; the
+    # key to write the record under when it did not (the tokenizer's loader writes it)
+    tokenizer_class: Optional[str] = field(default=None, init=False)
+    resolution_key: Optional[str] = field(default=None, init=False)
+
+    @property
+    def torch_dtype(self) -> Optional["torch.dtype"]:
+        """The resolved dtype (imports torch: the API process reads dtype_name instead)."""
+        if not self.dtype_name:
+            return None
+        import torch
+
+        return getattr(torch, self.dtype_name)
 
     @property
     def online_quantization(self) -> Optional[str]:
@@ -246,22 +259,28 @@ class ModelConfig:
 
     def finalize(self, device: str, install_default: bool = False, ledger: Any = None) -> None:
         """ledger (startup.Ledger): gets the phases "model resolution" (GGUF conversion included) and
-        "dtype selection" (--dtype auto may time the matmul kernels)."""
+        "dtype selection" (--dtype auto may time the matmul kernels). A warm start takes both from the last
+        start's record (models/resolution_cache.py) and imports neither transformers nor torch."""
+        from tokenmill.models import resolution_cache
         from tokenmill.startup import timed
 
-        with timed(ledger, "model resolution"):  # transformers' import is most of a warm start's share
-            from transformers import AutoConfig
-
+        with timed(ledger, "model resolution"):
             self.model_dir = resolve_model_path(self.model, install_default)
-            try:
-                self.hf_config = AutoConfig.from_pretrained(self.model_dir)
-            except Exception as e:  # noqa: BLE001 - surface a one-line reason
-                raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
+            if self.tokenizer is None:
+                self.tokenizer = self.model_dir
+            key = resolution_cache.key(self.model_dir, self.tokenizer, self.dtype, device)
+            record = resolution_cache.load(key)
+            if record is not None:
+                self.hf_config, self.dtype_name, self.tokenizer_class = (record.hf_config, record.dtype,
+                                                                         record.tokenizer_class)
+            else:
+                self.hf_config, self.resolution_key = self._read_config(), key
         cfg = self.hf_config
         self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
-        cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
-        with timed(ledger, "dtype selection"):
-            self.torch_dtype = resolve_dtype(self.dtype, cfg_dtype, device, cfg)
+        if record is None:
+            cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
+            with timed(ledger, "dtype selection"):
+                self.dtype_name = str(resolve_dtype(self.dtype, cfg_dtype, device, cfg)).removeprefix("torch.")
         self.pooler = resolve_pooler(self.task, self.model_dir, cfg)
         self.task = "embed" if self.pooler is not None else "generate"
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -278,8 +297,14 @@ class ModelConfig:
             from tokenmill.models.default_model import DEFAULT_MODEL_NAME
 
             self.served_model_name = self.model or DEFAULT_MODEL_NAME
-        if self.tokenizer is None:
-            self.tokenizer = self.model_dir
+
+    def _read_config(self) -> Any:
+        from transformers import AutoConfig  # with torch: most of a cold start's resolution time
+
+        try:
+            return AutoConfig.from_pretrained(self.model_dir)
+        except Exception as e:  # noqa: BLE001 - surface a one-line reason
+            raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
 
 
 @dataclass
@@ -641,6 +666,16 @@ class ParallelConfig:
         return counts
 
 
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch where no GPU driver is present (a CPU box's
+    `tokenmill serve` keeps torch out of its API process: models/resolution_cache.py)."""
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -656,10 +691,8 @@ class EngineConfig:
 
     def finalize(self, install_default: bool = False, ledger: Any = None) -> "EngineConfig":
         """ledger: a startup.Ledger to record the model's resolution in (ModelConfig.finalize)."""
-        import torch
-
         if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if _cuda_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.cache.validate()

@@ -13,13 +13,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
 logger = logging.getLogger("tokenmill")
 
+# The API process of `tokenmill serve` starts without these on a warm start (models/resolution_cache.py);
+# the report says whether it did
+HEAVY_MODULES = ("torch", "transformers")
 OTHER = "other"  # time no phase covers (between phases, scheduler latency on a loaded machine)
 
 
@@ -83,7 +87,8 @@ class Ledger:
 
     def finish(self) -> "StartupReport":
         """The process is ready now: its report, logged as one table."""
-        self.report = critical_path(self.phases, self.origin, time.time())
+        imported = tuple(m for m in HEAVY_MODULES if m in sys.modules)
+        self.report = replace(critical_path(self.phases, self.origin, time.time()), imported=imported)
         logger.info("start-up: ready %.2fs after the process started\n%s", self.report.total,
                     self.report.table(self.origin))
         return self.report
@@ -103,10 +108,12 @@ class StartupReport:
     total: float
     critical: dict[str, float]     # phase name -> seconds it added to the start (sums to total)
     phases: list[Phase]            # everything recorded, in start order
+    imported: tuple[str, ...] = ()  # which of HEAVY_MODULES this process had loaded when it was ready
 
     def as_dict(self, origin: float) -> dict:
         return {"total_seconds": round(self.total, 4),
                 "phase_seconds": {k: round(v, 4) for k, v in self.critical.items()},
+                "imported_at_ready": list(self.imported),
                 "phases": [{"name": p.name, "process": p.process, "start": round(p.start - origin, 4),
                             "seconds": round(p.seconds, 4)} for p in self.phases]}
 

@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import AsyncIterator, Optional, Union
 
 import msgspec
@@ -24,13 +23,12 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, engine_env
-from tokenmill.engine.request import FinishReason, check_token_ids
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.request import FinishReason, check_fits, check_token_ids
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup import Ledger, timed
@@ -168,9 +166,6 @@ class AsyncLLM:
             raise RuntimeError(f"engine core did not become ready within {timeout:.0f}s")
         loop.remove_reader(self.proc.sentinel)
         loop.add_reader(self.proc.sentinel, self._on_engine_exit)
-        self._fit = SimpleNamespace(max_model_len=self.ready.max_model_len, block_size=self.ready.block_size,
-                                    kv=SimpleNamespace(num_blocks=self.ready.num_blocks),
-                                    pooler=self.config.model.pooler)
         self._output_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
         logger.info("engine ready: %d KV blocks of %d tokens", self.ready.num_blocks, self.ready.block_size)
 
@@ -302,7 +297,9 @@ class AsyncLLM:
         """The checks EngineCore.add_request makes, run here too so that a bad request is refused before
         anything streams. (The engine still checks, and reports a rejection if it disagrees.)"""
         check_token_ids(prompt_ids, params, self.ready.vocab_size)
-        Scheduler.check_fits(self._fit, len(prompt_ids), params)
+        r = self.ready
+        check_fits(len(prompt_ids), params, r.max_model_len, r.block_size, r.num_blocks,
+                   self.config.model.pooler is not None)
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                     queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,

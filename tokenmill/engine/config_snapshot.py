@@ -7,7 +7,9 @@ reads a config's attributes, so `tokenmill serve` hands it a ConfigSnapshot: eve
 real object answers (instance fields, class defaults such as model_type, properties, attribute_map aliases),
 nested configs as snapshots, the real to_dict()/to_json_string() results (the KV fingerprint hashes the
 latter), and the pickled original for code that must hand the config to transformers itself (`original()`,
-which imports transformers then). This module imports neither torch nor transformers.
+which imports transformers then). Torch dtypes are kept by name ("bfloat16", as config.json has them), so
+a snapshot unpickles without torch too (the API process keeps one on disk: models/resolution_cache.py). This
+module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
@@ -50,15 +52,27 @@ def _is_hf_config(obj: Any) -> bool:
     return mod is not None and isinstance(obj, mod.PreTrainedConfig)
 
 
-def is_plain(value: Any) -> bool:
-    """Data that unpickles without transformers: scalars, torch dtypes, containers of those."""
-    if isinstance(value, _SCALARS) or type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        return True
+def _is_torch_dtype(value: Any) -> bool:
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
+def plain(value: Any) -> Any:
+    """value as data that unpickles without transformers or torch (torch dtypes become their names, as
+    config.json spells them), or NOT_PLAIN."""
+    if isinstance(value, _SCALARS):
+        return value
+    if _is_torch_dtype(value):
+        return str(value).removeprefix("torch.")
     if isinstance(value, (list, tuple, set, frozenset)):
-        return all(is_plain(v) for v in value)
+        items = [plain(v) for v in value]
+        return NOT_PLAIN if any(v is NOT_PLAIN for v in items) else type(value)(items)
     if isinstance(value, dict):
-        return all(is_plain(k) and is_plain(v) for k, v in value.items())
-    return False
+        items = {plain(k): plain(v) for k, v in value.items()}
+        return NOT_PLAIN if any(v is NOT_PLAIN for kv in items.items() for v in kv) else items
+    return NOT_PLAIN
+
+
+NOT_PLAIN = object()
 
 
 @contextlib.contextmanager
@@ -88,7 +102,7 @@ def snapshot(config: Any) -> ConfigSnapshot:
                 continue
             if _is_hf_config(value):
                 values[name] = snapshot(value)
-            elif not callable(value) and is_plain(value):
+            elif not callable(value) and (value := plain(value)) is not NOT_PLAIN:
                 values[name] = value
     return ConfigSnapshot(values, config.to_dict(), config.to_json_string(), type(config).__name__,
                           pickle.dumps(config))

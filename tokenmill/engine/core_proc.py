@@ -21,7 +21,7 @@ from typing import Optional
 
 import msgspec
 
-from tokenmill.engine.core import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest
 from tokenmill.startup import Ledger, Phase
 

@@ -15,14 +15,25 @@ PromptType = Union[str, dict, list[int]]
 
 
 def load_tokenizer(config: EngineConfig):
-    if config.model.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
+    """The model's tokenizer: the class the last start's record names (no AutoConfig, so no torch), else
+    AutoTokenizer's choice, which then completes the record (models/resolution_cache.py)."""
+    from tokenmill.models import resolution_cache
 
-    try:
-        return AutoTokenizer.from_pretrained(config.model.tokenizer)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"cannot load a tokenizer from {config.model.tokenizer}: {str(e).splitlines()[0]}") from None
+    mc = config.model
+    tokenizer = None
+    if not mc.skip_tokenizer_init:
+        try:
+            if mc.tokenizer_class is not None:
+                tokenizer = resolution_cache.load_tokenizer_class(mc.tokenizer_class, mc.tokenizer)
+            else:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"cannot load a tokenizer from {mc.tokenizer}: {str(e).splitlines()[0]}") from None
+    if mc.resolution_key is not None and tokenizer is not None:
+        resolution_cache.save(mc.resolution_key, mc.hf_config, mc.dtype_name, tokenizer)
+    return tokenizer
 
 
 def eos_token_id(config: EngineConfig, tokenizer) -> Optional[int]:

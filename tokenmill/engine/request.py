@@ -45,6 +45,35 @@ def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size:
             raise ValueError(f"{what} {bad} is out of range for the vocabulary of {vocab_size}")
 
 
+def check_fits(prompt_len: int, sp: SamplingParams, max_model_len: int, block_size: int, num_blocks: int,
+               pooling: bool = False) -> None:
+    """Reject at once what could never run, rather than letting it wait forever (the scheduler on admission,
+    and the API process before anything streams). pooling (--task embed): the prompt is all a request runs,
+    and it may fill the whole context."""
+    if prompt_len == 0:
+        raise ValueError("the prompt is empty; it must contain at least one token")
+    if pooling:
+        if prompt_len > max_model_len:
+            raise ValueError(f"the input has {prompt_len} tokens, but the model's maximum is {max_model_len}; "
+                             "shorten it or set truncate_prompt_tokens")
+        if -(-prompt_len // block_size) > num_blocks:
+            raise ValueError(f"the input needs {prompt_len} tokens of KV cache but the whole cache holds "
+                             f"{num_blocks * block_size}; raise --kv-cache-memory-bytes")
+        return
+    if prompt_len >= max_model_len:
+        raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
+                         f"{max_model_len}; nothing is left to generate")
+    if sp.max_tokens is not None and prompt_len + sp.max_tokens > max_model_len:
+        raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
+                         f"{prompt_len + sp.max_tokens} exceeds the context length {max_model_len}")
+    max_total = prompt_len + (sp.max_tokens if sp.max_tokens is not None else max_model_len - prompt_len)
+    blocks = -(-max_total // block_size)
+    if blocks > num_blocks:
+        raise ValueError(f"the request needs up to {max_total} tokens of KV cache ({blocks} blocks) but the "
+                         f"whole cache holds {num_blocks * block_size} tokens; "
+                         "raise --kv-cache-memory-bytes or lower max_tokens")
+
+
 from tokenmill.step import PositionLogprobs  # noqa: E402 - (token ids, logprobs, rank of the first id)
 
 

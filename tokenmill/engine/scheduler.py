@@ -42,7 +42,7 @@ from typing import Iterable, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus
+from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus, check_fits
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController
@@ -50,16 +50,6 @@ from tokenmill.step import NewRequest, ScheduledRequest, SchedulerOutput
 from tokenmill.structured import StructuredOutputManager
 
 logger = logging.getLogger("tokenmill")
-
-
-def check_fits_pooling(prompt_len: int, max_model_len: int, block_size: int, num_blocks: int) -> None:
-    """--task embed: the prompt is all a request runs, and it may fill the whole context."""
-    if prompt_len > max_model_len:
-        raise ValueError(f"the input has {prompt_len} tokens, but the model's maximum is {max_model_len}; "
-                         "shorten it or set truncate_prompt_tokens")
-    if -(-prompt_len // block_size) > num_blocks:
-        raise ValueError(f"the input needs {prompt_len} tokens of KV cache but the whole cache holds "
-                         f"{num_blocks * block_size}; raise --kv-cache-memory-bytes")
 
 
 class Scheduler:
@@ -100,24 +90,7 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, sp: SamplingParams) -> None:
-        """Reject at once what could never run, rather than letting it wait forever."""
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty; it must contain at least one token")
-        if self.pooler is not None:
-            check_fits_pooling(prompt_len, self.max_model_len, self.block_size, self.kv.num_blocks)
-            return
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
-                             f"{self.max_model_len}; nothing is left to generate")
-        if sp.max_tokens is not None and prompt_len + sp.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
-                             f"{prompt_len + sp.max_tokens} exceeds the context length {self.max_model_len}")
-        max_total = prompt_len + (sp.max_tokens if sp.max_tokens is not None else self.max_model_len - prompt_len)
-        blocks = -(-max_total // self.block_size)
-        if blocks > self.kv.num_blocks:
-            raise ValueError(f"the request needs up to {max_total} tokens of KV cache ({blocks} blocks) but the "
-                             f"whole cache holds {self.kv.num_blocks * self.block_size} tokens; "
-                             "raise --kv-cache-memory-bytes or lower max_tokens")
+        check_fits(prompt_len, sp, self.max_model_len, self.block_size, self.kv.num_blocks, self.pooler is not None)
 
     def add_request(self, request: Request) -> None:
         """Raises ValueError (nothing queued) if the request's grammar cannot even start compiling."""

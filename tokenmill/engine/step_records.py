@@ -29,7 +29,7 @@ logger = logging.getLogger("tokenmill")
 STEP_FIELDS = ("t", "seconds", "prefill", "decode", "batch", "mfu", "mbu")
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -60,7 +60,7 @@ def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
 def _cpu_figures_path() -> str:
     from tokenmill.config import cache_root
 
-    return os.path.join(cache_root(), "hardware", _cpu_key() + ".json")
+    return os.path.join(cache_root(), "hardware", cpu_key() + ".json")
 
 
 def _write_cpu_figures(path: str, hw: Hardware) -> None:

@@ -37,9 +37,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this package's plan types, and
+    # the API process imports those without torch
+    import torch
 
-if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this package's plan types
     from tokenmill.engine.request import Request
     from tokenmill.layers.attention.kv_quant import KVCacheQuant
 

@@ -212,6 +212,27 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request("; ".join(parts) or "invalid request", param)
 
 
+def import_in_background(module: str) -> None:
+    """Import an optional module after start-up, off the event loop: structured output validates grammars
+    with xgrammar, which brings torch (seconds of imports this process skipped to start fast); the first
+    request with a schema should not pay that on the event loop. Nothing happens if it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - it fails again, with its message, where it is used
+            logger.debug("importing %s in the background failed: %s", module, e)
+            return
+        logger.debug("imported %s in the background in %.1fs", module, time.perf_counter() - t0)
+
+    threading.Thread(target=run, name=f"import-{module}", daemon=True).start()
+
+
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -226,6 +247,7 @@ def build_app(state: ServerState) -> FastAPI:
             import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
         state.metrics.set_startup(ledger.finish())
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
+        import_in_background("xgrammar")
         try:
             yield
         finally:
@@ -444,14 +466,9 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
 def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> int:
     """ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise.
     prestarted: an engine process the CLI started first thing (engine/prestart.py)."""
-    import torch
     import uvicorn
 
-    torch.set_num_threads(1)  # the API process must leave the cores to the engine
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:  # already fixed by earlier torch work in this process
-        pass
+    # No torch here (the engine process has it; models/resolution_cache.py keeps a warm start free of it)
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.serve.metrics import ServerMetrics

@@ -111,7 +111,7 @@ class EngineView:
         c, ready = self.state.config, self.state.engine.ready
         spec = c.speculative
         cfg = {"model": self.state.model_name, "path": c.model.model or c.model.model_dir, "device": c.device,
-               "dtype": str(c.model.torch_dtype).removeprefix("torch."), "quantization": c.model.quantization,
+               "dtype": c.model.dtype_name, "quantization": c.model.quantization,
                "kv_cache_dtype": c.cache.kv_cache_dtype,
                "speculative": {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens}
                if spec is not None else None,
@@ -140,7 +140,7 @@ class EngineView:
         output_len = max(int(st.generation_tokens / n), 1) if st.finished_requests else 128
         kv = c.cache.kv_cache_dtype
         p = make_plan(ModelShape.from_hf_config(c.model.hf_config), hw,
-                      weight_dtype=str(c.model.torch_dtype).removeprefix("torch."),
+                      weight_dtype=c.model.dtype_name,
                       kv_dtype=None if kv == "auto" else kv, batch_size=max(batch, 1), input_len=input_len,
                       output_len=output_len, tp=c.parallel.tensor_parallel_size, pp=c.parallel.pipeline_parallel_size)
         return {"text": format_plan(p), "decode_bound": p["decode"]["bound"], "prefill_bound": p["prefill"]["bound"],

@@ -5,11 +5,12 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import Optional
-
-import torch
+from typing import TYPE_CHECKING, Optional
 
 from tokenmill.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # the API process validates grammars without torch (xgrammar brings it when used)
+    import torch
 
 logger = logging.getLogger("tokenmill")
 
