@@ -91,26 +91,18 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.disaggregate is not None:
-        from tokenmill.router.data_parallel import run_disaggregated
+    """args.prestarted: the engine process main() started before building the parser (engine/prestart.py)."""
+    if args.disaggregate is not None or args.data_parallel_size != 1:
+        args.prestarted.cancel()  # these start their own `tokenmill serve` processes
+        from tokenmill.router.data_parallel import run_data_parallel, run_disaggregated
 
-        return run_disaggregated(args)
-    if args.data_parallel_size != 1:
-        from tokenmill.router.data_parallel import run_data_parallel
-
-        return run_data_parallel(args)
-    from tokenmill.engine.prestart import PrestartedEngine
+        return (run_disaggregated if args.disaggregate is not None else run_data_parallel)(args)
+    from tokenmill.serve.api_server import run_server
     from tokenmill.startup import Ledger
 
     ledger = Ledger("api")
     ledger.mark("interpreter", ledger.origin, ENTRY_TIME)
-    engine = PrestartedEngine()  # its imports overlap ours (engine/prestart.py)
-    try:
-        from tokenmill.serve.api_server import run_server
-
-        return run_server(args, ledger, engine) or 0
-    finally:
-        engine.cancel()  # a no-op once the server has handed the process its arguments and stopped it
+    return run_server(args, ledger, args.prestarted) or 0
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -318,11 +310,18 @@ def _check_device(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if a in _COMMANDS), None)
-    parser = build_parser(command)
-    _check_flags(parser, argv, command)
-    args = parser.parse_args(argv)
-    _setup_logging(args.log_level)
+    engine = None
+    if command == "serve" and not {"-h", "--help"} & set(argv):
+        from tokenmill.engine.prestart import PrestartedEngine
+
+        engine = PrestartedEngine()  # first thing: its imports overlap all of ours (engine/prestart.py)
     try:
+        parser = build_parser(command)
+        if engine is not None:
+            parser.set_defaults(prestarted=engine)
+        _check_flags(parser, argv, command)
+        args = parser.parse_args(argv)
+        _setup_logging(args.log_level)
         _check_device(args)
         return args.func(args)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
@@ -330,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if engine is not None:
+            engine.cancel()  # a no-op once the server has handed the process its arguments and stopped it
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import batch_invariant
-from tokenmill.layers.attention import cpu_kernels, triton_paged
+from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -117,9 +117,12 @@ class PagedAttentionBackend(AttentionBackend):
         if use_kernel and device == "cpu" and cpu_kernels.load() is not None:
             self.kernel, self.name = cpu_kernels.paged_attention, "cpu_paged"
             self.kernel_dtypes = (torch.float32, torch.bfloat16)
-        elif use_kernel and device == "cuda" and triton_paged.available():
-            self.kernel, self.name = triton_paged.paged_attention, "triton_paged"
-            self.kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        elif use_kernel and device == "cuda":
+            from tokenmill.layers.attention import triton_paged  # triton's import: only where it can run
+
+            if triton_paged.available():
+                self.kernel, self.name = triton_paged.paged_attention, "triton_paged"
+                self.kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int],
                 kv_quant=None):
