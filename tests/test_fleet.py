@@ -245,6 +245,35 @@ def test_drain_a_replica_at_the_router_and_at_the_server(fleet):
     assert_no_kv_leak(canary.url)
 
 
+def test_launched_canary_group_and_a_ttft_target_end_to_end():
+    """`--group canary=tokenmill serve ...:25%` launches its own replica beside the --launch group, and a
+    `--target ttft_p90` (set below what any generation takes) scales the default group 1 -> 2 under load;
+    every request is answered, each group serves its share."""
+    require_default_model()
+    router = CliProc(["router", "--launch", SERVE, "--min-replicas", "1", "--max-replicas", "2",
+                      "--target", "ttft_p90=0.05s", "--scale-down-delay", "600", *FLEET_FLAGS,
+                      "--group", f"canary={SERVE}:25%"])
+    try:
+        def serving(group: str) -> list[dict]:
+            fleet = next(f for f in admin(router)["fleets"] if f["group"] == group)
+            return [m for m in fleet["replicas"] if m["state"] == "serving"]
+
+        wait_for(lambda: len(serving("default")) == 1 and len(serving("canary")) == 1, timeout=180)
+        load = Load(router.url, 3)
+        wait_for(lambda: len(serving("default")) == 2, timeout=180)
+        time.sleep(2)  # requests on the new replica too
+        results = load.stop()
+        assert results and [r for r in results if r != "ok"] == []
+        m = metrics(router)
+        assert m["tokenmill:router_fleet_events_total{event=scaled_up}"] == 1
+        count = "tokenmill:router_request_duration_seconds_count{{group={}}}"
+        assert m[count.format("canary")] > 0 and m[count.format("default")] > 0
+        pool = {r["url"] for r in admin(router)["replicas"]}
+        assert {r["url"] for r in serving("canary") + serving("default")} == pool  # 3 launched, all routed to
+    finally:
+        router.stop()
+
+
 @pytest.mark.slow
 def test_autoscaler_scales_1_to_3_to_1_under_stepped_load():
     require_default_model()
