@@ -30,6 +30,7 @@ import tokenmill
 from tokenmill.serve.admin import ADMIN_KEY_HELP, DrainMiddleware, DrainState, check_admin
 from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
+from tokenmill.serve.serving import load_grammar_support
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
 from tokenmill.startup import Ledger
@@ -212,27 +213,6 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request("; ".join(parts) or "invalid request", param)
 
 
-def import_in_background(module: str) -> None:
-    """Import an optional module after start-up, off the event loop: structured output validates grammars
-    with xgrammar, which brings torch (seconds of imports this process skipped to start fast); the first
-    request with a schema should not pay that on the event loop. Nothing happens if it is not installed."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        return
-
-    def run() -> None:
-        t0 = time.perf_counter()
-        try:
-            importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - it fails again, with its message, where it is used
-            logger.debug("importing %s in the background failed: %s", module, e)
-            return
-        logger.debug("imported %s in the background in %.1fs", module, time.perf_counter() - t0)
-
-    threading.Thread(target=run, name=f"import-{module}", daemon=True).start()
-
-
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -247,7 +227,6 @@ def build_app(state: ServerState) -> FastAPI:
             import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
         state.metrics.set_startup(ledger.finish())
         logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
-        import_in_background("xgrammar")
         try:
             yield
         finally:
@@ -318,6 +297,7 @@ def build_app(state: ServerState) -> FastAPI:
         from tokenmill.serve.completions import create_completion
 
         state.check_task("generate")
+        await load_grammar_support(req)
         return await create_completion(state, req, raw)
 
     @app.post("/v1/chat/completions")
@@ -325,6 +305,7 @@ def build_app(state: ServerState) -> FastAPI:
         from tokenmill.serve.chat import create_chat_completion
 
         state.check_task("generate")
+        await load_grammar_support(req)
         return await create_chat_completion(state, req, raw)
 
     @app.post("/v1/embeddings")
@@ -339,7 +320,7 @@ def build_app(state: ServerState) -> FastAPI:
         from tokenmill.serve.responses import create_response
 
         state.check_task("generate")
-
+        await load_grammar_support(req)
         return await create_response(state, req, raw)
 
     @app.api_route("/v1/responses/{response_id:path}", methods=["GET", "POST", "DELETE"])

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 import msgspec
 from starlette.responses import Response, StreamingResponse
@@ -76,6 +76,29 @@ async def off_loop(fn, *args, **kwargs):
     """Run tokenization, template rendering and other heavy per-request work in a worker thread, so one large
     request never stalls the event loop that serves every other stream (tokenizers release the GIL)."""
     return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+# Request fields that may ask for grammar-constrained output (structured output, tool_choice, Responses' format)
+GRAMMAR_FIELDS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "tools", "text"})
+_grammar_support_loaded = False
+
+
+def _import_grammar_support() -> None:
+    global _grammar_support_loaded
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        pass  # structured.validate says how to install it, where it is needed
+    _grammar_support_loaded = True
+
+
+async def load_grammar_support(req: Any) -> None:
+    """Structured output validates grammars with xgrammar, which imports torch: seconds of imports the API
+    process skipped to start fast (models/resolution_cache.py). The first request that may need it imports
+    it in a worker thread, so the streams already running keep going; later ones skip this."""
+    if not _grammar_support_loaded and GRAMMAR_FIELDS & req.model_fields_set:
+        await off_loop(_import_grammar_support)
 
 
 async def tokenize_text(state: "ServerState", text: str, add_special_tokens: bool = True,
