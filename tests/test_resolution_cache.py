@@ -24,8 +24,8 @@ def _resolve(model: str, **kw):
 
 def _tokenizer_view(tok) -> dict:
     ids = tok(TEXT).input_ids
-    return {"class": type(tok), "ids": ids, "decoded": tok.decode(ids), "skip": tok.decode(ids, skip_special_tokens=True),
-            "eos": tok.eos_token_id, "bos": tok.bos_token_id, "special": tok.all_special_ids, "len": len(tok),
+    return {"class": type(tok), "ids": ids, "decoded": tok.decode(ids),
+            "skip": tok.decode(ids, skip_special_tokens=True), "eos": tok.eos_token_id, "bos": tok.bos_token_id, "special": tok.all_special_ids, "len": len(tok),
             "chat": tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)}
 
 
@@ -77,8 +77,9 @@ def test_warm_resolution_imports_no_torch(tmp_path):
     code = ("import sys; from tokenmill.config import EngineConfig; from tokenmill.engine.frontend import "
             "load_tokenizer; import tokenmill.serve.api_server; "
             f"c = EngineConfig.from_kwargs(model={tiny_model('qwen2')!r}).finalize(); t = load_tokenizer(c); "
-            "print(c.model.resolution_key is None, 'torch' in sys.modules, c.model.dtype_name, t('hi').input_ids != [])")
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-            for _ in range(2)]
+            "print(c.model.resolution_key is None, 'torch' in sys.modules, c.model.dtype_name, "
+            "t('hi').input_ids != [])")
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
     assert runs[0][:1] == ["False"]  # cold: transformers' AutoConfig, which imports torch
     assert runs[1] == ["True", "False", "float32", "True"]
