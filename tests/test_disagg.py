@@ -568,7 +568,7 @@ def test_transfer_counters_and_time_histogram_reach_metrics():
     """The decode side's pull counters and transfer time histogram in /metrics' Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tokenmill.engine.core import EngineStats
+    from tokenmill.engine.stats import EngineStats
     from tokenmill.kv_transfer.p2p_plan import pull_seconds_counters
     from tokenmill.serve.metrics import ServerMetrics
 

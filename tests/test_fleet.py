@@ -138,8 +138,8 @@ def test_canary_gets_its_weight_and_its_own_metrics(fleet):
         assert f"tokenmill:router_request_duration_seconds_bucket{{group={g},le=1.0}}" in after
 
 
-def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
-    router, _ = fleet
+def busy_victim(router: CliProc) -> tuple[dict, Load]:
+    """A launched replica with requests in flight from a 4-client load through the router (still running)."""
     victim = fleet_members(router)[0]
     load = Load(router.url, 4)
 
@@ -148,18 +148,27 @@ def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
         return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in fleet_members(router))
 
     wait_for(victim_busy, timeout=60, every=0.05)
-    os.kill(victim["pid"], signal.SIGKILL)
-    time.sleep(3)  # the load goes on across the death
-    results = load.stop()
-    assert [r for r in results if r.startswith("failed")] == []
-    assert results.count("ok") >= 8, results  # 'cut': a stream that had started there, ended with an error event
+    return victim, load
 
+
+def wait_replaced(router: CliProc, victim: dict) -> None:
     def replaced():
         """two serving replicas again, the victim not among them"""
         urls = [m["url"] for m in fleet_members(router)]
         return len(urls) == 2 and victim["url"] not in urls
 
     wait_for(replaced, timeout=180)
+
+
+def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
+    router, _ = fleet
+    victim, load = busy_victim(router)
+    os.kill(victim["pid"], signal.SIGKILL)
+    time.sleep(3)  # the load goes on across the death
+    results = load.stop()
+    assert [r for r in results if r.startswith("failed")] == []
+    assert results.count("ok") >= 8, results  # 'cut': a stream that had started there, ended with an error event
+    wait_replaced(router, victim)
     assert not process_alive(victim["pid"])
     assert metrics(router)["tokenmill:router_fleet_events_total{event=replaced}"] >= 1
     for m in fleet_members(router):
@@ -169,14 +178,7 @@ def test_sigkilled_replica_is_replaced_and_no_unstarted_request_is_lost(fleet):
 @pytest.mark.slow
 def test_hung_replica_is_replaced_after_the_grace_period_and_no_stream_hangs(fleet):
     router, _ = fleet
-    victim = fleet_members(router)[0]
-    load = Load(router.url, 4)
-
-    def victim_busy():
-        """the victim to have requests in flight"""
-        return any(m["url"] == victim["url"] and m["in_flight"] > 0 for m in fleet_members(router))
-
-    wait_for(victim_busy, timeout=60, every=0.05)
+    victim, load = busy_victim(router)
     os.kill(victim["pid"], signal.SIGSTOP)  # alive but silent: only its health checks tell
 
     def missed_once():
@@ -186,13 +188,7 @@ def test_hung_replica_is_replaced_after_the_grace_period_and_no_stream_hangs(fle
 
     wait_for(missed_once, timeout=30, every=0.1)
     assert victim["url"] in [m["url"] for m in fleet_members(router)]  # one miss is not a death
-
-    def replaced():
-        """the victim replaced"""
-        urls = [m["url"] for m in fleet_members(router)]
-        return len(urls) == 2 and victim["url"] not in urls
-
-    wait_for(replaced, timeout=180)
+    wait_replaced(router, victim)
     results = load.stop()  # returns: the streams that were on the hung replica ended when it was killed
     assert [r for r in results if r.startswith("failed")] == []
     assert not process_alive(victim["pid"])

@@ -3,7 +3,7 @@ n > 1, aborts), cached_tokens, per-tenant cache_salt, and the prefix-cache metri
 import random
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.core import EngineStats
+from tokenmill.engine.stats import EngineStats
 from tokenmill.engine.kv_cache_manager import KVCacheManager, hash_block
 from tokenmill.engine.request import EngineCoreRequest, Request
 

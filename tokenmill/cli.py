@@ -191,12 +191,19 @@ def _add_router_parser(sub) -> None:
     rt.set_defaults(func=_router)
 
 
+def _upgrade(args: argparse.Namespace) -> int:
+    from tokenmill.router.admin import run_upgrade
+
+    print("\n".join(run_upgrade(args)))
+    return 0
+
+
 def _add_upgrade_parser(sub) -> None:
-    from tokenmill.router.admin import add_upgrade_args, run_upgrade
+    from tokenmill.router.admin import add_upgrade_args
 
     up = sub.add_parser("upgrade", help=_COMMANDS["upgrade"])
     add_upgrade_args(up)
-    up.set_defaults(func=run_upgrade)
+    up.set_defaults(func=_upgrade)
 
 
 def _add_bench_parser(sub) -> None:

@@ -13,7 +13,7 @@ from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest, Reques
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
-from tokenmill.engine.stats import EngineStats  # noqa: F401 - what stats() returns
+from tokenmill.engine.stats import EngineStats
 from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")

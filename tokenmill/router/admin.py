@@ -100,9 +100,10 @@ def add_upgrade_args(p) -> None:
     p.add_argument("--admin-key", default=None, help="the router's --admin-key (default: $TOKENMILL_ADMIN_KEY)")
 
 
-def run_upgrade(args) -> int:
+def run_upgrade(args) -> list[str]:
     """`tokenmill upgrade`: ask a router for a rolling upgrade of one launched group and wait for it (one
-    replica at a time: the new one healthy, then the old one drained and stopped)."""
+    replica at a time: the new one healthy, then the old one drained and stopped). Returns the report's lines
+    (the CLI prints them); raises RuntimeError with a one-line reason when the router refuses or is away."""
     import os
 
     import httpx
@@ -120,7 +121,6 @@ def run_upgrade(args) -> int:
         except (ValueError, KeyError, TypeError):
             message = r.text
         raise RuntimeError(f"upgrade refused (HTTP {r.status_code}): {message}")
-    for step in r.json()["replaced"]:
-        print(f"{step['old']} -> {step['new']}")
-    print(f"group {args.group}: {len(r.json()['replaced'])} replicas upgraded")
-    return 0
+    replaced = r.json()["replaced"]
+    return [f"{step['old']} -> {step['new']}" for step in replaced] + \
+        [f"group {args.group}: {len(replaced)} replicas upgraded"]
