@@ -10,9 +10,9 @@ import tokenmill
 from tokenmill import cli
 
 
-def _run(*args, timeout=180):
+def _run(*args, timeout=180, cwd=None):
     return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_generate_streams_text(tiny):
@@ -41,11 +41,52 @@ def test_generate_chat_end_to_end(tiny):
     assert "4 tokens" in r.stderr
 
 
+def _error_lines(r) -> list[str]:
+    return [ln for ln in r.stderr.splitlines() if ln.strip()]
+
+
 def test_misspelled_flag_is_named():
     r = _run("generate", "--promt", "Hi")
     assert r.returncode == 2
-    assert "unrecognized argument --promt; did you mean --prompt?" in r.stderr
+    assert "unrecognized argument --promt (did you mean --prompt?)" in r.stderr
     assert "required" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--max-model-lenn", "64"], "tokenmill serve: error: unrecognized argument --max-model-lenn "
+                                          "(did you mean --max-model-len?); see tokenmill serve --help"),
+    (["serve", "--max-model-len", "many"], "tokenmill serve: error: argument --max-model-len: invalid int value: "
+                                           "'many'; see tokenmill serve --help"),
+    (["generate"], "tokenmill generate: error: the following arguments are required: --prompt; "
+                   "see tokenmill generate --help")])
+def test_argument_error_is_one_line_with_a_help_hint(argv, expected):
+    """Not the whole usage (57 lines for serve) in front of the one line that says what is wrong."""
+    r = _run(*argv)
+    assert r.returncode == 2
+    assert _error_lines(r) == [expected], r.stderr
+
+
+MODEL_COMMANDS = [["serve"], ["generate", "--prompt", "x"], ["plan"]]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_missing_model_path_says_it_does_not_exist(command, tmp_path):
+    r = _run(command[0], "missing.gguf", *command[1:], cwd=tmp_path)
+    assert r.returncode == 2
+    lines = _error_lines(r)
+    assert len(lines) == 1 and lines[0].startswith("tokenmill: error: "), r.stderr
+    assert "'missing.gguf' does not exist" in lines[0]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+def test_hub_id_says_nothing_is_downloaded_and_how_to_get_the_model(command, tmp_path):
+    r = _run(command[0], "Qwen/Qwen2.5-0.5B-Instruct", *command[1:], cwd=tmp_path)
+    assert r.returncode == 2
+    lines = _error_lines(r)
+    assert len(lines) == 1 and lines[0].startswith("tokenmill: error: "), r.stderr
+    assert "nothing is downloaded at run time" in lines[0]
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir" in lines[0]
+    assert "GGUF" in lines[0]
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["eval", "quality"]])

@@ -49,7 +49,7 @@ def test_presets_match_model_cards(name, total, active):
 def test_preset_lookup_is_forgiving():
     assert load_model_shape("meta-llama/llama-3.1-8b-instruct").name == "Llama-3.1-8B"
     assert load_model_shape(None).name == "SmolLM2-135M"
-    with pytest.raises(ValueError, match="neither a local directory"):
+    with pytest.raises(ValueError, match="does not exist.*or name a preset"):
         load_model_shape("no-such-model")
 
 

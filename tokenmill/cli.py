@@ -43,6 +43,11 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """One line and a pointer to --help: argparse's own error first prints the whole usage (57 lines for
+        serve), which buries the line that says what is wrong. Subcommands' parsers are of this class too."""
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
 
 def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
@@ -290,18 +295,26 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
     return parser
 
 
-def _check_flags(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> None:
+def _innermost_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the deepest subcommand argv names (`tokenmill bench serve ...` -> bench serve's), so an
+    error names the command whose --help lists the flag."""
+    for arg in argv:
+        parser = _subparser(parser, arg)
+    return parser
+
+
+def _check_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     """Report a misspelled flag as such (argparse would first complain that a required one is missing)."""
     known = option_strings(parser)
-    for arg in argv:
+    for i, arg in enumerate(argv):
         if arg == "--":
             break
         flag = arg.split("=", 1)[0]
         if not flag.startswith("--") or any(k.startswith(flag) for k in known):  # argparse takes unique prefixes
             continue
         close = difflib.get_close_matches(flag, sorted(known), n=1)
-        _subparser(parser, command).error(f"unrecognized argument {flag}"
-                                          + (f"; did you mean {close[0]}?" if close else ""))
+        _innermost_parser(parser, argv[:i]).error(f"unrecognized argument {flag}"
+                                                  + (f" (did you mean {close[0]}?)" if close else ""))
 
 
 def _check_device(args: argparse.Namespace) -> None:
@@ -326,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser(command)
         if engine is not None:
             parser.set_defaults(prestarted=engine)
-        _check_flags(parser, argv, command)
+        _check_flags(parser, argv)
         args = parser.parse_args(argv)
         _setup_logging(args.log_level)
         _check_device(args)

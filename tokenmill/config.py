@@ -104,6 +104,22 @@ def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str, 
     return dtype
 
 
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hugging Face Hub spells repos
+MODEL_FORMS = "a local Hugging Face folder (config.json, *.safetensors, tokenizer files) or a llama.cpp .gguf file"
+
+
+def model_not_found_message(model: str) -> str:
+    """What to tell a user whose model argument names nothing on this machine: that the path does not exist,
+    or, for what looks like a Hub id, that nothing is downloaded at run time and how to bring the model here."""
+    if _HUB_ID_RE.match(model) and not model.endswith(".gguf"):
+        folder = "./" + model.rsplit("/", 1)[-1]
+        return (f"model {model!r} is not a local path; it looks like a Hugging Face Hub id, but nothing is "
+                f"downloaded at run time. Get the model onto this machine first: on a connected machine run "
+                f"`huggingface-cli download {model} --local-dir {folder}`, copy that folder here and pass its "
+                f"path, or pass any llama.cpp GGUF file")
+    return f"model {model!r} does not exist: pass {MODEL_FORMS}; nothing is downloaded at run time"
+
+
 def resolve_model_path(model: Optional[str], install_default: bool = False) -> str:
     """A local HF directory, a .gguf file, or None for the built-in default model.
     Returns a Hugging Face directory (GGUF files are converted once and cached)."""
@@ -117,8 +133,9 @@ def resolve_model_path(model: Optional[str], install_default: bool = False) -> s
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model} has no config.json")
         return model
-    raise ValueError(f"model {model!r} is neither a local Hugging Face directory nor a .gguf file "
-                     "(nothing is downloaded at run time)")
+    if os.path.exists(model):
+        raise ValueError(f"model {model!r} is neither a folder nor a .gguf file: pass {MODEL_FORMS}")
+    raise ValueError(model_not_found_message(model))
 
 
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4")   # --quantization on a float checkpoint
