@@ -1,11 +1,13 @@
 """tokenmill.chat_template: the same text as transformers' apply_chat_template, and hostile templates refused
 quickly instead of eating seconds and gigabytes."""
+import inspect
 import time
 
 import jinja2
 import pytest
 
-from tokenmill.chat_template import ChatTemplateError, _compile, render_chat_template
+from tokenmill.chat_template import (DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S, ChatTemplateError, _compile,
+                                     render_chat_template)
 
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "Hi there é 漢字"}],
@@ -76,8 +78,14 @@ def default_tokenizer():
         pytest.skip(f"default model unavailable: {e}")
 
 
+_OWN_PARAMS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
+
+
 def _both(tokenizer, conversation, **kw):
-    ours = render_chat_template(tokenizer, conversation, **kw)
+    """Our text and transformers'; kw as apply_chat_template takes them (template variables among them)."""
+    variables = {k: v for k, v in kw.items() if k not in _OWN_PARAMS}
+    ours = render_chat_template(tokenizer, conversation, **{k: v for k, v in kw.items() if k in _OWN_PARAMS},
+                                template_kwargs=variables)
     kw.setdefault("add_generation_prompt", True)
     theirs = tokenizer.apply_chat_template(conversation, tokenize=False, **kw)
     return ours, theirs
@@ -114,7 +122,8 @@ def test_template_errors_are_the_templates():
     (dict(chat_template=None), "no chat template"),
     (dict(chat_template="{% for %}"), "syntax error"),
     (dict(chat_template="x", continue_final_message=True), "cannot both be true"),
-    (dict(chat_template="x", messages=[]), "cannot set messages"),
+    (dict(chat_template="x", template_kwargs={"messages": []}), "cannot set messages"),
+    (dict(chat_template="x", template_kwargs=["max_chars"]), "must be a mapping"),
 ])
 def test_bad_input_is_a_clear_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -193,3 +202,41 @@ def test_server_answers_a_hostile_request_template_with_400(tiny_tokenizer):
     with pytest.raises(APIError) as e:
         render_chat(tiny_tokenizer, messages, chat_template=HOSTILE["string repetition"])
     assert e.value.status == 400 and "exceeds the limit" in e.value.message
+
+
+def test_template_kwargs_are_template_variables_only():
+    """Issue 29: a request's chat_template_kwargs arrived as **kwargs, so `max_chars` and `timeout_s` lifted the
+    sandbox's budgets. Named like any parameter of the render, a kwarg is now a variable (or refused)."""
+    conv = [{"role": "user", "content": "x"}]
+    for name in inspect.signature(render_chat_template).parameters:
+        kwargs = {name: "value of " + name}
+        if name in ("tools", "add_generation_prompt"):
+            with pytest.raises(ChatTemplateError, match=f"cannot set {name}"):
+                render_chat_template(None, conv, chat_template="x", template_kwargs=kwargs)
+        else:
+            text = render_chat_template(None, conv, chat_template=f"{{{{ {name} }}}}", template_kwargs=kwargs)
+            assert text == "value of " + name
+    with pytest.raises(ChatTemplateError, match="exceeds the limit of 2,097,152"):
+        render_chat_template(None, conv, chat_template="{{ 'x' * 3000000 }}",
+                             template_kwargs={"max_chars": 10**9, "timeout_s": 10**9})
+
+
+def test_server_render_budgets_are_the_server_flags(tiny_tokenizer):
+    from tokenmill import cli
+    from tokenmill.serve.api_server import request_limits
+    from tokenmill.serve.chat import render_chat
+    from tokenmill.serve.errors import APIError
+    from tokenmill.serve.protocol import ChatMessage, RequestLimits
+
+    default = RequestLimits()
+    assert (default.max_chat_template_chars, default.chat_template_timeout) == (DEFAULT_MAX_CHARS, DEFAULT_TIMEOUT_S)
+    args = cli.build_parser("serve").parse_args(["serve", "--max-chat-template-chars", "100",
+                                                 "--chat-template-timeout", "0.5"])
+    limits = request_limits(args)
+    assert (limits.max_chat_template_chars, limits.chat_template_timeout) == (100, 0.5)
+    messages = [ChatMessage(role="user", content="Hi")]
+    assert render_chat(tiny_tokenizer, messages, chat_template="{{ 'x' * 100 }}", limits=limits).text == "x" * 100
+    with pytest.raises(APIError) as e:
+        render_chat(tiny_tokenizer, messages, chat_template="{{ 'x' * 101 }}", limits=limits,
+                    template_kwargs={"max_chars": 10**9})
+    assert e.value.status == 400 and "exceeds the limit of 100" in e.value.message

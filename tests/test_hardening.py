@@ -270,3 +270,23 @@ def test_readme_mentions_no_private_paths():
         readme = f.read()
     assert os.path.exists(os.path.join(ROOT, "docs", "architecture.md"))
     assert "shared/DESIGN.md" not in readme
+
+
+# -- issue 29, defect 9: chat_template_kwargs never reach the template sandbox's limits --------------------
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_chat_template_kwargs_cannot_lift_the_sandbox_limits(http, path):
+    """`max_chars` and `timeout_s` are the sandbox's own limits (server flags); in a request's
+    chat_template_kwargs they are plain template variables. A template building 3M characters (past the
+    default --max-chat-template-chars of 2 MiB) is refused by the sandbox before it builds them."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{{ 'x' * 3000000 }}",
+            "chat_template_kwargs": {"max_chars": 1e9, "timeout_s": 1e9}}
+    t0 = time.monotonic()
+    err = _error(http.post(path, json=body), 400)
+    assert time.monotonic() - t0 < 5.0
+    assert "exceeds the limit of 2,097,152" in err["message"], err
+    body["chat_template"] = "{{ max_chars }} {{ timeout_s }}"  # what they are: template variables
+    r = http.post("/tokenize", json={**body, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    assert "".join(r.json()["token_strs"]).replace("\u0120", " ") == "1000000000.0 1000000000.0"
+    _healthy(http)

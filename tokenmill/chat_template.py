@@ -636,19 +636,23 @@ def _render(template: jinja2.Template, context: dict[str, Any], max_chars: int, 
 
 def render_chat_template(tokenizer: Any, conversation: Any, *, chat_template: Optional[str] = None,
                          add_generation_prompt: bool = True, continue_final_message: bool = False,
-                         tools: Optional[list] = None, max_chars: int = DEFAULT_MAX_CHARS,
-                         timeout_s: float = DEFAULT_TIMEOUT_S, **template_kwargs: Any) -> str:
+                         tools: Optional[list] = None, template_kwargs: Optional[Mapping[str, Any]] = None,
+                         max_chars: int = DEFAULT_MAX_CHARS, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """The conversation as the prompt text the model expects (tokenize it with add_special_tokens=False).
 
     Same text as transformers' `apply_chat_template(..., tokenize=False)` (4.x and 5.x); `template_kwargs`
-    become template variables (e.g. enable_thinking, documents). Raises ChatTemplateError (a ValueError) for
-    a missing template, bad input or a render past its budgets; errors a template raises itself
+    become template variables (e.g. enable_thinking, documents) and nothing else: they arrive as one mapping,
+    never as keyword arguments, so a request's `max_chars` or `timeout_s` cannot reach the render's own
+    limits (which are the caller's, e.g. the server's flags). Raises ChatTemplateError (a ValueError) for a
+    missing template, bad input or a render past its budgets; errors a template raises itself
     (`raise_exception`, undefined names) stay jinja2.TemplateError."""
     if add_generation_prompt and continue_final_message:
         raise ChatTemplateError("add_generation_prompt and continue_final_message cannot both be true")
+    if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+        raise ChatTemplateError(f"chat template arguments must be a mapping, got {type(template_kwargs).__name__}")
     template = _compile(_select_template(tokenizer, chat_template, tools))
     messages = _messages(conversation)
-    context = _template_context(tokenizer, messages, tools, add_generation_prompt, dict(template_kwargs))
+    context = _template_context(tokenizer, messages, tools, add_generation_prompt, dict(template_kwargs or {}))
     final_text = _mark_final_message(messages) if continue_final_message else None
     rendered = _render(template, context, max_chars, timeout_s)
     return rendered if final_text is None else _cut_at_mark(rendered, final_text)

@@ -72,7 +72,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts = [render_chat_template(self.tokenizer, conv, chat_template=chat_template,
                                       add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message, tools=tools, **template_kwargs)
+                                      continue_final_message=continue_final_message, tools=tools,
+                                      template_kwargs=template_kwargs)
                  for conv in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
                    for text in texts]

@@ -88,13 +88,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                      help="largest JSON schema, regex or grammar for structured output")
     lim.add_argument("--max-json-schema-depth", type=int, default=d.max_json_schema_depth,
                      help="deepest nesting of a JSON schema for structured output")
+    lim.add_argument("--max-chat-template-chars", type=int, default=d.max_chat_template_chars,
+                     help="most characters one chat template render may output, or build in one string or list "
+                          "(the sandbox also caps everything it builds at 8x this)")
+    lim.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
+                     help="seconds one chat template render may take")
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_n=min(args.max_n, args.max_num_seqs), max_stop_strings=args.max_stop_strings,
                          max_stop_string_length=args.max_stop_string_length, max_logit_bias=args.max_logit_bias,
                          max_json_schema_bytes=args.max_json_schema_bytes,
-                         max_json_schema_depth=args.max_json_schema_depth)
+                         max_json_schema_depth=args.max_json_schema_depth,
+                         max_chat_template_chars=args.max_chat_template_chars,
+                         chat_template_timeout=args.chat_template_timeout)
 
 
 @dataclass

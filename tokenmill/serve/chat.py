@@ -10,7 +10,7 @@ from starlette.responses import Response
 from tokenmill.outputs import Logprob
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
-from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
@@ -41,10 +41,12 @@ def _content_text(m: ChatMessage, i: int) -> str:
 
 def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                template_kwargs: Optional[dict[str, Any]] = None, tools: Optional[list[dict]] = None) -> Prompt:
+                template_kwargs: Optional[dict[str, Any]] = None, tools: Optional[list[dict]] = None,
+                limits: RequestLimits = RequestLimits()) -> Prompt:
     """Apply the chat template (request's, else the server's --chat-template, else the tokenizer's) and
     tokenize the result without adding special tokens again. `tools`: OpenAI function tools for the
-    template (templates that know tools list them)."""
+    template (templates that know tools list them). `template_kwargs` (the request's chat_template_kwargs)
+    are template variables only; the render's budgets come from `limits` (the server's flags)."""
     if not messages:
         raise bad_request("messages must contain at least one message", "messages")
     conv = []
@@ -69,7 +71,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
         text = render_chat_template(tokenizer, conv, chat_template=template,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools,
-                                    **(template_kwargs or {}))
+                                    template_kwargs=template_kwargs, max_chars=limits.max_chat_template_chars,
+                                    timeout_s=limits.chat_template_timeout)
     except Exception as e:  # noqa: BLE001 - jinja errors are the request's (or template's) fault
         raise bad_request(f"cannot apply the chat template: {type(e).__name__}: {e}", "messages") from None
     return Prompt(text, tokenizer(text, add_special_tokens=False).input_ids)
@@ -85,7 +88,7 @@ async def render_request_chat(state: "ServerState", req, tools: Optional[list[di
                             chat_template=req.chat_template or state.chat_template,
                             add_generation_prompt=req.add_generation_prompt,
                             continue_final_message=req.continue_final_message,
-                            template_kwargs=req.chat_template_kwargs, tools=tools)
+                            template_kwargs=req.chat_template_kwargs, tools=tools, limits=state.limits)
     check_text_length(state, prompt.text, "messages")
     return prompt
 

@@ -38,6 +38,10 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_json_schema_bytes: int = 65536
     max_json_schema_depth: int = 32
+    # The chat template sandbox's budgets for one render (chat_template.py; the same defaults as there): a
+    # request's chat_template_kwargs are template variables and can never raise them.
+    max_chat_template_chars: int = 2 * 2**20
+    chat_template_timeout: float = 2.0  # seconds
 
 
 def _check_text(value: Any, where: str) -> None:
