@@ -4,6 +4,7 @@ the event loop. Every bad request gets an OpenAI-shaped 4xx, and the server keep
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import socket
@@ -290,3 +291,66 @@ def test_chat_template_kwargs_cannot_lift_the_sandbox_limits(http, path):
     assert r.status_code == 200, r.text
     assert "".join(r.json()["token_strs"]).replace("\u0120", " ") == "1000000000.0 1000000000.0"
     _healthy(http)
+
+
+
+# -- issue 29, defect 8: tools are bounded, checked in linear time and planned off the event loop ------------
+class _HealthProbe:
+    """Polls /health from a thread while the block runs; `worst` is its slowest answer in seconds."""
+
+    def __init__(self, server) -> None:
+        self.url, self.latencies, self.stop = server.url + "/health", [], threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.monotonic()
+            httpx.get(self.url, timeout=30)
+            self.latencies.append(time.monotonic() - t0)
+            time.sleep(0.01)
+
+    def __enter__(self) -> "_HealthProbe":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    @property
+    def worst(self) -> float:
+        return max(self.latencies)
+
+
+def _tool(i: int, **parameters) -> dict:
+    return {"type": "function", "function": {"name": f"tool_{i}", **parameters}}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_twenty_thousand_tools_are_a_fast_400_and_health_stays_responsive(server, http, path):
+    """20k tools (0.6 MB, under the 1 MiB body limit): a quadratic duplicate check on the event loop once
+    stalled /health for 4.6 s; now --max-tools (128) refuses them at once."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"function": {"name": f"t{i}"}} for i in range(20000)], "tool_choice": "required"}
+    with _HealthProbe(server) as probe:
+        t0 = time.monotonic()
+        err = _error(_post_raw(http, path, json.dumps(body, separators=(",", ":"))), 400, "tools")
+        took = time.monotonic() - t0
+    assert "--max-tools" in err["message"] and took < 2.0, (err, took)
+    assert probe.worst < 1.0, probe.latencies
+    _healthy(http)
+
+
+def test_tools_at_the_limit_are_served_without_stalling_the_event_loop(server, http):
+    """128 tools, each with an arguments schema, forced with tool_choice 'required': the constraint over all
+    of them is built and compiled in a worker thread while /health keeps answering."""
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city"]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "tools": [_tool(i, description=f"tool number {i}", parameters=params) for i in range(128)],
+            "tool_choice": "required"}
+    with _HealthProbe(server) as probe:
+        r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert probe.worst < 1.0, probe.latencies

@@ -161,7 +161,7 @@ def test_stateful_requests_are_refused(client, http):
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].name"),
     ({"input": "hi", "tool_choice": {"type": "file_search"}}, "tool_choice"),
-    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "max_output_tokens": 100000}, "max_output_tokens"),
@@ -174,6 +174,44 @@ def test_bad_input_is_400_and_serving_goes_on(http, body, param):
     else:
         _assert_400(r, param)
     assert http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["status"] == "incomplete"
+
+
+# Issue 29: a text.format that was not an object was a 500 (AttributeError: 'str' object has no attribute
+# 'get'), streamed or not; a bad name, schema, strict or verbosity was let through or blamed on another field.
+BAD_TEXT = {
+    "format string": {"format": "json"},
+    "format number": {"format": 5},
+    "format list": {"format": []},
+    "format bool": {"format": True},
+    "format without type": {"format": {}},
+    "format type number": {"format": {"type": 5}},
+    "json_schema without schema": {"format": {"type": "json_schema", "name": "x"}},
+    "json_schema schema string": {"format": {"type": "json_schema", "name": "x", "schema": "object"}},
+    "json_schema name number": {"format": {"type": "json_schema", "name": 5, "schema": {"type": "object"}}},
+    "json_schema strict string": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "maybe"}},
+    "verbosity": {"verbosity": "loud"},
+    "text string": "json",
+    "text list": [],
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("text", list(BAD_TEXT.values()), ids=list(BAD_TEXT))
+def test_bad_text_format_is_400_and_serving_goes_on(http, text, stream):
+    r = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "stream": stream, "text": text})
+    _assert_400(r)
+    assert r.json()["error"]["param"].startswith("text"), r.json()
+    assert http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 2}).json()["status"] == "incomplete"
+
+
+def test_text_formats_are_served_and_echoed(http):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for fmt in ({"type": "text"}, {"type": "json_object"},
+                {"type": "json_schema", "name": "obj", "schema": schema, "strict": True}):
+        r = http.post("/v1/responses", json={"input": "Give me a JSON object.", "max_output_tokens": 4,
+                                             "text": {"format": fmt}})
+        assert r.status_code == 200, r.text
+        assert r.json()["text"]["format"] == fmt
 
 
 def test_async_client(server):

@@ -7,6 +7,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from typing import Literal
 
 import httpx
@@ -18,6 +19,7 @@ from pydantic import BaseModel, Field
 from models import tiny_model
 from server_utils import API_KEY, require_default_model, shared_server
 from tokenmill.serve.errors import APIError
+from tokenmill.serve.protocol import RequestLimits
 from tokenmill.serve.tool_parsers import ContentDelta, ToolCallArguments, ToolCallStart, get_tool_parser
 from tokenmill.serve.tools import (FunctionTool, parse_tools, plan_tools, required_calls_schema,
                                    template_messages)
@@ -178,6 +180,37 @@ def test_plans_and_their_400s():
             parse_tools(raw)
         assert e.value.param == param
 
+
+
+def _fn(name: str, **extra) -> dict:
+    return {"type": "function", "function": {"name": name, **extra}}
+
+
+def test_tools_are_bounded_and_checked_in_linear_time():
+    limits = RequestLimits()
+    with pytest.raises(APIError) as e:  # a duplicate at the allowed maximum is named
+        parse_tools([_fn(f"f{i}") for i in range(limits.max_tools - 1)] + [_fn("f7")], limits)
+    assert e.value.param == "tools" and "'f7'" in e.value.message
+    for tools, flag in (([_fn(f"f{i}") for i in range(limits.max_tools + 1)], "--max-tools"),
+                        ([_fn(f"f{i}", description="x" * 8192) for i in range(100)], "--max-tools-schema-bytes")):
+        with pytest.raises(APIError) as e:
+            parse_tools(tools, limits)
+        assert e.value.status == 400 and e.value.param == "tools" and flag in e.value.message, e.value.message
+    deep: dict = {"type": "object"}
+    for _ in range(limits.max_json_schema_depth):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(APIError) as e:  # a tool's parameters are a JSON schema: its depth bound holds
+        parse_tools([_fn("f", parameters=deep)], limits)
+    assert e.value.param == "tools[0].function.parameters" and "--max-json-schema-depth" in e.value.message
+    # The duplicate-name check was quadratic (20k tools: 4.6 s on the event loop); with the bounds lifted,
+    # 20k distinct tools and a duplicate at the end are checked in linear time.
+    many = [_fn(f"f{i}") for i in range(20000)]
+    wide = RequestLimits(max_tools=10**6, max_tools_schema_bytes=1 << 30)
+    t0 = time.perf_counter()
+    assert len(parse_tools(many, wide)) == 20000
+    with pytest.raises(APIError) as e:
+        parse_tools(many + [_fn("f19999")], wide)
+    assert "'f19999'" in e.value.message and time.perf_counter() - t0 < 1.0
 
 def test_template_messages_turn_arguments_into_objects():
     msgs = [{"role": "assistant", "content": "", "tool_calls": [

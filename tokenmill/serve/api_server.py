@@ -87,7 +87,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-json-schema-bytes", type=int, default=d.max_json_schema_bytes,
                      help="largest JSON schema, regex or grammar for structured output")
     lim.add_argument("--max-json-schema-depth", type=int, default=d.max_json_schema_depth,
-                     help="deepest nesting of a JSON schema for structured output")
+                     help="deepest nesting of a JSON schema for structured output (and of each tool's parameters)")
+    lim.add_argument("--max-tools", type=int, default=d.max_tools,
+                     help="most tools one chat request may list (OpenAI's bound)")
+    lim.add_argument("--max-tools-schema-bytes", type=int, default=d.max_tools_schema_bytes,
+                     help="largest total size of one request's tools as JSON (names, descriptions, parameter "
+                          "schemas)")
     lim.add_argument("--max-chat-template-chars", type=int, default=d.max_chat_template_chars,
                      help="most characters one chat template render may output, or build in one string or list "
                           "(the sandbox also caps everything it builds at 8x this)")
@@ -99,7 +104,8 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(max_n=min(args.max_n, args.max_num_seqs), max_stop_strings=args.max_stop_strings,
                          max_stop_string_length=args.max_stop_string_length, max_logit_bias=args.max_logit_bias,
                          max_json_schema_bytes=args.max_json_schema_bytes,
-                         max_json_schema_depth=args.max_json_schema_depth,
+                         max_json_schema_depth=args.max_json_schema_depth, max_tools=args.max_tools,
+                         max_tools_schema_bytes=args.max_tools_schema_bytes,
                          max_chat_template_chars=args.max_chat_template_chars,
                          chat_template_timeout=args.chat_template_timeout)
 
@@ -338,7 +344,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        from tokenmill.serve.chat import render_request_chat
+        from tokenmill.serve.chat import render_request_chat, template_tools
         from tokenmill.serve.serving import json_response, tokenize_text
 
         state.check_model(req.model)
@@ -348,10 +354,7 @@ def build_app(state: ServerState) -> FastAPI:
         if req.prompt is not None:
             ids = await tokenize_text(state, req.prompt, req.add_special_tokens)
         else:
-            from tokenmill.serve.tools import parse_tools
-
-            tools = [t.to_template() for t in parse_tools(req.tools)] or None
-            ids = (await render_request_chat(state, req, tools)).token_ids
+            ids = (await render_request_chat(state, req, await template_tools(state, req.tools))).token_ids
         body = {"count": len(ids), "max_model_len": state.config.model.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
         return json_response(body)

@@ -14,7 +14,8 @@ from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, Request
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
-from tokenmill.serve.tools import ToolCallStream, ToolPlan, parse_tools, plan_tools, template_messages
+from tokenmill.serve.tools import (ToolCallStream, ToolPlan, check_tool_count, parse_tools, plan_tools,
+                                  template_messages)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -110,17 +111,34 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, Logp
     return {"content": content}
 
 
-def plan_request_tools(state: "ServerState", req: ChatCompletionRequest) -> ToolPlan:
-    """The request's tools and tool_choice against this server's --tool-call-parser (400 when unservable)."""
-    return plan_tools(parse_tools(req.tools), req.tool_choice, req.parallel_tool_calls,
+def _plan_tools(state: "ServerState", req: ChatCompletionRequest) -> ToolPlan:
+    return plan_tools(parse_tools(req.tools, state.limits), req.tool_choice, req.parallel_tool_calls,
                       auto_parser=state.tool_parser, limits=state.limits)
+
+
+async def plan_request_tools(state: "ServerState", req: ChatCompletionRequest) -> ToolPlan:
+    """The request's tools and tool_choice against this server's --tool-call-parser (400 when unservable).
+    Checking up to --max-tools-schema-bytes of tools and compiling their constraint takes long enough to
+    stall every other stream, so it runs in a worker thread; too many tools are refused before that."""
+    if req.tools is None and req.tool_choice is None:
+        return ToolPlan("none")
+    check_tool_count(req.tools, state.limits)
+    return await off_loop(_plan_tools, state, req)
+
+
+async def template_tools(state: "ServerState", tools: Optional[list]) -> Optional[list[dict]]:
+    """A request's tools as the chat template reads them (/tokenize), checked as chat completions checks them."""
+    if tools is None:
+        return None
+    check_tool_count(tools, state.limits)
+    return [t.to_template() for t in await off_loop(parse_tools, tools, state.limits)] or None
 
 
 async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str) -> tuple[Generation, ToolPlan]:
     """Validate, render and admit a chat request as engine request `rid` (the Responses API enters here too);
     the tool plan reads the generated text back into content and tool calls."""
     state.check_model(req.model)
-    plan = plan_request_tools(state, req)
+    plan = await plan_request_tools(state, req)
     params = req.to_sampling_params(state.limits, plan.constraint)
     prompt = await render_request_chat(state, req, plan.template_tools())
     return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params), plan
@@ -199,7 +217,6 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts.continuous_usage_stats
-    tool_streams = [plan.stream() for _ in range(gen.params.n)]
 
     def chunk(choices: list[dict]) -> dict:
         c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}

@@ -333,10 +333,34 @@ class ChatCompletionRequest(SamplingRequest):
         return self._sampling_params(limits, max_tokens, logprobs, structured_outputs=tool_constraint)
 
 
+class ResponsesTextFormat(OpenAIModel):
+    """Responses `text.format`, OpenAI's shape: {type: text} | {type: json_object} | {type: json_schema, name,
+    schema, description, strict}. One model rather than a tagged union so that an error names the field
+    (text.format.schema), not the union member."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None  # OpenAI requires it; nothing here depends on it
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponsesTextFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a format of type json_schema needs schema (a JSON Schema object)")
+        return self
+
+
+class ResponsesText(OpenAIModel):
+    """Responses `text`: the output's format (and OpenAI's verbosity hint, accepted and not used)."""
+    format: Optional[ResponsesTextFormat] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+
+
 class ResponsesRequest(RequestBody):
     """/v1/responses (OpenAI's Responses API, text only). serve/responses.py translates it into a
     ChatCompletionRequest; vLLM's sampling extensions (top_k, seed, stop, ...) pass through as extra fields.
-    Only what the translation reads is typed here: items are checked there, with their position in the error."""
+    Input items, tools and tool_choice are checked there, with their position in the error; the rest of what
+    the translation reads is typed here (a bad shape is a 400, and the OpenAPI schema shows fuzzers the shape)."""
     model: Optional[str] = None
     input: Union[str, list[Any]]
     instructions: Optional[str] = None
@@ -347,7 +371,7 @@ class ResponsesRequest(RequestBody):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    text: Optional[dict[str, Any]] = None
+    text: Optional[ResponsesText] = None
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     # Stateful features this server refuses (it keeps no responses): see serve/responses.py

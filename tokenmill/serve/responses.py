@@ -24,7 +24,7 @@ from tokenmill.serve.chat import chat_chunks, collect_chat, start_chat
 from tokenmill.serve.tools import ToolPlan
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import APIError, bad_request
-from tokenmill.serve.protocol import ChatCompletionRequest, ResponsesRequest
+from tokenmill.serve.protocol import ChatCompletionRequest, ResponsesRequest, ResponsesText
 from tokenmill.serve.serving import Generation, json_response, now_s, sse, stream_response, with_timing_header
 
 if TYPE_CHECKING:
@@ -139,17 +139,15 @@ def chat_tool_choice(choice: Any) -> Any:
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {type: function, name}", "tool_choice")
 
 
-def chat_response_format(text: Optional[dict]) -> Optional[dict]:
-    fmt = (text or {}).get("format")
-    if fmt is None or fmt.get("type") == "text":
+def chat_response_format(text: Optional[ResponsesText]) -> Optional[dict]:
+    """text.format (typed, so already one of OpenAI's three shapes) as a chat response_format."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
         return None
-    if fmt.get("type") == "json_object":
+    if fmt.type == "json_object":
         return {"type": "json_object"}
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "response"), "schema": fmt.get("schema"),
-                                                       "strict": fmt.get("strict")}}
-    raise bad_request(f"text.format.type must be text, json_object or json_schema, got {fmt.get('type')!r}",
-                      "text.format")
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "description": fmt.description,
+                                                   "schema": fmt.json_schema, "strict": fmt.strict}}
 
 
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
@@ -196,6 +194,12 @@ def responses_usage(usage: Optional[dict], prefix_caching: bool) -> Optional[dic
             "total_tokens": usage["total_tokens"]}
 
 
+def _echo_text(text: Optional[ResponsesText]) -> dict:
+    """The request's text config as OpenAI echoes it: what was sent, its format defaulting to text."""
+    echoed = text.model_dump(by_alias=True, exclude_none=True) if text is not None else {}
+    return {**echoed, "format": echoed.get("format") or {"type": "text"}}
+
+
 def response_object(ctx: ResponseContext, status: str, output: list[dict], usage: Optional[dict] = None,
                     incomplete: Optional[dict] = None, error: Optional[dict] = None) -> dict:
     req = ctx.req
@@ -204,7 +208,7 @@ def response_object(ctx: ResponseContext, status: str, output: list[dict], usage
             "max_output_tokens": req.max_output_tokens, "model": ctx.model, "output": output,
             "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
             "reasoning": None, "store": False, "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p, "text": req.text or {"format": {"type": "text"}},
+            "top_p": 1.0 if req.top_p is None else req.top_p, "text": _echo_text(req.text),
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
             "usage": responses_usage(usage, ctx.prefix_caching), "user": req.user, "metadata": req.metadata or {}}
 

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Union
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.serve.errors import bad_request
-from tokenmill.serve.protocol import RequestLimits, check_grammar_size
+from tokenmill.serve.protocol import RequestLimits, check_grammar_size, json_depth
 from tokenmill.serve.tool_parsers import (CallArrayParser, ContentDelta, Event, ToolCall, ToolCallArguments,
                                           ToolCallStart, ToolParser, get_tool_parser, new_call_id)
 
@@ -47,9 +47,22 @@ class FunctionTool:
         return {"type": "function", "function": fn}
 
 
-def parse_tools(tools: Optional[list], param: str = "tools") -> list[FunctionTool]:
-    """Chat-completions `tools` -> FunctionTools; a 400 naming the first bad entry."""
+def check_tool_count(tools: Optional[list], limits: RequestLimits, param: str = "tools") -> None:
+    """--max-tools, before anything else looks at the tools (cheap enough for the event loop)."""
+    if tools is not None and len(tools) > limits.max_tools:
+        raise bad_request(f"{param} lists {len(tools)} tools; at most {limits.max_tools} are allowed "
+                          "(--max-tools)", param)
+
+
+def parse_tools(tools: Optional[list], limits: RequestLimits = RequestLimits(),
+                param: str = "tools") -> list[FunctionTool]:
+    """Chat-completions `tools` -> FunctionTools; a 400 naming the first bad entry, a duplicate name, or the
+    limit exceeded (--max-tools, --max-tools-schema-bytes, each schema's --max-json-schema-depth). Linear in
+    the size of the tools; still, run it off the event loop (chat.py does)."""
+    check_tool_count(tools, limits, param)
+    _check_tools_size(tools or [], limits, param)
     out: list[FunctionTool] = []
+    seen: set[str] = set()
     for i, tool in enumerate(tools or []):
         where = f"{param}[{i}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
@@ -57,15 +70,26 @@ def parse_tools(tools: Optional[list], param: str = "tools") -> list[FunctionToo
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise bad_request(f"{where}.function must be an object with a name", f"{where}.function")
-        out.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function"))
-    names = [t.name for t in out]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise bad_request(f"{param} names the function {dup!r} more than once", param)
+        out.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function",
+                                 limits))
+        if out[-1].name in seen:
+            raise bad_request(f"{param} names the function {out[-1].name!r} more than once", param)
+        seen.add(out[-1].name)
     return out
 
 
-def function_tool(name: Any, description: Any, parameters: Any, where: str) -> FunctionTool:
+def _check_tools_size(tools: list, limits: RequestLimits, param: str) -> None:
+    try:
+        size = len(json.dumps(tools, separators=(",", ":"), ensure_ascii=False).encode())
+    except (TypeError, ValueError, RecursionError):  # the body was JSON, so only nesting too deep to walk
+        raise bad_request(f"{param} nest too deeply", param) from None
+    if size > limits.max_tools_schema_bytes:
+        raise bad_request(f"{param} are {size} bytes as JSON; at most {limits.max_tools_schema_bytes} are "
+                          "allowed (--max-tools-schema-bytes)", param)
+
+
+def function_tool(name: Any, description: Any, parameters: Any, where: str,
+                  limits: RequestLimits = RequestLimits()) -> FunctionTool:
     """One checked function definition (`where` names it in errors)."""
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise bad_request(f"{where}.name must be 1-64 letters, digits, '_' or '-', got {str(name)[:80]!r}",
@@ -78,6 +102,9 @@ def function_tool(name: Any, description: Any, parameters: Any, where: str) -> F
         if parameters.get("type", "object") != "object":
             raise bad_request(f"{where}.parameters must be a JSON schema of type 'object' (the arguments "
                               f"object), got type {parameters.get('type')!r}", f"{where}.parameters")
+        if json_depth(parameters, limits.max_json_schema_depth) > limits.max_json_schema_depth:
+            raise bad_request(f"{where}.parameters nests deeper than {limits.max_json_schema_depth} levels "
+                              "(--max-json-schema-depth)", f"{where}.parameters")
     return FunctionTool(name, description, parameters)
 
 
