@@ -38,6 +38,10 @@ class RequestLimits:
     max_logit_bias: int = 1024
     max_json_schema_bytes: int = 65536
     max_json_schema_depth: int = 32
+    # A chat request's tools: OpenAI's own bound on their number, and their total size as JSON (names,
+    # descriptions, parameter schemas); each tool's parameters also keep the JSON-schema depth bound above
+    max_tools: int = 128
+    max_tools_schema_bytes: int = 512 * 1024
     # The chat template sandbox's budgets for one render (chat_template.py; the same defaults as there): a
     # request's chat_template_kwargs are template variables and can never raise them.
     max_chat_template_chars: int = 2 * 2**20
@@ -215,12 +219,12 @@ class SamplingRequest(RequestBody):
             raise bad_request(str(e), param_of(str(e), _SP_FIELDS)) from None
 
 
-def _json_depth(value: Any, limit: int, depth: int = 1) -> int:
+def json_depth(value: Any, limit: int, depth: int = 1) -> int:
     """Nesting depth of a parsed JSON value, counting no further than limit + 1."""
     if depth > limit or not isinstance(value, (dict, list)):
         return depth
     children = value.values() if isinstance(value, dict) else value
-    return max((_json_depth(c, limit, depth + 1) for c in children), default=depth)
+    return max((json_depth(c, limit, depth + 1) for c in children), default=depth)
 
 
 def _nonlocal_refs(value: Any) -> list[str]:
@@ -245,7 +249,7 @@ def check_grammar_size(so: StructuredOutputsParams, limits: RequestLimits, param
         schema = json.loads(so.json)
     except ValueError as e:
         raise bad_request(f"the JSON schema is not valid JSON: {e}", param) from None
-    if _json_depth(schema, limits.max_json_schema_depth) > limits.max_json_schema_depth:
+    if json_depth(schema, limits.max_json_schema_depth) > limits.max_json_schema_depth:
         raise bad_request(f"the JSON schema nests deeper than {limits.max_json_schema_depth} levels "
                           "(--max-json-schema-depth)", param)
     refs = _nonlocal_refs(schema)
