@@ -83,6 +83,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
             engine.scheduler.kv.num_blocks, config.cache.block_size, config.model.max_model_len,
             engine.vocab_size, os.getpid(), engine.executor.kernels(), ledger.phases))))
         _EngineLoop(engine, inp, out, encoder, parent_pid).run()
+        engine.shutdown()  # worker ranks and KV connectors, explicitly: the exit below skips interpreter teardown
     except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
         from tokenmill.executor.base import WorkerDiedError
 
@@ -99,7 +100,14 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
         ctx.term()
         if ipc_dir is not None and os.getppid() != parent_pid:
             shutil.rmtree(ipc_dir, ignore_errors=True)
-    sys.exit(code)
+    if code != 0:
+        sys.exit(code)
+    # A clean stop: everything is closed. Skip the interpreter's teardown, which walks every object of torch
+    # and the model (about a second of a server's Ctrl-C, which waits for this process, more on a busy machine).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class _EngineLoop:
