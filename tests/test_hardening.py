@@ -18,17 +18,19 @@ import httpx
 import pytest
 
 from models import tiny_model
-from server_utils import API_KEY, ROOT, ServerProc, process_alive, require_default_model, shared_server, sse_events
+from server_utils import (API_KEY, ROOT, CliProc, ServerProc, process_alive, require_default_model, shared_server,
+                          sse_events)
 
 MODEL = "tiny"
 MAX_NUM_SEQS = 32  # so --max-n's effective bound is 32
+BODY_TIMEOUT = 2.0  # --request-body-timeout: short, so a stalled body's 408 comes quickly
 
 
 @pytest.fixture(scope="module")
 def server(request):
     return shared_server(request.config, tiny_model("llama"), "--served-model-name", MODEL, "--max-waiting-requests",
                          "3", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-request-body-bytes", str(1 << 20),
-                         api_key=API_KEY)
+                         "--request-body-timeout", str(BODY_TIMEOUT), api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -354,3 +356,61 @@ def test_tools_at_the_limit_are_served_without_stalling_the_event_loop(server, h
         r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert probe.worst < 1.0, probe.latencies
+
+
+
+# -- issue 29, defect 13: a request body that stops arriving is cut after --request-body-timeout ------------
+def _post_head(port: int, length: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+    return s
+
+
+def _response_until_closed(s: socket.socket, budget: float) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds until the server closed the connection) of the one response on `s`."""
+    t0, data = time.monotonic(), b""
+    s.settimeout(budget)
+    while chunk := s.recv(65536):  # a timeout here: the server kept the connection open
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body), time.monotonic() - t0
+
+
+def test_stalled_request_body_is_408_and_the_connection_closed(http, server):
+    """Headers and half a body, then nothing: the connection was held for as long as the client liked."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    with _post_head(server.port, len(body)) as s:
+        s.sendall(body[:10])
+        status, err, took = _response_until_closed(s, BODY_TIMEOUT + 10)
+    assert status == 408 and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["code"] == "request_timeout" and "--request-body-timeout" in err["error"]["message"]
+    assert BODY_TIMEOUT - 0.5 < took < BODY_TIMEOUT + 5, took
+    _healthy(http)
+
+
+def test_slow_body_that_keeps_arriving_is_served(server):
+    """Pieces each well within --request-body-timeout, the whole taking longer than it: served."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    pieces = [body[i:i + 8] for i in range(0, len(body), 8)]
+    gap = BODY_TIMEOUT * 1.5 / len(pieces) + 0.1
+    with _post_head(server.port, len(body)) as s:
+        t0 = time.monotonic()
+        for piece in pieces:
+            time.sleep(gap)
+            s.sendall(piece)
+        assert time.monotonic() - t0 > BODY_TIMEOUT
+        s.settimeout(30)
+        head = s.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200"), head
+
+
+def test_router_cuts_stalled_request_bodies_too(server):
+    router = CliProc(["router", "--replica", server.url, "--request-body-timeout", "1", "--no-dashboard"])
+    try:
+        with _post_head(router.port, 100) as s:
+            s.sendall(b'{"prompt":')
+            status, err, took = _response_until_closed(s, 10)
+        assert status == 408 and err["error"]["code"] == "request_timeout" and took < 6, (err, took)
+    finally:
+        router.stop()

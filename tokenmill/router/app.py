@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from tokenmill.config import ROUTER_POLICIES, RouterConfig
 from tokenmill.router.forward import Router
-from tokenmill.serve.api_server import APIKeyMiddleware
+from tokenmill.serve.api_server import APIKeyMiddleware, BodyLimitMiddleware, add_body_args
 from tokenmill.serve.cors import CorsConfig, add_cors, add_cors_args, cors_config
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import install_error_handlers
@@ -73,6 +73,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own logging ('info' logs every request)")
+    add_body_args(p)
     add_cors_args(p)
 
 
@@ -169,7 +170,10 @@ def make_fleets(args: argparse.Namespace, router: Router, groups: list) -> list:
 
 def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: bool = True,
                      cors: Optional[CorsConfig] = None, fleets: list = (), admin_key: Optional[str] = None,
-                     drain_timeout: float = 300.0) -> FastAPI:
+                     drain_timeout: float = 300.0, max_body_bytes: int = 8 << 20,
+                     body_timeout: float = 20.0) -> FastAPI:
+    """max_body_bytes, body_timeout: --max-request-body-bytes and --request-body-timeout (BodyLimitMiddleware),
+    so that a huge or stalled body is refused here, before the router holds it or forwards it."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await router.pool.probe_all()
@@ -221,6 +225,7 @@ def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: b
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes, timeout=body_timeout)
     add_cors(app, cors)  # outermost: a preflight is answered here, not forwarded
     return app
 
@@ -228,14 +233,15 @@ def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: b
 def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], shutdown_timeout: float,
                  uvicorn_log_level: str = "warning", dashboard: bool = True,
                  cors: Optional[CorsConfig] = None, fleets: list = (), admin_key: Optional[str] = None,
-                 drain_timeout: float = 300.0) -> int:
+                 drain_timeout: float = 300.0, max_body_bytes: int = 8 << 20, body_timeout: float = 20.0) -> int:
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
 
     from tokenmill.serve.api_server import DrainingServer
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
-    app = build_router_app(router, api_key, dashboard, cors, fleets, admin_key, drain_timeout)
+    app = build_router_app(router, api_key, dashboard, cors, fleets, admin_key, drain_timeout, max_body_bytes,
+                           body_timeout)
     uv = uvicorn.Config(app, log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
     server = DrainingServer.make(uv)
@@ -268,6 +274,7 @@ def run_router(args: argparse.Namespace) -> int:
                     router.config.policy)
     try:
         return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
-                            not args.no_dashboard, cors, fleets, args.admin_key, args.drain_timeout)
+                            not args.no_dashboard, cors, fleets, args.admin_key, args.drain_timeout,
+                            args.max_request_body_bytes, args.request_body_timeout)
     finally:
         sock.close()

@@ -166,7 +166,8 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
         logger.info("%s behind the %s router on http://%s:%d", description, router.config.policy, args.host,
                     args.port)
         return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
-                            not getattr(args, "no_dashboard", False), cors)
+                            not getattr(args, "no_dashboard", False), cors, max_body_bytes=args.max_request_body_bytes,
+                            body_timeout=args.request_body_timeout)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()

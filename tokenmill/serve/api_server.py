@@ -10,6 +10,7 @@ finish for up to --shutdown-timeout seconds (then aborts them), stops the engine
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -78,8 +79,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
     lim.add_argument("--max-n", type=int, default=d.max_n,
                      help="largest n (and best_of) of one request; never more than --max-num-seqs")
-    lim.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                     help="largest request body; larger ones get 413")
+    add_body_args(lim)
     lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
                      help="most stop strings (and stop_token_ids) one request may list")
     lim.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
@@ -99,6 +99,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                           "(the sandbox also caps everything it builds at 8x this)")
     lim.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
                      help="seconds one chat template render may take")
+
+
+def add_body_args(group) -> None:
+    """Request-body flags of `tokenmill serve` and `tokenmill router` (BodyLimitMiddleware)."""
+    group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
+                       help="largest request body; larger ones get 413")
+    group.add_argument("--request-body-timeout", type=float, default=20.0,
+                       help="seconds to wait for the next part of a request body; a client that stalls longer "
+                            "gets 408 and its connection is closed (a slow upload that keeps sending is fine)")
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
@@ -168,15 +177,24 @@ class APIKeyMiddleware:
 class BodyLimitMiddleware:
     """413 for a request body over --max-request-body-bytes, by its Content-Length or, for a chunked body, as
     soon as the bytes received pass the limit: the body is read here (never more than the limit) and handed
-    on whole."""
+    on whole. 408, and the connection closed, when no part of the body arrives for --request-body-timeout
+    seconds: a client that sends half a body and stalls would otherwise hold its connection (and this
+    coroutine) for as long as it likes. A slow upload that keeps sending is never cut."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, timeout: float = 20.0) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     def _too_large(self) -> Response:
         return APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes "
                              "(--max-request-body-bytes).", code="request_too_large").response()
+
+    def _timed_out(self, received: int) -> Response:
+        # Connection: close, as the rest of the body may still come and cannot be told from a next request
+        return APIError(408, f"The request body stopped arriving: nothing for {self.timeout:g} s after {received} "
+                             "bytes (--request-body-timeout).", code="request_timeout",
+                        headers={"Connection": "close"}).response()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -188,7 +206,13 @@ class BodyLimitMiddleware:
             return
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except asyncio.TimeoutError:
+                logger.debug("%s %s: no body bytes for %g s after %d; answered 408", scope["method"],
+                             scope["path"], self.timeout, size)
+                await self._timed_out(size)(scope, receive, send)
+                return
             if message["type"] != "http.request":  # client gone
                 return
             chunks.append(message.get("body", b""))
@@ -378,7 +402,8 @@ def build_app(state: ServerState) -> FastAPI:
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
     app.add_middleware(DrainMiddleware, drain=state.drain)
-    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes,
+                       timeout=state.args.request_body_timeout)
     add_cors(app, cors_config(state.args))  # outermost: first to run
     return app
 
