@@ -28,9 +28,10 @@ BODY_TIMEOUT = 2.0  # --request-body-timeout: short, so a stalled body's 408 com
 
 @pytest.fixture(scope="module")
 def server(request):
+    # --max-waiting-requests counts sequences (prompts x n): MAX_NUM_SEQS lets the largest n through
     return shared_server(request.config, tiny_model("llama"), "--served-model-name", MODEL, "--max-waiting-requests",
-                         "3", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-request-body-bytes", str(1 << 20),
-                         "--request-body-timeout", str(BODY_TIMEOUT), api_key=API_KEY)
+                         str(MAX_NUM_SEQS), "--max-num-seqs", str(MAX_NUM_SEQS), "--max-request-body-bytes",
+                         str(1 << 20), "--request-body-timeout", str(BODY_TIMEOUT), api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,11 @@ def _healthy(http) -> None:
     assert http.get("/health", timeout=5).status_code == 200
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def _waiting(http) -> float:
+    line = next(x for x in http.get("/metrics").text.splitlines() if x.startswith("tokenmill:num_requests_waiting{"))
+    return float(line.split()[-1])
 
 
 # -- 1: n ------------------------------------------------------------------------------------------
@@ -101,8 +107,9 @@ def test_out_of_range_fields_are_400_and_leak_nothing(http, extra, param):
     body = '{"model": "%s", "prompt": "Hello", "max_tokens": 4, %s' % (MODEL, extra[1:])
     err = _error(_post_raw(http, "/v1/completions", body), 400)
     assert param in (err["param"] or "") + err["message"], err
-    # 3 waiting slots (--max-waiting-requests 3): a leaked one per bad request would 503 this after 3.
+    # A leaked admission slot would stay counted as waiting.
     _healthy(http)
+    assert _waiting(http) == 0
 
 
 def test_top_k_overflow_on_chat_does_not_kill_the_engine(http):
@@ -161,6 +168,30 @@ def test_request_limits(http):
         deep = {"type": "object", "properties": {"a": deep}}
     _error(http.post("/v1/completions", json={**base, "guided_json": deep}), 400, "guided_json")
     _error(http.post("/v1/completions", json={**base, "guided_regex": "a" * 70000}), 400, "guided_regex")
+    _healthy(http)
+
+
+# -- issue 29.7: prompts per request, sequences per request, admission counted in sequences ---------------
+def test_prompts_and_sequences_per_request_are_bounded(http):
+    base = {"model": MODEL, "max_tokens": 1}
+    t0 = time.monotonic()
+    err = _error(http.post("/v1/completions", json={**base, "prompt": [[1]] * 20000, "n": MAX_NUM_SEQS}), 400,
+                 "prompt")
+    assert "--max-prompts-per-request" in err["message"] and "20000" in err["message"], err
+    err = _error(http.post("/v1/completions", json={**base, "prompt": ["hi"] * 2049}), 400, "prompt")
+    assert "2048" in err["message"], err
+    assert time.monotonic() - t0 < 5
+    _healthy(http)
+
+
+def test_waiting_limit_counts_sequences_not_requests(http):
+    # --max-waiting-requests 32: one request carrying 33 (or 20 x 2) sequences can never be admitted
+    for body in ({"prompt": [[1]] * (MAX_NUM_SEQS + 1)}, {"prompt": ["hi"] * 20, "n": 2}):
+        err = _error(http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, **body}), 400)
+        assert "--max-waiting-requests" in err["message"] and "sequences" in err["message"], err
+    r = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, "prompt": [[1]] * 16, "n": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 32, r.text
+    assert _waiting(http) == 0
     _healthy(http)
 
 

@@ -191,6 +191,69 @@ def test_slow_and_idle_clients_do_not_block_others(server):
             s.close()
 
 
+# The largest completions request the default limits allow (--max-prompts-per-request 2048), ~100 KB of text
+BIG_PROMPTS = [f"Prompt {i:04d}: list the first prime numbers, then" for i in range(2048)]
+
+
+def _short_latency(c: httpx.Client) -> float:
+    t0 = time.monotonic()
+    r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return time.monotonic() - t0
+
+
+def test_largest_request_delays_a_short_one_by_under_a_second(server):
+    """Issue 29.7: one request of 1000 prompts x n=128 made a 4-token request take 398 s (the engine runs
+    requests in arrival order, and all of it had arrived first). A large request now reaches the engine a
+    window at a time, and what waits is counted where /metrics and /health can see it. The big request is
+    streamed and closed after the measurement (its disconnect aborts the rest), so this stays cheap."""
+    body = {"prompt": BIG_PROMPTS, "max_tokens": 1, "temperature": 0, "stream": True}
+    assert 90_000 < len(json.dumps(body)) < 110_000
+    admitted, done = threading.Event(), threading.Event()
+    big: dict = {"finished": 0}
+    probes: list[float] = []
+
+    def send_big():
+        with httpx.Client(base_url=server.url, timeout=600) as c, c.stream("POST", "/v1/completions", json=body) as r:
+            big["status"] = r.status_code
+            admitted.set()
+            for line in r.iter_lines():
+                big["finished"] += line.count('"finish_reason":"length"')
+                if done.is_set():
+                    return  # closing the stream aborts what is left
+
+    def probe():
+        while not done.wait(0.1):
+            t0 = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            probes.append(time.monotonic() - t0)
+
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        alone = sorted(_short_latency(c) for _ in range(3))[1]
+        sender, prober = threading.Thread(target=send_big), threading.Thread(target=probe)
+        sender.start()
+        prober.start()
+        try:
+            assert admitted.wait(60) and big["status"] == 200, big
+            beside = [_short_latency(c) for _ in range(3)]
+            waiting = httpx.get(server.url + "/health?detail=1", timeout=30).json().get("num_requests_waiting")
+            scraped = metrics(server)["tokenmill:num_requests_waiting"]
+            finished = big["finished"]
+        finally:
+            done.set()
+            sender.join()
+            prober.join()
+    print(f"\n[big request] 2048 prompts ({len(json.dumps(body)) / 1000:.0f} KB): a 2-token request alone "
+          f"{alone * 1000:.0f} ms, beside it {[round(x * 1000) for x in beside]} ms; /health max "
+          f"{max(probes) * 1000:.0f} ms over {len(probes)} probes; {waiting} sequences waiting "
+          f"({finished} finished)")
+    assert max(beside) - alone < 1.0
+    assert max(probes) < 1.0
+    # Counted while it is in flight: what the API process holds back plus what the engine has not started
+    assert finished < 1500 and waiting >= 2048 - finished - 64 - 200 and scraped >= 2048 - finished - 64 - 400
+    assert _wait_idle(server)["tokenmill:num_requests_waiting"] == 0
+
+
 def test_fuzz_openapi_no_server_errors():
     """schemathesis generates requests from the server's own /openapi.json: none may get a 5xx or hang,
     and the server is healthy afterwards. Its own server, as the module's but with a 96-token context: the

@@ -32,7 +32,7 @@ import tokenmill
 from tokenmill.serve.admin import ADMIN_KEY_HELP, DrainMiddleware, DrainState, check_admin
 from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
 from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
-from tokenmill.serve.serving import load_grammar_support
+from tokenmill.serve.serving import Admission, load_grammar_support, num_waiting
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
 from tokenmill.startup import Ledger
@@ -48,7 +48,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $TOKENMILL_API_KEY)")
     g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"), help=ADMIN_KEY_HELP)
     g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 + Retry-After while this many requests wait for the engine (default: no limit)")
+                   help="answer 503 + Retry-After while this many sequences (prompts x n of each request) wait for "
+                        "the engine; a request carrying more than this gets 400 (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--chat-template", default=None,
@@ -79,6 +80,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
     lim.add_argument("--max-n", type=int, default=d.max_n,
                      help="largest n (and best_of) of one request; never more than --max-num-seqs")
+    lim.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                     help="most prompts in one /v1/completions request (a list of strings or of token-id lists)")
+    lim.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
+                     help="most sequences (prompts x n) in one request; each is an engine request")
     add_body_args(lim)
     lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
                      help="most stop strings (and stop_token_ids) one request may list")
@@ -116,6 +121,8 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
                          max_json_schema_bytes=args.max_json_schema_bytes,
                          max_json_schema_depth=args.max_json_schema_depth, max_tools=args.max_tools,
                          max_tools_schema_bytes=args.max_tools_schema_bytes,
+                         max_prompts_per_request=args.max_prompts_per_request,
+                         max_sequences_per_request=args.max_sequences_per_request,
                          max_chat_template_chars=args.max_chat_template_chars,
                          chat_template_timeout=args.chat_template_timeout)
 
@@ -135,6 +142,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
+    admission: Admission = field(default_factory=Admission)  # sequences admitted, not yet sent to the engine
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -294,7 +302,7 @@ def build_app(state: ServerState) -> FastAPI:
             from tokenmill.serve.serving import json_response
 
             return json_response({"status": "ok", "engine_restarts": engine.num_restarts,
-                                  "startup": state.ledger.as_dict()})
+                                  "num_requests_waiting": num_waiting(state), "startup": state.ledger.as_dict()})
         return Response(status_code=200)
 
     @app.api_route("/admin/drain", methods=["GET", "POST"])
@@ -519,6 +527,8 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
                         chat_template, request_limits(args),
                         args.tool_call_parser if args.enable_auto_tool_choice else None, ledger,
                         dashboard=dashboard)
+    # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
+    metrics.waiting.set_function(lambda: num_waiting(state))
     try:
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)

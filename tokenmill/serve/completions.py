@@ -10,8 +10,9 @@ from tokenmill.outputs import Logprob
 from tokenmill.serve.disconnect import until_disconnected
 from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import CompletionRequest
-from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, json_response, now_s, random_id, sse,
-                                     stream_response, tokenize_text, with_kv_transfer_params, with_timing_header)
+from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
+                                     off_loop, random_id, sse, stream_response, with_kv_transfer_params,
+                                     with_timing_header)
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -49,10 +50,17 @@ def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[Optional
 
 
 async def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]:
+    """Text prompts are tokenized together in one worker thread: 2048 of them one by one took 2048 hops
+    through the event loop."""
+    raw = req.prompts(state.limits)
+    texts = [p for p in raw if isinstance(p, str)]
+    for p in texts:
+        check_text_length(state, p)
+    ids = iter(await off_loop(lambda: state.tokenizer(texts).input_ids) if texts else ())
     out = []
-    for i, p in enumerate(req.prompts()):
+    for i, p in enumerate(raw):
         if isinstance(p, str):
-            out.append(Prompt(p, await tokenize_text(state, p)))
+            out.append(Prompt(p, next(ids)))
         else:
             if not p:
                 raise bad_request(f"prompt {i} is an empty list of token ids", "prompt")

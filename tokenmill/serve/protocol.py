@@ -42,6 +42,10 @@ class RequestLimits:
     # descriptions, parameter schemas); each tool's parameters also keep the JSON-schema depth bound above
     max_tools: int = 128
     max_tools_schema_bytes: int = 512 * 1024
+    # Prompts in one completions request (as embeddings' inputs: OpenAI's 2048), and prompts x n: each
+    # sequence is an engine request; 20000 x 128 of them once froze the server for minutes
+    max_prompts_per_request: int = 2048
+    max_sequences_per_request: int = 4096
     # The chat template sandbox's budgets for one render (chat_template.py; the same defaults as there): a
     # request's chat_template_kwargs are template variables and can never raise them.
     max_chat_template_chars: int = 2 * 2**20
@@ -266,7 +270,7 @@ class CompletionRequest(SamplingRequest):
     suffix: Optional[str] = None
     best_of: Optional[Int64] = None
 
-    def prompts(self) -> list[Union[str, list[int]]]:
+    def prompts(self, limits: RequestLimits) -> list[Union[str, list[int]]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
@@ -274,6 +278,13 @@ class CompletionRequest(SamplingRequest):
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p[0], int):
             return [p]
+        if len(p) > limits.max_prompts_per_request:
+            raise bad_request(f"prompt lists {len(p)} prompts; at most {limits.max_prompts_per_request} are allowed "
+                              "per request (--max-prompts-per-request)", "prompt")
+        if len(p) * self.n > limits.max_sequences_per_request:
+            raise bad_request(f"{len(p)} prompts x n={self.n} is {len(p) * self.n} sequences; at most "
+                              f"{limits.max_sequences_per_request} are allowed per request "
+                              "(--max-sequences-per-request)", "n")
         return list(p)
 
     def to_sampling_params(self, limits: RequestLimits, echo_logprobs: bool) -> SamplingParams:
