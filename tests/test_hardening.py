@@ -195,6 +195,21 @@ def test_waiting_limit_counts_sequences_not_requests(http):
     _healthy(http)
 
 
+# -- issue 29.13: booleans are not token ids; repetition_penalty, seeds, metadata bounded -----------------
+@pytest.mark.parametrize("path,body,param", [
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [True, 2], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1], [False]], "max_tokens": 1}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop_token_ids": [True]},
+     "stop_token_ids"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                              "stop_token_ids": [False]}, "stop_token_ids")])
+def test_booleans_are_not_token_ids(http, path, body, param):
+    err = _error(http.post(path, json=body), 400)
+    assert param in (err["param"] or "") + err["message"], err
+    _healthy(http)
+
+
 # -- 1d: large bodies and prompts never freeze the event loop ----------------------------------------------
 def test_body_over_the_limit_is_413(http):
     prompt = "word " * 300000  # 1.5 MB > --max-request-body-bytes 1 MiB

@@ -28,6 +28,11 @@ Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # token counts, top_k, logprobs
 
 
+# Strict: JSON true/false would otherwise pass as the ids 1 and 0 (bool is an int to Python and to pydantic's
+# lax mode), and "5" or 5.0 as 5; checked in pydantic's core, not per id in Python (prompts of 1M ids)
+TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """Per-request bounds the server enforces (its --max-* flags): each one, exceeded, is a 400 naming it.
@@ -123,7 +128,7 @@ class SamplingRequest(RequestBody):
     repetition_penalty: Optional[float] = None
     min_tokens: Count = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[Count]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -263,7 +268,7 @@ def check_grammar_size(so: StructuredOutputsParams, limits: RequestLimits, param
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[list[int], list[list[int]], str, list[str]]
+    prompt: Union[list[TokenId], list[list[TokenId]], str, list[str]]
     max_tokens: Optional[Int64] = 16
     echo: bool = False
     logprobs: Optional[Int64] = None
@@ -411,13 +416,13 @@ class TokenizeRequest(RequestBody):
 
 class DetokenizeRequest(RequestBody):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class EmbeddingRequest(RequestBody):
     """/v1/embeddings (OpenAI), plus vLLM's truncate_prompt_tokens. `user` is accepted and ignored."""
     model: Optional[str] = None
-    input: Union[str, list[str], list[Count], list[list[Count]]]
+    input: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[Int64] = None
     user: Optional[str] = None
