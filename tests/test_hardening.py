@@ -210,6 +210,18 @@ def test_booleans_are_not_token_ids(http, path, body, param):
     _healthy(http)
 
 
+@pytest.mark.parametrize("value", [1e-300, 0.001, 101, -1])
+def test_repetition_penalty_is_bounded(http, value):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                           "repetition_penalty": value})
+    err = _error(r, 400, "repetition_penalty")
+    assert "0.01" in err["message"] and "100" in err["message"], err
+    for ok in (0.01, 1.3, 100):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                               "repetition_penalty": ok})
+        assert r.status_code == 200, r.text
+
+
 # -- 1d: large bodies and prompts never freeze the event loop ----------------------------------------------
 def test_body_over_the_limit_is_413(http):
     prompt = "word " * 300000  # 1.5 MB > --max-request-body-bytes 1 MiB

@@ -7,6 +7,9 @@ from typing import Optional, Union
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# repetition_penalty divides (or multiplies) logits: 1e-300 made them infinite and the model emitted
+# end-of-text at every step. vLLM and TGI only ask for > 0; [0.01, 100] keeps every logit finite in bf16.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
@@ -93,8 +96,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}.")
-        if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}], got "
+                f"{self.repetition_penalty}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
