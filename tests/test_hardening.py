@@ -222,6 +222,19 @@ def test_repetition_penalty_is_bounded(http, value):
         assert r.status_code == 200, r.text
 
 
+def test_seeds_differing_in_their_high_bits_sample_differently(http):
+    def sample(seed: int) -> str:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12,
+                                               "temperature": 1.0, "seed": seed, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    base = sample(5)
+    assert sample(5) == base  # a seed is reproducible
+    for other in (5 - 2**63, 5 + 2**32, 5 + 2**62):
+        assert sample(other) != base, other
+
+
 # -- 1d: large bodies and prompts never freeze the event loop ----------------------------------------------
 def test_body_over_the_limit_is_413(http):
     prompt = "word " * 300000  # 1.5 MB > --max-request-body-bytes 1 MiB

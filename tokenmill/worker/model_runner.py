@@ -23,6 +23,27 @@ from tokenmill.worker.flat_batch import block_table_array, flat_batch
 from tokenmill.worker.request_states import RequestStates
 
 
+def _mix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer: a bijection of 32-bit integers with _mix32(0) == 0."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def generator_seed(seed: int, device) -> int:
+    """The seed a request's torch.Generator gets. The CPU generator (mt19937) keeps only the low 32 bits of
+    its seed, so seeds 2^32 apart (5 and 5 - 2^63) sampled identically; here the high half is hashed into
+    the low one. Seeds in [0, 2^32) keep their streams; a CPU generator still has only 2^32 streams, so two
+    arbitrary 64-bit seeds collide with probability 2^-32, but no longer by a pattern. CUDA's Philox
+    generator takes all 64 bits as they are."""
+    if torch.device(device).type != "cpu":
+        return seed
+    seed &= 0xFFFFFFFFFFFFFFFF  # two's complement, as torch reads a negative seed
+    return (seed & 0xFFFFFFFF) ^ _mix32(seed >> 32)
+
+
 class ModelRunner:
     def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
                  drafter: Optional[Proposer] = None, max_model_len: int = 0,
@@ -67,7 +88,8 @@ class ModelRunner:
             return None
         gen = self.request_generators.get(r.request_id)
         if gen is None:
-            gen = self.request_generators[r.request_id] = torch.Generator(self.device).manual_seed(sp.seed)
+            gen = torch.Generator(self.device).manual_seed(generator_seed(sp.seed, self.device))
+            self.request_generators[r.request_id] = gen
         return gen
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest], rows: Optional[list[int]] = None) -> SamplingMetadata:
