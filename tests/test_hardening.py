@@ -235,6 +235,18 @@ def test_seeds_differing_in_their_high_bits_sample_differently(http):
         assert sample(other) != base, other
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1})])
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513},
+                                      {"k": 5}])
+def test_metadata_is_bounded(http, path, body, metadata):
+    err = _error(http.post(path, json={"model": MODEL, **body, "metadata": metadata}), 400)
+    assert (err["param"] or "").startswith("metadata"), err
+    ok = {f"k{i}": "v" * 512 for i in range(16)}
+    assert http.post(path, json={"model": MODEL, **body, "metadata": ok}).status_code == 200
+
+
 # -- 1d: large bodies and prompts never freeze the event loop ----------------------------------------------
 def test_body_over_the_limit_is_413(http):
     prompt = "word " * 300000  # 1.5 MB > --max-request-body-bytes 1 MiB

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.errors import bad_request, param_of
@@ -31,6 +31,25 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # token counts, top_k, logpro
 # Strict: JSON true/false would otherwise pass as the ids 1 and 0 (bool is an int to Python and to pydantic's
 # lax mode), and "5" or 5.0 as 5; checked in pydantic's core, not per id in Python (prompts of 1M ids)
 TokenId = Annotated[int, Field(strict=True, ge=0, le=INT64_MAX)]
+
+# OpenAI's bounds on `metadata` (Responses, chat completions): at most 16 pairs, keys up to 64 characters,
+# values up to 512. Unbounded, 100k keys were parsed and echoed back.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _check_metadata(value: dict[str, str]) -> dict[str, str]:
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"metadata may have at most {MAX_METADATA_PAIRS} key-value pairs, got {len(value)}")
+    for k, v in value.items():
+        if len(k) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"metadata keys may be at most {MAX_METADATA_KEY_CHARS} characters, got {len(k)}")
+        if len(v) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata values may be at most {MAX_METADATA_VALUE_CHARS} characters, got {len(v)} "
+                             f"for {k!r}")
+    return value
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_check_metadata)]
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,7 @@ class SamplingRequest(RequestBody):
     cache_salt: Optional[str] = None
     # Disaggregated prefill/decode (vLLM's field): passed to the engine request as is; see docs/router.md
     kv_transfer_params: Optional[dict[str, Any]] = None
+    metadata: Optional[Metadata] = None  # accepted (bounded) and not used: this server stores nothing
 
     def _structured(self, limits: RequestLimits) -> Optional[StructuredOutputsParams]:
         rf = self.response_format
@@ -392,7 +412,7 @@ class ResponsesRequest(RequestBody):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[ResponsesText] = None
-    metadata: Optional[dict[str, str]] = None
+    metadata: Optional[Metadata] = None
     user: Optional[str] = None
     # Stateful features this server refuses (it keeps no responses): see serve/responses.py
     store: Optional[bool] = None
