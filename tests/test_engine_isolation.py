@@ -1,12 +1,22 @@
 """A request whose data makes the engine fail (a step raising, a grammar that does not compile) fails alone:
 every other request finishes with exactly the tokens it gets without it, no block leaks, and the engine
 keeps serving. The failure is injected by wrapping the executor: a step containing the poisoned request
-raises before the forward pass, as a kernel error on that request's data would."""
-import random
+raises before the forward pass, as a kernel error on that request's data would.
 
+A failure the engine cannot isolate ends the engine process, which reports it (a `fatal` message) before it
+exits; the API process then restarts it. That is checked on a real server, the failure injected into its
+engine process by a sitecustomize module (FAULT_HOOK)."""
+import os
+import random
+import textwrap
+import time
+
+import httpx
 import pytest
 
+from server_utils import ServerProc, require_default_model
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.async_llm import RestartBackoff
 from tokenmill.engine.request import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -130,3 +140,73 @@ def test_constrained_request_waits_for_its_grammar_without_holding_others(llm):
     text = llm.tokenizer.decode([t for o in first if o.request_id == "c" for t in o.new_token_ids] + list(
         got.get("c", ([],))[0]), skip_special_tokens=True)
     assert text in ("yes", "no"), text
+
+
+# Loaded by every Python process of the server (PYTHONPATH): in the engine process, a request with seed FAULT_SEED
+# makes EngineCore.add_request raise a RuntimeError, which the engine loop does not isolate (only a ValueError is
+# a rejected request): the engine reports it as fatal and exits 1.
+FAULT_SEED = 4242
+FAULT_HOOK = f"""
+from tokenmill.engine import core_proc
+
+_real_init = core_proc._EngineLoop.__init__
+
+
+def _init(self, engine, *args, **kwargs):
+    _real_init(self, engine, *args, **kwargs)
+    real_add = engine.add_request
+
+    def add_request(req):
+        if req.sampling_params.seed == {FAULT_SEED}:
+            raise RuntimeError("injected engine fault")
+        return real_add(req)
+
+    engine.add_request = add_request
+
+
+core_proc._EngineLoop.__init__ = _init
+"""
+
+
+@pytest.fixture
+def faulty_server(tmp_path, monkeypatch):
+    require_default_model()
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(FAULT_HOOK))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    s = ServerProc(None, "--max-model-len", "256")
+    yield s
+    s.stop()
+
+
+def test_engine_reported_failure_restarts_within_10s_every_time(faulty_server):
+    """Each restart once raced the dead engine's exit watch: the new engine was marked dead at once ("exit code
+    None"), again and again, /health 503 throughout and the API process spinning."""
+    s = faulty_server
+    for i in range(3):
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "seed": FAULT_SEED},
+                       timeout=30)
+        assert r.status_code in (500, 503) and "injected engine fault" in r.text, r.text
+        t0 = time.monotonic()
+        while httpx.get(s.url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() - t0 < 10, f"round {i}: /health not 200 after 10 s"
+            time.sleep(0.1)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, (i, r.text)
+    assert httpx.get(s.url + "/health", params={"detail": 1}, timeout=5).json()["engine_restarts"] == 3
+    assert "exit code None" not in s.logs() and "restart 3 failed" not in s.logs()
+
+
+def test_restart_backoff_grows_in_a_crash_loop_and_resets_after_a_healthy_period():
+    b = RestartBackoff()  # up to 30 s; healthy after 10 s of being ready
+    delays = []
+    now = 0.0
+    for _ in range(7):  # each engine dies 3 s after it became ready
+        delays.append(b.next_delay(now))
+        now += delays[-1] + 2.0
+        b.on_ready(now)
+        now += 3.0
+    assert delays == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
+    assert b.next_delay(now + 1.0) == 30.0        # a failed start (never ready) keeps the pause
+    b.on_ready(now + 40.0)
+    assert b.next_delay(now + 51.0) == 0.0        # served 11 s: the next failure restarts at once
+    assert b.next_delay(now + 52.0) == 1.0

@@ -9,6 +9,7 @@ EngineDeadError and new ones are refused.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -107,8 +108,10 @@ class AsyncLLM:
 
         self.log_level = log_level
         self.num_restarts = 0
+        self._backoff = RestartBackoff()
         self._start_timeout = 600.0
         self._restart_task: Optional[asyncio.Task] = None
+        self._watched_fd: Optional[int] = None  # the running engine's sentinel, watched by _on_engine_exit
         remove_stale_ipc_dirs()
         self._ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         self._ctx = zmq.asyncio.Context()
@@ -148,36 +151,56 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         died = loop.create_future()
         loop.add_reader(self.proc.sentinel, lambda: died.done() or died.set_result(None))
-        recv = asyncio.ensure_future(self._out.recv())
-        done, _ = await asyncio.wait([recv, died], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if recv in done:
-            msg = self._decoder.decode(recv.result())
-            if msg.ready is None:
-                loop.remove_reader(self.proc.sentinel)
-                raise RuntimeError(f"engine core failed to start: {msg.fatal}")
-            self.ready = msg.ready
-        else:
-            recv.cancel()
+        try:
+            self.ready = await self._wait_ready(died, timeout)
+        finally:
             loop.remove_reader(self.proc.sentinel)
-            if died.done():
-                self.proc.join(1)
-                raise RuntimeError(f"engine core process exited during startup (exit code {self.proc.exitcode}); "
-                                   "see the log above")
-            raise RuntimeError(f"engine core did not become ready within {timeout:.0f}s")
-        loop.remove_reader(self.proc.sentinel)
-        loop.add_reader(self.proc.sentinel, self._on_engine_exit)
+        self._watch_exit(self.proc)
+        self._backoff.on_ready(time.monotonic())
         self._output_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
         logger.info("engine ready: %d KV blocks of %d tokens", self.ready.num_blocks, self.ready.block_size)
+
+    async def _wait_ready(self, died: asyncio.Future, timeout: float) -> EngineReady:
+        """The engine's ready message. Outputs a previous engine sent just before it died may still be queued on
+        the shared socket ahead of it: they are dropped (read as a failed start, they once cost a restart)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            recv = asyncio.ensure_future(self._out.recv())
+            done, _ = await asyncio.wait([recv, died], timeout=max(deadline - time.monotonic(), 0.0),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if recv not in done:
+                recv.cancel()
+                if died.done():
+                    self.proc.join(1)
+                    raise RuntimeError(f"engine core process exited during startup (exit code "
+                                       f"{self.proc.exitcode}); see the log above")
+                raise RuntimeError(f"engine core did not become ready within {timeout:.0f}s")
+            msg = self._decoder.decode(recv.result())
+            if msg.ready is not None:
+                return msg.ready
+            if msg.fatal is not None:
+                raise RuntimeError(f"engine core failed to start: {msg.fatal}")
+
+    def _watch_exit(self, proc: multiprocessing.Process) -> None:
+        """Call _on_engine_exit(proc) once that engine process ends. One watch at a time, removed by the fd it
+        was added with: removing it by `self.proc.sentinel` after a restart had replaced self.proc once left the
+        dead engine's fd watched (the API process spinning on it) and marked every new engine dead at once."""
+        self._unwatch_exit()
+        asyncio.get_running_loop().add_reader(proc.sentinel, self._on_engine_exit, proc)
+        self._watched_fd = proc.sentinel
+
+    def _unwatch_exit(self) -> None:
+        if self._watched_fd is not None:
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(self._watched_fd)
+            self._watched_fd = None
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         if self._shutting_down:
             return
         self._shutting_down = True
         loop = asyncio.get_running_loop()
-        try:
-            loop.remove_reader(self.proc.sentinel)
-        except (ValueError, OSError):
-            pass
+        self._unwatch_exit()
         if self.proc.is_alive():
             try:
                 await asyncio.wait_for(self._in.send_multipart([SHUTDOWN]), 1.0)
@@ -220,23 +243,23 @@ class AsyncLLM:
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    def _on_engine_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self.proc.sentinel)
-        if self._shutting_down:
+    def _on_engine_exit(self, proc: multiprocessing.Process) -> None:
+        self._unwatch_exit()
+        if self._shutting_down or proc is not self.proc:
             return
         # Give the output loop a moment to read the engine's own last words (a fatal error message).
-        loop.call_later(0.2, self._mark_dead_exited)
+        asyncio.get_running_loop().call_later(0.2, self._mark_dead_exited, proc)
 
-    def _mark_dead_exited(self) -> None:
-        if self.dead is None and not self._shutting_down:
-            self.proc.join(0.5)
-            self._mark_dead(f"the engine process exited unexpectedly (exit code {self.proc.exitcode})")
+    def _mark_dead_exited(self, proc: multiprocessing.Process) -> None:
+        if self.dead is None and not self._shutting_down and proc is self.proc:
+            proc.join(0.5)
+            self._mark_dead(f"the engine process exited unexpectedly (exit code {proc.exitcode})")
 
     def _mark_dead(self, reason: str, restart: bool = True) -> None:
         if self.dead is not None:
             return
         self.dead = reason
+        self._unwatch_exit()  # this engine is done with: the restart ends and replaces it
         logger.error("engine is dead: %s; failing %d open request(s) and %s", reason, len(self.streams),
                      "restarting it" if restart else "stopping the server")
         self._fail_all(EngineDeadError(reason))
@@ -251,13 +274,18 @@ class AsyncLLM:
 
     async def _restart(self) -> None:
         """Start a fresh engine process on the same sockets; until it is ready, requests get 503 and
-        /health reports the outage. Retries with a growing pause if the new engine fails to start too."""
+        /health reports the outage. Retries with a growing pause (RestartBackoff) if the new engine fails to
+        start too, or dies again before it has served for a while."""
+        loop = asyncio.get_running_loop()
         while not self._shutting_down:
             self.num_restarts += 1
-            await asyncio.sleep(min(2.0 ** (self.num_restarts - 1) - 1, 30.0))
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(5)
+            await asyncio.sleep(self._backoff.next_delay(time.monotonic()))
+            old = self.proc
+            if old.is_alive():
+                old.kill()
+            await loop.run_in_executor(None, old.join, 5)
+            if old.exitcode is not None:
+                old.close()  # its sentinel fd, now rather than whenever the object is collected
             self.proc = self._spawn()
             try:
                 await self.start(timeout=self._start_timeout)
@@ -487,6 +515,30 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     if b.embedding is not None:
         a.embedding = b.embedding
     return a
+
+
+@dataclass
+class RestartBackoff:
+    """The pause before each engine restart: none for the first, then 1, 2, 4 ... seconds up to `cap` while
+    failures follow each other (a start that fails, an engine that dies again soon after it was ready); back to
+    none once an engine has been ready for `healthy_s` seconds, so an occasional failure is always restarted at
+    once instead of after the pause a crash loop long ago left behind."""
+    cap: float = 30.0
+    healthy_s: float = 10.0
+    failures: int = 0                    # restarts since an engine was last healthy for healthy_s
+    ready_at: Optional[float] = None     # when the running engine became ready (monotonic seconds)
+
+    def on_ready(self, now: float) -> None:
+        self.ready_at = now
+
+    def next_delay(self, now: float) -> float:
+        """Seconds to wait before the restart about to happen (now: monotonic seconds)."""
+        if self.ready_at is not None and now - self.ready_at >= self.healthy_s:
+            self.failures = 0
+        self.ready_at = None
+        delay = 0.0 if self.failures == 0 else min(2.0 ** (self.failures - 1), self.cap)
+        self.failures += 1
+        return delay
 
 
 IPC_PREFIX = "tokenmill-ipc-"
