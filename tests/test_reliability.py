@@ -254,6 +254,33 @@ def test_largest_request_delays_a_short_one_by_under_a_second(server):
     assert _wait_idle(server)["tokenmill:num_requests_waiting"] == 0
 
 
+def test_eight_megabytes_of_token_ids_do_not_stall_the_event_loop(server):
+    """A body just under the default --max-request-body-bytes (8 MiB) of token ids, ~3.9M of them: the UTF-8
+    check made a Python call per id and the prompt was checked id by id before its length, 2.4 s on the
+    event loop that serves every other request. A short request sent meanwhile must not wait > 1 s."""
+    body = ('{"prompt": [[' + ",".join(["1"] * 3_900_000) + "]], \"max_tokens\": 1}").encode()
+    assert 7_000_000 < len(body) < 8 << 20
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        alone = sorted(_short_latency(c) for _ in range(3))[1]
+        beside: list[float] = []
+        sent = threading.Event()
+
+        def shorts():
+            sent.wait()
+            with httpx.Client(base_url=server.url, timeout=120) as c2:
+                for _ in range(10):
+                    beside.append(_short_latency(c2))
+        t = threading.Thread(target=shorts)
+        t.start()
+        sent.set()
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        t.join()
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text[:300]
+    print(f"\n[8 MB of token ids] 400 in {r.elapsed.total_seconds():.2f}s; a 2-token request alone "
+          f"{alone * 1000:.0f} ms, beside it max {max(beside) * 1000:.0f} ms")
+    assert max(beside) - alone < 1.0
+
+
 def test_fuzz_openapi_no_server_errors():
     """schemathesis generates requests from the server's own /openapi.json: none may get a 5xx or hang,
     and the server is healthy afterwards. Its own server, as the module's but with a 96-token context: the

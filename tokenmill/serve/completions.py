@@ -57,13 +57,16 @@ async def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]
     for p in texts:
         check_text_length(state, p)
     ids = iter(await off_loop(lambda: state.tokenizer(texts).input_ids) if texts else ())
-    out = []
+    out, context = [], state.config.model.max_model_len
     for i, p in enumerate(raw):
         if isinstance(p, str):
             out.append(Prompt(p, next(ids)))
         else:
             if not p:
                 raise bad_request(f"prompt {i} is an empty list of token ids", "prompt")
+            if len(p) > context:  # before any per-id check: an 8 MB body carries ~4M ids
+                raise bad_request(f"prompt {i} has {len(p)} tokens, more than the model's context length of "
+                                  f"{context}", "prompt")
             out.append(Prompt(None, list(p)))
     return out
 

@@ -76,6 +76,9 @@ class RequestLimits:
     chat_template_timeout: float = 2.0  # seconds
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
 def _check_text(value: Any, where: str) -> None:
     """Refuse strings that cannot be UTF-8 (a lone surrogate such as "\\ud800" is legal JSON): the tokenizer
     and the wire format would fail on them far from here."""
@@ -90,6 +93,8 @@ def _check_text(value: Any, where: str) -> None:
             _check_text(k, where)
             _check_text(v, f"{where}.{k}" if where else str(k))
     elif isinstance(value, list):
+        if set(map(type, value)) <= _SCALARS:  # token ids: one pass in C (a call per id took 0.85 s for 8 MB)
+            return
         for i, v in enumerate(value):
             _check_text(v, f"{where}[{i}]")
 
