@@ -15,6 +15,7 @@ serve reports the router's counters; malformed --disaggregate values are refused
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -79,6 +80,31 @@ HC = ("--health-check-interval", "60", "--health-check-timeout", "60")  # failur
 LONG = " ".join(PROMPTS[:3])  # four blocks of tokens
 
 
+def instance_pid(launcher: CliProc, url: str) -> int:
+    """The launcher's child `tokenmill serve` process listening on url's port (children of any of its threads)."""
+    port = url.rsplit(":", 1)[1]
+    pids = []
+    for task in os.listdir(f"/proc/{launcher.proc.pid}/task"):
+        with open(f"/proc/{launcher.proc.pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
+            return pid
+    raise RuntimeError(f"no instance on port {port} among {pids}")
+
+
+def _roles(launcher: CliProc) -> dict[str, list[str]]:
+    """{'prefill': [urls], 'decode': [urls]}, read from the launcher's router's /metrics."""
+    roles: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for key in metrics(launcher):
+        if key.startswith("tokenmill:router_disagg_requests_total{"):
+            labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1:-1].split(","))
+            roles[labels["role"]].append(labels["replica"])
+    return {k: sorted(v) for k, v in roles.items()}
+
+
 class Deployment:
     def __init__(self) -> None:
         model = tiny_model("llama")
@@ -86,12 +112,8 @@ class Deployment:
             ref = pool.submit(ServerProc, model)
             self.launcher = ServerProc(model, "--disaggregate", "2P1D", *HC)
             self.ref = ref.result()  # colocated reference; it has no connector
-        roles: dict[str, list[str]] = {"prefill": [], "decode": []}
-        for key in metrics(self.launcher):
-            if key.startswith("tokenmill:router_disagg_requests_total{"):
-                labels = dict(kv.split("=", 1) for kv in key[key.index("{") + 1:-1].split(","))
-                roles[labels["role"]].append(labels["replica"])
-        self.prefill, self.decode = sorted(roles["prefill"]), roles["decode"]
+        roles = _roles(self.launcher)
+        self.prefill, self.decode = roles["prefill"], roles["decode"]
         assert len(self.prefill) == 2 and len(self.decode) == 1, roles
         self.routers: list[CliProc] = []
 
@@ -102,16 +124,7 @@ class Deployment:
         return self.routers[-1]
 
     def instance_pid(self, url: str) -> int:
-        """The launcher's child `tokenmill serve` process listening on url's port."""
-        port = url.rsplit(":", 1)[1]
-        with open(f"/proc/{self.launcher.proc.pid}/task/{self.launcher.proc.pid}/children") as f:
-            pids = [int(p) for p in f.read().split()]
-        for pid in pids:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            if b"--port" in argv and argv[argv.index(b"--port") + 1] == port.encode():
-                return pid
-        raise RuntimeError(f"no instance on port {port} among {pids}")
+        return instance_pid(self.launcher, url)
 
     def stop(self) -> None:
         for p in (*self.routers, self.launcher, self.ref):
@@ -346,3 +359,43 @@ def test_decode_instance_killed_before_answering_is_retried(deployment):
     state = _wait_kv_empty([d.prefill[1], *d.decode])
     assert not any(state["usage"].values()) and not any(state["held"].values()), state
     assert d.launcher.stop(signal.SIGINT, timeout=60) == 0, d.launcher.logs()
+
+
+# -- its own deployment: 1P1D, probed every second ----------------------------------------------------------
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not {what} after {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def _alive_on(launcher: CliProc, url: str, old_pid: int) -> bool:
+    try:
+        return instance_pid(launcher, url) != old_pid and httpx.get(url + "/health", timeout=2).status_code == 200
+    except (RuntimeError, FileNotFoundError, httpx.HTTPError):
+        return False
+
+
+def test_disaggregate_relaunches_a_prefill_instance_that_died():
+    """The instances `--disaggregate` started are kept running: a SIGKILLed prefill instance is started again on
+    its port, the router takes it back, and requests are prefilled there again (nothing recomputed)."""
+    launcher = ServerProc(tiny_model("llama"), "--disaggregate", "1P1D", "--health-check-interval", "1")
+    try:
+        (prefill,), (decode,) = _roles(launcher)["prefill"], _roles(launcher)["decode"]
+        expected = _generate(launcher.url, _body(PROMPTS[1], False))[:2]
+        pid = instance_pid(launcher, prefill)
+        os.killpg(pid, signal.SIGKILL)  # its engine process too (same session)
+        _wait(lambda: _alive_on(launcher, prefill, pid), 90, "relaunched")
+        healthy = f"tokenmill:router_replica_healthy{{replica={prefill}}}"
+        _wait(lambda: metrics(launcher).get(healthy) == 1, 10, "back in the router's pool")
+        before = metrics(launcher)
+        for stream in (False, True):
+            assert _generate(launcher.url, _body(PROMPTS[1], stream))[:2] == expected
+        m = metrics(launcher)
+        served = f"tokenmill:router_disagg_requests_total{{replica={prefill},role=prefill}}"
+        assert m[served] - before[served] == 2
+        assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == _sum(before, "tokenmill:router_disagg_fallbacks_total")
+        assert "starting it again" in launcher.logs()
+        assert launcher.stop(signal.SIGINT, timeout=60) == 0, launcher.logs()
+    finally:
+        launcher.stop(signal.SIGKILL)

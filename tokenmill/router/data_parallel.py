@@ -4,7 +4,9 @@
 Each replica is a `tokenmill serve` subprocess with the user's engine flags on its own 127.0.0.1 port and
 an equal share of the CPU threads (or its own GPU); the router listens on the user's --host/--port. The
 replicas run in their own sessions so a terminal's Ctrl-C reaches only this process, which drains the
-router first and then stops them; if this process dies they get SIGTERM from the kernel (Linux).
+router first and then stops them; if this process dies they get SIGTERM from the kernel (Linux). An instance
+whose process exits while serving is started again on its port with its command line (Replicas.heal), so the
+router, which keeps probing its URL, takes it back once it is healthy.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from typing import Optional
 
@@ -80,7 +83,9 @@ def _gpus_for(n: int, device: str, flag: str = "--data-parallel-size") -> Option
 
 
 class Replicas:
-    """The replica subprocesses."""
+    """The replica subprocesses, kept running: heal() starts again any that exited."""
+
+    QUICK_EXIT_S = 60.0  # an instance that exits this soon after its start is restarted after a growing pause
 
     def __init__(self, argv: list[str], n: int, gpus: Optional[list[str]], log_level: str,
                  extra: Optional[list[list[str]]] = None) -> None:
@@ -88,14 +93,56 @@ class Replicas:
         self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         threads = max(1, cpu_count() // n)
-        self.procs: list[subprocess.Popen] = []
-        for i, port in enumerate(self.ports):
-            env = {"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus is not None else thread_env(threads)
-            self.procs.append(start_serve_process([*argv, *(extra[i] if extra else [])], "127.0.0.1", port,
-                                                  log_level, env))
+        self.argvs = [[*argv, *(extra[i] if extra else [])] for i in range(n)]
+        self.envs = [{"CUDA_VISIBLE_DEVICES": gpus[i]} if gpus is not None else thread_env(threads) for i in range(n)]
+        self.log_level = log_level
+        self.procs: list[subprocess.Popen] = [self._start(i) for i in range(n)]
+        self.started_at = [time.monotonic()] * n
+        self.quick_exits = [0] * n              # exits in a row, each soon after its start
+        self.restart_at: dict[int, float] = {}  # instances that exited -> when to start them again
+        self.lock = threading.Lock()            # heal() and stop() never overlap
+        self.stopping = False
+        self.stopped = threading.Event()
+        self.healer: Optional[threading.Thread] = None
         where = f"GPUs {','.join(gpus)}" if gpus is not None else \
             f"{os.environ.get('OMP_NUM_THREADS', threads)} threads each"
         logger.info("started %d replicas on ports %s (%s)", n, ", ".join(map(str, self.ports)), where)
+
+    def _start(self, i: int) -> subprocess.Popen:
+        return start_serve_process(self.argvs[i], "127.0.0.1", self.ports[i], self.log_level, self.envs[i])
+
+    def keep_alive(self, interval: float = 1.0) -> None:
+        """From now on, check every `interval` seconds for instances to start again (a daemon thread). The
+        thread lives until stop() has stopped them: the kernel's PR_SET_PDEATHSIG signal follows the thread
+        that started a process, not the process."""
+        def run() -> None:
+            while not self.stopped.wait(interval):
+                with self.lock:
+                    if not self.stopping:
+                        self.heal()
+
+        self.healer = threading.Thread(target=run, name="tokenmill-replicas-healer", daemon=True)
+        self.healer.start()
+
+    def heal(self, now: Optional[float] = None) -> None:
+        """Start again, on its port and with its command line, each instance whose process has exited (the router
+        keeps its URL and its role, and takes it back once a probe finds it healthy): at once, or after 2, 4 ...
+        60 s while it keeps exiting within QUICK_EXIT_S of its start."""
+        now = time.monotonic() if now is None else now
+        for i, proc in enumerate(self.procs):
+            if i in self.restart_at or proc.poll() is None:
+                continue
+            quick = now - self.started_at[i] < self.QUICK_EXIT_S
+            self.quick_exits[i] = self.quick_exits[i] + 1 if quick else 0
+            pause = min(2.0 ** self.quick_exits[i], 60.0) if self.quick_exits[i] else 0.0
+            logger.warning("instance %s exited with status %s; starting it again%s", self.urls[i], proc.returncode,
+                           f" in {pause:.0f}s" if pause else "")
+            self.restart_at[i] = now + pause
+        for i, at in sorted(self.restart_at.items()):
+            if now >= at:
+                del self.restart_at[i]
+                self.procs[i] = self._start(i)
+                self.started_at[i] = now
 
     def wait_healthy(self, timeout: float) -> None:
         import httpx
@@ -119,12 +166,17 @@ class Replicas:
             time.sleep(0.25)
 
     def stop(self, timeout: float) -> None:
+        with self.lock:
+            self.stopping = True  # none is started again from here on
         for p in self.procs:  # all at once: they drain in parallel
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for p in self.procs:
             stop_process(p, max(0.1, deadline - time.monotonic()))
+        self.stopped.set()
+        if self.healer is not None:
+            self.healer.join()
 
 
 def _raise_on_sigterm(signum, frame) -> None:
@@ -161,6 +213,7 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
     try:
         instances = Replicas(argv, n, gpus, args.log_level, extra)
         instances.wait_healthy(args.engine_start_timeout)
+        instances.keep_alive()
         signal.signal(signal.SIGTERM, previous)  # the router's server handles signals from here on
         router, description = build_router(instances.urls)
         logger.info("%s behind the %s router on http://%s:%d", description, router.config.policy, args.host,
