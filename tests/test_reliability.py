@@ -195,6 +195,11 @@ def test_slow_and_idle_clients_do_not_block_others(server):
 BIG_PROMPTS = [f"Prompt {i:04d}: list the first prime numbers, then" for i in range(2048)]
 
 
+def _dashboard_snapshot(server) -> dict:
+    with httpx.stream("GET", server.url + "/dashboard/api/events", timeout=30) as r:
+        return json.loads(next(line for line in r.iter_lines() if line.startswith("data: "))[6:])
+
+
 def _short_latency(c: httpx.Client) -> float:
     t0 = time.monotonic()
     r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
@@ -238,6 +243,7 @@ def test_largest_request_delays_a_short_one_by_under_a_second(server):
             beside = [_short_latency(c) for _ in range(3)]
             waiting = httpx.get(server.url + "/health?detail=1", timeout=30).json().get("num_requests_waiting")
             scraped = metrics(server)["tokenmill:num_requests_waiting"]
+            tile = _dashboard_snapshot(server)["engine"]["waiting"]
             finished = big["finished"]
         finally:
             done.set()
@@ -251,6 +257,7 @@ def test_largest_request_delays_a_short_one_by_under_a_second(server):
     assert max(probes) < 1.0
     # Counted while it is in flight: what the API process holds back plus what the engine has not started
     assert finished < 1500 and waiting >= 2048 - finished - 64 - 200 and scraped >= 2048 - finished - 64 - 400
+    assert tile >= 2048 - finished - 64 - 400, tile  # the dashboard's tile counts the same
     assert _wait_idle(server)["tokenmill:num_requests_waiting"] == 0
 
 

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from tokenmill.serve.dashboard import DashboardStats, mount
+from tokenmill.serve.serving import num_waiting
 
 MAX_STEPS_SHOWN = 120    # step timeline bars per snapshot
 MAX_OPEN_SHOWN = 64      # open requests in the table
@@ -47,7 +48,8 @@ class EngineView:
         used = s.num_blocks - s.num_free_blocks
         queries = s.prefix_cache_queries
         return {
-            "running": s.num_running, "waiting": s.num_waiting, "preemptions": s.num_preemptions,
+            # waiting as /metrics counts it (serving.num_waiting): the engine's stats lag behind what was sent
+            "running": s.num_running, "waiting": num_waiting(self.state), "preemptions": s.num_preemptions,
             "kv": {"total": s.num_blocks, "used": used, "cached_free": s.num_cached_free_blocks,
                    "free": s.num_free_blocks - s.num_cached_free_blocks, "usage": s.kv_cache_usage},
             "prefix": {"queries": queries, "hits": s.prefix_cache_hits,

@@ -109,10 +109,11 @@ async def tokenize_text(state: "ServerState", text: str, add_special_tokens: boo
 
 
 # Prompt tokens of one request that may wait unstarted in the engine. A later request waits behind at most
-# this much of its prefill, and shares steps with about as much: on a busy 2-core CPU, 128 kept a 2-token
-# request beside a 2048-prompt one under 0.4 s (256: 1.3 s) with no measurable loss of the big one's
-# throughput (CPU prefill is near its peak at this many rows; a GPU would want more).
-WINDOW_TOKENS = 128
+# this much of its prefill and shares each of its steps with about as much. On a busy 2-core CPU (load 4-6),
+# a 2-token request beside a 2048-prompt one took at most 1.1-1.4 s with 128 and 0.3-0.6 s with 64, the big
+# one's throughput within the noise of the two (CPU prefill is near its peak at this many rows; a GPU would
+# want more). One prompt longer than this still goes, alone.
+WINDOW_TOKENS = 64
 
 
 @dataclass
