@@ -110,9 +110,10 @@ async def tokenize_text(state: "ServerState", text: str, add_special_tokens: boo
 
 # Prompt tokens of one request that may wait unstarted in the engine. A later request waits behind at most
 # this much of its prefill and shares each of its steps with about as much. On a busy 2-core CPU (load 4-6),
-# a 2-token request beside a 2048-prompt one took at most 1.1-1.4 s with 128 and 0.3-0.6 s with 64, the big
-# one's throughput within the noise of the two (CPU prefill is near its peak at this many rows; a GPU would
-# want more). One prompt longer than this still goes, alone.
+# a 2-token request beside a 2048-prompt one took at most 1.1-1.4 s with 128 and 0.3-0.6 s with 64. The cost:
+# such a request, alone, prefills in smaller steps: 430-453 one-token completions in 12 s against 456-641
+# unwindowed (128: 469-485) on a quiet one. Single-prompt requests (and n > 1 samples of one prompt, sent
+# together) are not windowed, and separate requests never are. One prompt longer than this still goes, alone.
 WINDOW_TOKENS = 64
 
 
