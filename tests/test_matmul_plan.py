@@ -2,6 +2,7 @@
 each dtype, the choice is forced by TOKENMILL_MATMUL, batch-invariant mode never leaves the panel kernel, the
 cache is dropped when the CPU or the kernels change, and --dtype auto measures where the checkpoint names no
 dtype."""
+import argparse
 import json
 import logging
 import os
@@ -128,3 +129,103 @@ def test_dtype_auto_measures_when_the_checkpoint_names_none(caplog):
     # the checkpoint's own dtype wins; a forced path measures nothing
     assert config.resolve_dtype("auto", "bfloat16", "cpu", cfg) == torch.bfloat16
     assert config.resolve_dtype("auto", "float32", "cpu", cfg) == torch.float32
+
+
+# SmolLM2-135M's layer shapes (the default model): what `tokenmill serve` resolves --dtype auto for
+SMOLLM2 = type("Cfg", (), dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                               num_key_value_heads=3, head_dim=64))()
+
+
+class VirtualCPU:
+    """A clock that moves only when a matmul runs, by what that matmul costs on a model CPU (ns per
+    multiply-add, by path and dtype; by default an AVX512-BF16 CPU where oneDNN's bf16 beats the fp32 panel
+    kernel 1.7x), times `load` while a neighbour spins. `neighbour` says when it spins: never (quiet), or
+    from the first bfloat16 matmul on (it arrived partway through the measurement and stayed).
+    Installed as matmul_plan's timer and as both matmul paths, so no assertion depends on real timings."""
+    AVX512_BF16 = {("torch", torch.bfloat16): 1.0, ("panel", torch.bfloat16): 5.0,
+                   ("torch", torch.float32): 2.0, ("panel", torch.float32): 1.7}
+
+    def __init__(self, cost=None, neighbour="never", load=3.0):
+        self.cost, self.neighbour, self.load = cost or self.AVX512_BF16, neighbour, load
+        self.now, self.busy = 0.0, False
+
+    def run(self, path, x, N, K):
+        if self.neighbour == "with the first bfloat16 matmul" and x.dtype == torch.bfloat16:
+            self.busy = True
+        self.now += x.shape[0] * N * K * self.cost[(path, x.dtype)] * 2e-11 * (self.load if self.busy else 1.0)
+        return torch.empty(x.shape[0], N, dtype=x.dtype)
+
+    def install(self, monkeypatch):
+        from types import SimpleNamespace
+
+        monkeypatch.setattr(matmul_plan, "time", SimpleNamespace(perf_counter=lambda: self.now))
+        monkeypatch.setattr(matmul_plan, "F", SimpleNamespace(linear=lambda x, w, b=None: self.run("torch", x, *w.shape)))
+        monkeypatch.setattr(cpu_linear, "_panels",
+                            lambda w: SimpleNamespace(linear=lambda x: self.run("panel", x, *w.shape)))
+        return self
+
+
+def _native_bf16(monkeypatch, has):
+    monkeypatch.setattr(config, "cpu_has_avx512_bf16", lambda: has)
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: has, raising=False)
+
+
+def test_dtype_auto_is_not_a_coin_toss_on_a_busy_first_start(monkeypatch):
+    """Issue 29, defect 2: the first start timed float32, then bfloat16 while a neighbour had begun to spin,
+    picked float32, and its cached timings picked float32 again on every later (quiet) start. Now the CPU's
+    bf16 support decides, and the interleaved pairs see the neighbour on both dtypes alike."""
+    _native_bf16(monkeypatch, True)
+    VirtualCPU(neighbour="with the first bfloat16 matmul").install(monkeypatch)
+    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+    VirtualCPU().install(monkeypatch)  # the next start, quiet, with the cache the first one left
+    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+
+
+@pytest.mark.parametrize("native, cost, expected", [
+    (True, VirtualCPU.AVX512_BF16, torch.bfloat16),  # the prior, confirmed
+    (False, VirtualCPU.AVX512_BF16, torch.bfloat16),  # overturned: bf16 1.7x faster, every time
+    (True, {**VirtualCPU.AVX512_BF16, ("torch", torch.bfloat16): 4.0}, torch.float32),  # overturned
+    (False, {**VirtualCPU.AVX512_BF16, ("torch", torch.bfloat16): 1.6}, torch.float32),  # 1.06x: within margin
+])
+def test_dtype_auto_prior_and_clear_margin_overturn(native, cost, expected, monkeypatch, caplog):
+    _native_bf16(monkeypatch, native)
+    VirtualCPU(cost).install(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == expected
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
+    assert "float32" in line and "bfloat16" in line and line.count(" us") >= 2  # both numbers
+
+
+def test_dtype_overturn_must_hold_in_every_round():
+    """One round in which the challenger wins by the margin (a neighbour hit the prior's runs) is not enough:
+    the second, separate round must say so too."""
+    clock = [0.0]
+
+    def runner(ms, slow_first_round=False):
+        calls = []
+
+        def run():
+            calls.append(1)
+            slowed = slow_first_round and len(calls) <= matmul_plan.PAIRS + 1  # warm-up + the first round
+            clock[0] += ms * (3.0 if slowed else 1.0) / 1e3
+        return run
+
+    def race(prior_run, other_run):
+        return matmul_plan.race_dtypes(torch.bfloat16, prior_run, torch.float32, other_run, rows=1,
+                                       clock=lambda: clock[0])
+
+    dtype, why = race(runner(1.0, slow_first_round=True), runner(1.2))
+    assert dtype == torch.bfloat16 and why.startswith("kept bfloat16") and why.count(" us") == 4  # 2 rounds
+    dtype, why = race(runner(2.0), runner(1.0))  # float32 2x faster, every time
+    assert dtype == torch.float32 and why.count(" us") == 2 * matmul_plan.DTYPE_ROUNDS
+    dtype, why = race(runner(1.0), runner(1.05))  # within the margin: one round, prior kept
+    assert dtype == torch.bfloat16 and why.count(" us") == 2
+
+
+def test_dtype_auto_rule_as_serve_help_states_it():
+    """`tokenmill serve --help` (and the README) state the rule with the numbers the code uses."""
+    assert f"at least {matmul_plan.MARGIN}x faster" in config.DTYPE_AUTO_RULE
+    assert matmul_plan.DTYPE_ROUNDS == 2 and "each of two separate rounds" in config.DTYPE_AUTO_RULE
+    parser = argparse.ArgumentParser()
+    config.EngineConfig.add_cli_args(parser)
+    assert " ".join(config.DTYPE_AUTO_RULE.split()) in " ".join(parser.format_help().split())

@@ -39,12 +39,21 @@ def parse_size(value: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot products in hardware (AVX512_BF16 or AMX): --dtype auto's prior."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def _linear_shapes(hf_config: Any) -> list[tuple[int, int]]:
@@ -56,19 +65,30 @@ def _linear_shapes(hf_config: Any) -> list[tuple[int, int]]:
     return [((Hq + 2 * Hkv) * D, H), (H, Hq * D), (2 * I, H), (H, I)]
 
 
+DTYPE_AUTO_RULE = ("on a CPU: bfloat16 where it has native bf16 dot products (AVX512_BF16 or AMX), else "
+                   "float32, unless the other is at least 1.1x faster for the model's layer shapes in both the "
+                   "best and the median of interleaved timing pairs, in each of two separate rounds")
+
+
 def _cpu_auto_dtype(hf_config: Any) -> "torch.dtype":
+    """DTYPE_AUTO_RULE: the CPU's features decide; a measurement overturns them only clearly and repeatedly
+    (matmul_plan.choose_dtype). A timing race alone picked a different dtype on a busy first start (issue 29)."""
     import torch
 
     from tokenmill.layers import cpu_linear, matmul_plan
 
+    native = cpu_has_native_bf16()
+    prior = torch.bfloat16 if native else torch.float32
+    because = f"this CPU {'has' if native else 'lacks'} native bf16 dot products (AVX512_BF16/AMX)"
     try:
         shapes = _linear_shapes(hf_config)
     except (AttributeError, TypeError):  # no config, or not a Llama-family one
         shapes = None
     if shapes is None or not cpu_linear.available() or matmul_plan.forced_path() is not None:
-        return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
-    dtype, why = cpu_linear.measured_dtype(shapes)
-    logger.info("--dtype auto: %s on this CPU (%s)", str(dtype).removeprefix("torch."), why)
+        logger.info("--dtype auto: %s (%s; not measured)", str(prior).removeprefix("torch."), because)
+        return prior
+    dtype, why = cpu_linear.measured_dtype(shapes, prior)
+    logger.info("--dtype auto: %s (%s; %s)", str(dtype).removeprefix("torch."), because, why)
     return dtype
 
 
@@ -78,9 +98,9 @@ _DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat1
 
 
 def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str, hf_config: Any = None) -> torch.dtype:
-    """--dtype auto follows the config; without one (GGUF): bf16 on CUDA, and on CPU the faster of fp32 and
-    bf16 for this model's layer shapes, measured (layers/matmul_plan.py; given hf_config), else bf16 where the
-    CPU has native bf16 dot products. float16 maps to bf16 on CPU (no fast fp16 kernels there)."""
+    """--dtype auto follows the config; without one (GGUF): bf16 on CUDA, and on CPU DTYPE_AUTO_RULE
+    (_cpu_auto_dtype; measured for hf_config's layer shapes). float16 maps to bf16 on CPU (no fast fp16
+    kernels there)."""
     import torch
 
     if isinstance(requested, torch.dtype):
@@ -387,6 +407,11 @@ class KVTransferConfig:
     kv_port: int = 0
     hold_timeout_s: float = 60.0   # a producer frees the blocks of a prompt nobody pulled after this long
     pull_timeout_s: float = 30.0   # a consumer gives up a pull after this long (and recomputes the prompt)
+    # {"allowed_peers": ["host:port", ...]}: the prefill instances (their KV address, as their params name it:
+    # kv_host, or a wildcard bind's address on the default route, and kv_port) a consumer pulls from. The
+    # address comes in each request's kv_transfer_params, so without the list a client could aim the pull at
+    # any port the server reaches; a consumer without it pulls from nobody.
+    kv_connector_extra_config: dict = field(default_factory=dict)
 
     @classmethod
     def parse(cls, value: Any) -> Optional["KVTransferConfig"]:
@@ -425,6 +450,21 @@ class KVTransferConfig:
         for name in ("hold_timeout_s", "pull_timeout_s"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) <= 0:
                 raise ValueError(f"--kv-transfer-config {name} must be a positive number of seconds")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict) or set(extra) - {"allowed_peers"}:
+            raise ValueError('--kv-transfer-config kv_connector_extra_config must be an object with the key '
+                             '"allowed_peers" (a list of "host:port" strings)')
+        peers = extra.get("allowed_peers", [])
+        if not isinstance(peers, list):
+            raise ValueError('--kv-transfer-config kv_connector_extra_config.allowed_peers must be a list of '
+                             '"host:port" strings, e.g. ["10.0.0.1:14579"]')
+        for peer in peers:
+            parse_peer(peer)
+
+    @property
+    def allowed_peers(self) -> frozenset[tuple[str, int]]:
+        """The (host, port) KV addresses this consumer may pull from (see kv_connector_extra_config)."""
+        return frozenset(parse_peer(p) for p in self.kv_connector_extra_config.get("allowed_peers", []))
 
     @property
     def is_producer(self) -> bool:
@@ -433,6 +473,21 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+
+def parse_peer(peer: Any) -> tuple[str, int]:
+    """'10.0.0.1:14579' or '[::1]:14579' -> (host, port); ValueError with a one-line message."""
+    host, _, port = peer.rpartition(":") if isinstance(peer, str) else ("", "", "")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--kv-transfer-config allowed_peers entries must be \"host:port\" with a port in "
+                         f"1..65535, got {peer!r}")
+    return host, int(port)
+
+
+def peer_address(host: str, port: int) -> str:
+    """parse_peer's inverse: 'host:port' ('[::1]:port' for an IPv6 address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def parse_gib(value: Any, name: str) -> float:
@@ -787,8 +842,8 @@ class EngineConfig:
         p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half",
                                                             "float", "bf16", "fp32", "fp16"],
-                       help="weight and activation dtype; auto follows the checkpoint's config, and for a GGUF "
-                            "picks bfloat16 where the CPU has AVX512-BF16 (or on CUDA), else float32")
+                       help="weight and activation dtype; auto follows the checkpoint's config; for a GGUF: "
+                            f"bfloat16 on CUDA, and {DTYPE_AUTO_RULE}")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="longest sequence (prompt + output) in tokens (default: the model's "
                             "max_position_embeddings)")

@@ -119,9 +119,10 @@ def _panels(weight: torch.Tensor) -> Panels:
     return Panels(data, N)
 
 
-def measured_dtype(shapes: list[tuple[int, int]]) -> tuple[torch.dtype, str]:
-    """--dtype auto for a checkpoint that names none: the faster of float32 and bfloat16 here (matmul_plan)."""
-    return matmul_plan.choose_dtype(shapes, lambda weight: _panels(weight).linear)
+def measured_dtype(shapes: list[tuple[int, int]], prior: torch.dtype) -> tuple[torch.dtype, str]:
+    """--dtype auto for a checkpoint that names none: `prior` (what the CPU has) unless the other of float32
+    and bfloat16 is clearly and repeatedly faster here (matmul_plan.choose_dtype)."""
+    return matmul_plan.choose_dtype(shapes, lambda weight: _panels(weight).linear, prior)
 
 
 def _unpacked(nbytes: int) -> None:

@@ -15,8 +15,15 @@ discarded as a whole when the CPU, the kernel sources or torch change. Batch-inv
 panel kernel (its order is what makes a row's result independent of the batch), whatever was measured.
 
 TOKENMILL_MATMUL=panel|torch forces one path for every non-decode class (A/B runs, tests); the default,
-"measure", times them. `choose_dtype` uses the same timings for `--dtype auto` on a checkpoint that names no
-dtype: the faster of float32 and bfloat16 on this CPU for the model's own layer shapes.
+"measure", times them.
+
+`choose_dtype` serves `--dtype auto` on a checkpoint that names no dtype. The CPU decides first: bfloat16
+where it has native bf16 dot products (AVX512_BF16 or AMX), float32 elsewhere. A measurement may overturn
+that prior, but only clearly and repeatedly: the model's own layer shapes (each on its planned path) run in
+PAIRS interleaved float32/bfloat16 pairs, and the other dtype must win by MARGIN in both the best times and
+the median pair, in each of DTYPE_ROUNDS separate rounds. The race itself is never cached: a first start
+that timed one dtype while a neighbour was busy used to lock in the wrong choice for every later start
+(issue 29). What sticks is only the decision, in the start's resolution record (models/resolution_cache.py).
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ PREFILL_ROWS = 1024    # measured for > 512 rows
 PREFILL_LIMIT = 512
 MARGIN = 1.1           # torch must be this much faster to be chosen
 PAIRS = 5             # timed runs of each path
+DTYPE_ROUNDS = 2       # separate rounds of PAIRS in which a measured dtype must beat the CPU's prior
 MAX_FLOP = 8e9         # a single timed run above this (a large LM head at 1024 rows) is not worth it
 ENV = "TOKENMILL_MATMUL"
 CLASSES = ("batched", "prefill")
@@ -70,16 +78,18 @@ def forced_path() -> Optional[str]:
     return None if value == "measure" else value
 
 
-def _race(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float, float]:
+def _race(a: Callable[[], object], b: Callable[[], object],
+          clock: Optional[Callable[[], float]] = None) -> tuple[float, float, float]:
     """Time a and b in PAIRS back-to-back pairs (alternating which goes first, so a busy neighbour hits both
-    alike): (best ms of a, best ms of b, median of the pairs' a/b ratios)."""
+    alike): (best ms of a, best ms of b, median of the pairs' a/b ratios). clock: the timer (tests)."""
+    clock = clock or time.perf_counter
     a(), b()  # warm: first-touch pages, oneDNN's primitive cache
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(PAIRS):
         for j in ((0, 1) if i % 2 == 0 else (1, 0)):
-            t0 = time.perf_counter()
+            t0 = clock()
             (a, b)[j]()
-            times[j].append(time.perf_counter() - t0)
+            times[j].append(clock() - t0)
     ratios = sorted(ta / tb for ta, tb in zip(*times))
     return min(times[0]) * 1e3, min(times[1]) * 1e3, ratios[len(ratios) // 2]
 
@@ -111,26 +121,69 @@ def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tens
     return plan
 
 
-def choose_dtype(shapes: list[tuple[int, int]], pack: Callable[[torch.Tensor], Callable]) -> tuple[torch.dtype, str]:
-    """The faster of float32 and bfloat16 for a model whose linear layers have these [N, K] shapes, on this CPU:
-    the summed per-row time of its compute-bound steps (BATCHED_ROWS and PREFILL_ROWS rows, each on its best
-    path). Decode steps are left out: they stream weights, so bfloat16 halves their bytes on every CPU.
+def _model_pass(dtype: torch.dtype, shapes: list[tuple[int, int]],
+                pack: Callable[[torch.Tensor], Callable]) -> tuple[Callable[[], None], int]:
+    """One pass of the model's compute-bound steps in this dtype, each layer shape on the path its plan
+    chose (as the engine would run it), and the rows to divide its time by for the summed per-row time of the
+    model's shapes at BATCHED_ROWS and PREFILL_ROWS rows (as the log reports it). Decode steps are left out: they stream
+    weights, so bfloat16 halves their bytes on every CPU. The BATCHED_ROWS step repeats until it covers as
+    many rows as the PREFILL_ROWS one: both classes weigh the same per row."""
+    steps: list[tuple[Callable[[], object], int]] = []
+    for N, K in shapes:
+        weight = torch.randn(N, K).div_(K ** 0.5).to(dtype)
+        run_panel = pack(weight)
+        plan = measure(weight, run_panel)
+        for rows in (BATCHED_ROWS, PREFILL_ROWS):
+            if 2.0 * rows * N * K > MAX_FLOP:
+                continue
+            x = torch.randn(rows, K).to(dtype)
+            run = (lambda x=x, w=weight: F.linear(x, w)) if plan.torch_serves(rows) else (lambda x=x, r=run_panel: r(x))
+            steps.append((run, max(1, PREFILL_ROWS // rows)))
+    total_rows = PREFILL_ROWS if steps else 1  # each step, repeated, covers PREFILL_ROWS rows
+
+    def run_pass() -> None:
+        with torch.no_grad():
+            for run, repeat in steps:
+                for _ in range(repeat):
+                    run()
+    return run_pass, total_rows
+
+
+_PER_ROW = (f"matmul time per row of the model's shapes at {BATCHED_ROWS} and {PREFILL_ROWS} rows, best of "
+            f"{PAIRS} interleaved pairs")
+
+
+def race_dtypes(prior: torch.dtype, run_prior: Callable[[], object], other: torch.dtype,
+                run_other: Callable[[], object], rows: int,
+                clock: Optional[Callable[[], float]] = None) -> tuple[torch.dtype, str]:
+    """`other` replaces `prior` only if it is MARGIN faster in both the best pass and the median pair, in
+    each of DTYPE_ROUNDS separate rounds of PAIRS interleaved pairs (a second round runs only when the
+    first says overturn). Returns the dtype and a line with both dtypes' per-row times (us) per round."""
+    name = {d: str(d).removeprefix("torch.") for d in (prior, other)}
+    rounds = []
+    for _ in range(DTYPE_ROUNDS):
+        prior_ms, other_ms, ratio = _race(run_prior, run_other, clock)
+        rounds.append(f"{name[prior]} {prior_ms * 1e3 / rows:.1f} us, {name[other]} {other_ms * 1e3 / rows:.1f} us, "
+                      f"median pair {ratio:.2f}x")
+        if not (ratio > MARGIN and prior_ms > MARGIN * other_ms):
+            why = (f"kept {name[prior]}: {name[other]} was not {MARGIN}x faster in both best and median; "
+                   f"{_PER_ROW}: " + "; then ".join(rounds))
+            return prior, why
+    why = (f"{name[other]} was {MARGIN}x faster in both best and median in each of {DTYPE_ROUNDS} rounds; "
+           f"{_PER_ROW}: " + "; then ".join(rounds))
+    return other, why
+
+
+def choose_dtype(shapes: list[tuple[int, int]], pack: Callable[[torch.Tensor], Callable], prior: torch.dtype,
+                 clock: Optional[Callable[[], float]] = None) -> tuple[torch.dtype, str]:
+    """--dtype auto on a CPU for a model whose linear layers have these [N, K] shapes: `prior` (what the CPU
+    has), unless the other of float32/bfloat16 beats it clearly and repeatedly here (race_dtypes).
     `pack(weight)` returns the panel-kernel callable for a weight. Returns the dtype and a one-line reason.
     Callers check forced_path() first: a forced path measures nothing."""
-    cost = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        total = 0.0
-        for N, K in shapes:
-            weight = torch.randn(N, K).div_(K ** 0.5).to(dtype)
-            plan = measure(weight, pack(weight))
-            for cls, rows in zip(CLASSES, (BATCHED_ROWS, PREFILL_ROWS)):
-                if plan.times and cls in plan.times:
-                    total += min(plan.times[cls]) / rows
-        cost[dtype] = total
-    faster = min(cost, key=cost.get)
-    why = (f"per-row matmul time of the model's shapes at {BATCHED_ROWS} and {PREFILL_ROWS} rows: float32 "
-           f"{cost[torch.float32] * 1e3:.1f} us, bfloat16 {cost[torch.bfloat16] * 1e3:.1f} us")
-    return faster, why
+    other = torch.float32 if prior == torch.bfloat16 else torch.bfloat16
+    run_prior, rows = _model_pass(prior, shapes, pack)
+    run_other, _ = _model_pass(other, shapes, pack)
+    return race_dtypes(prior, run_prior, other, run_other, rows, clock)
 
 
 def panel_row_limit(plans: list[MatmulPlan]) -> float:
