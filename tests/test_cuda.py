@@ -116,9 +116,13 @@ def test_host_tier_restores_an_evicted_prefix(tiny):
 
 def test_disaggregated_pull_between_two_cuda_engines(tiny):
     path = tiny("llama")
+    from tokenmill.router.launchers import free_port
+
     role = lambda r: {"kv_connector": "TokenmillConnector", "kv_role": r}  # noqa: E731
-    prefill = _cuda_llm(path, kv_transfer_config=role("kv_producer"))
-    decode = _cuda_llm(path, kv_transfer_config=role("kv_consumer"))
+    port = free_port()
+    prefill = _cuda_llm(path, kv_transfer_config={**role("kv_producer"), "kv_port": port})
+    decode = _cuda_llm(path, kv_transfer_config={**role("kv_consumer"),  # it pulls from the producer only
+                                                 "kv_connector_extra_config": {"allowed_peers": [f"127.0.0.1:{port}"]}})
     prompts = _prompts(256, [17, 40, 70], seed=4)
     ref = _generate(_cuda_llm(path, enable_prefix_caching=False), prompts, SamplingParams(temperature=0,
                                                                                           max_tokens=6,

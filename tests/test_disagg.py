@@ -5,6 +5,7 @@ exactly (logprobs, min_tokens, a seeded sample, n > 1, a failed pull) it samples
 output still equals the colocated one; corrupt, failed, aborted and never-pulled transfers leave both KV pools
 whole and every answer right."""
 import random
+import socket
 import time
 
 import pytest
@@ -13,8 +14,9 @@ import torch
 from tests.models import tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, KVTransferConfig
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.engine.request import EngineCoreRequest, Request
 from tokenmill.kv_transfer.p2p_transport import TcpTransport
+from tokenmill.router.launchers import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -26,15 +28,32 @@ def _prompt(n, seed):
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
-def _llm(role=None, **kw):
+def _peer(llm) -> str:
+    """A producer engine's KV address, as a consumer's allowed_peers lists it."""
+    return f"127.0.0.1:{llm.engine.config.kv_transfer.kv_port}"
+
+
+UNREACHABLE = "127.0.0.1:1"  # allowed, but nobody listens there
+PROCESS_KV_PORT = free_port()  # test_prefill_instance_in_another_process's producer
+
+
+def _llm(role=None, peers=(), **kw):
+    """An engine; a producer serves its KV on a port of its own, a consumer pulls from `peers` (engines or
+    "host:port") only."""
     xfer = None if role is None else {"kv_connector": "TokenmillConnector", "kv_role": role, **kw.pop("xfer", {})}
+    if role == "kv_producer":
+        xfer.setdefault("kv_port", free_port())
+    if peers:
+        xfer["kv_connector_extra_config"] = {"allowed_peers": [p if isinstance(p, str) else _peer(p) for p in peers]}
     return LLM(tiny_model("llama"), dtype="float32", device="cpu", num_gpu_blocks_override=48,
                kv_transfer_config=xfer, **kw)
 
 
 @pytest.fixture(scope="module")
 def engines():
-    prefill, decode, ref = _llm("kv_producer"), _llm("kv_consumer"), _llm(None, enable_prefix_caching=False)
+    prefill = _llm("kv_producer")
+    decode = _llm("kv_consumer", peers=[prefill, UNREACHABLE, f"127.0.0.1:{PROCESS_KV_PORT}"])
+    ref = _llm(None, enable_prefix_caching=False)
     yield prefill, decode, ref
     for llm in (prefill, decode, ref):
         llm.engine.shutdown()
@@ -260,6 +279,51 @@ def test_unreachable_or_refused_pull_falls_back(engines):
     _settle(prefill, decode)
 
 
+def _run_unchecked(llm, ids, sp, params, timeout=30.0):
+    """_run's tokens for a request put straight into the scheduler, past EngineCore.add_request's checks."""
+    rid = f"r{next(_ids)}"
+    llm.engine.scheduler.add_request(Request(EngineCoreRequest(rid, ids, sp, None, kv_transfer_params=params),
+                                             llm.engine.config.model.max_model_len))
+    tokens, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for out in llm.engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens
+    raise AssertionError(f"request {rid} did not finish in {timeout}s")
+
+
+def test_pull_sources_not_allowed_are_refused_and_never_contacted(engines):
+    """Issue 29, defect 10: a consumer pulls only from its allowed_peers. Params naming another address (a
+    listening socket here), or malformed ones ("remote_port": "abc" once killed the engine), are rejected at
+    admission with a ValueError (the API's 400), and params that reach the scheduler anyway are not pulled: the
+    prompt is computed here. The socket never sees a connection, and the engine serves on."""
+    prefill, decode, ref = engines
+    ids = _prompt(20, seed=500)
+    _, fin = _run(prefill, ids, PREFILL_ONLY, {"do_remote_decode": True})
+    good = fin.kv_transfer_params
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        port = trap.getsockname()[1]
+        refused = [dict(good, remote_port=port), dict(good, remote_host="localhost"), dict(good, remote_port="abc"),
+                   dict(good, remote_port=70000), dict(good, remote_block_ids=["x"]), dict(good, surprise=1),
+                   {k: v for k, v in good.items() if k != "remote_host"}]
+        for bad in refused:
+            with pytest.raises(ValueError, match="kv_transfer_params"):
+                decode.engine.add_request(EngineCoreRequest(f"bad{next(_ids)}", ids, GREEDY,
+                                                            kv_transfer_params=bad))
+        want = _run(ref, ids, GREEDY)[0]
+        fallbacks = _counters(decode).get("kv_pull_fallbacks", 0)
+        for bad in (dict(good, remote_port=port), dict(good, remote_port="abc")):
+            assert _run_unchecked(decode, ids, GREEDY, bad) == want
+        assert _counters(decode)["kv_pull_fallbacks"] == fallbacks + 2
+        trap.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            trap.accept()  # nothing connected
+    assert _run(decode, ids, GREEDY, good)[0] == want  # the allowed producer: pulled (and its blocks freed)
+    _settle(prefill, decode)
+
+
 def test_abort_mid_transfer_leaves_both_pools_whole(engines):
     prefill, decode, _ = engines
     for abort_after in (1, 2, 3):  # before its lookup (it just says done), while pulling, after
@@ -294,7 +358,8 @@ def test_never_pulled_blocks_are_freed_after_the_timeout():
 
 
 def test_fp8_kv_cache_transfers_its_narrow_bytes():
-    prefill, decode, ref = (_llm(role, kv_cache_dtype="fp8") for role in ("kv_producer", "kv_consumer", None))
+    prefill = _llm("kv_producer", kv_cache_dtype="fp8")
+    decode, ref = _llm("kv_consumer", peers=[prefill], kv_cache_dtype="fp8"), _llm(None, kv_cache_dtype="fp8")
     try:
         assert decode.engine.executor.bytes_per_block() * 4 == _llm_block_bytes_f32()
         for i, n in enumerate((17, 40)):
@@ -354,8 +419,8 @@ def test_int8_kv_transfer_uncalibrated_consumer_adopts_the_producers_scales(int8
     chunk's unquantized K/V, the decode engine to the stored int8 KV of the n pulled tokens, as any colocated
     prefix-cache hit does.) Scales that arrive corrupt are caught by their CRC: recomputed."""
     prefill = int8_producer
-    decode, ref = _llm("kv_consumer", kv_cache_dtype="int8"), _llm(None, kv_cache_dtype="int8",
-                                                                    enable_prefix_caching=False)
+    decode, ref = _llm("kv_consumer", peers=[prefill], kv_cache_dtype="int8"), _llm(None, kv_cache_dtype="int8",
+                                                                                    enable_prefix_caching=False)
     try:
         _run(ref, INT8_FIRST_PROMPT, GREEDY)  # calibrates ref as the producer was
         assert decode.engine.executor.bytes_per_block() * 4 == _llm_block_bytes_f32()
@@ -411,8 +476,8 @@ def test_int8_kv_transfer_into_a_consumer_calibrated_differently_requantizes(int
     test_kv_cache_dtype) and top-3 logprobs within 0.1 nats up to the first differing token (measured: <= 0.05;
     an int8 cache's own logprob error against float32 on these prompts is of the same size)."""
     prefill = int8_producer
-    decode, ref = _llm("kv_consumer", kv_cache_dtype="int8"), _llm(None, kv_cache_dtype="int8",
-                                                                    enable_prefix_caching=False)
+    decode, ref = _llm("kv_consumer", peers=[prefill], kv_cache_dtype="int8"), _llm(None, kv_cache_dtype="int8",
+                                                                                    enable_prefix_caching=False)
     try:
         own = _prompt(30, seed=400)
         TcpTransport.corrupt_next_blocks = 1
@@ -456,9 +521,15 @@ def test_kv_transfer_config_errors_and_world_size_refusal():
     assert KVTransferConfig.parse('{"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"}').is_producer
     for bad, msg in (("{nope", "not valid JSON"), ('["kv_both"]', "must be a JSON object"),
                      ('{"kv_role": "prefill"}', "kv_role must be one of"), ('{"kv_connector": "Nixl"}', "kv_connector"),
-                     ('{"kv_port": -1}', "kv_port"), ('{"kv_rol": "kv_both"}', "unknown")):
+                     ('{"kv_port": -1}', "kv_port"), ('{"kv_rol": "kv_both"}', "unknown"),
+                     ('{"kv_connector_extra_config": {"allowed_peers": ["10.0.0.1"]}}', "host:port"),
+                     ('{"kv_connector_extra_config": {"allowed_peers": "10.0.0.1:1"}}', "must be a list"),
+                     ('{"kv_connector_extra_config": {"allowed_peer": []}}', "allowed_peers")):
         with pytest.raises(ValueError, match=msg):
             KVTransferConfig.parse(bad)
+    peers = {"allowed_peers": ["10.0.0.1:14579", "[::1]:5"]}
+    assert KVTransferConfig.parse({"kv_connector_extra_config": peers}).allowed_peers == {("10.0.0.1", 14579),
+                                                                                         ("::1", 5)}
     cfg = EngineConfig.from_kwargs(model=tiny_model("llama"), tensor_parallel_size=2,
                                    kv_transfer_config={"kv_role": "kv_both"})
     with pytest.raises(ValueError, match="tensor or pipeline parallel"):
@@ -468,9 +539,10 @@ def test_kv_transfer_config_errors_and_world_size_refusal():
 _PRODUCER = r"""
 import json, queue, sys, threading
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.engine.request import EngineCoreRequest, Request
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", num_gpu_blocks_override=48,
-          kv_transfer_config={"kv_connector": "TokenmillConnector", "kv_role": "kv_producer"})
+          kv_transfer_config={"kv_connector": "TokenmillConnector", "kv_role": "kv_producer",
+                              "kv_port": int(sys.argv[2])})
 lines = queue.Queue()
 threading.Thread(target=lambda: [lines.put(l) for l in sys.stdin], daemon=True).start()
 print(json.dumps({"ready": True}), flush=True)
@@ -504,7 +576,8 @@ def test_prefill_instance_in_another_process(engines):
     import sys
 
     _, decode, ref = engines
-    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, tiny_model("llama")], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, tiny_model("llama"), str(PROCESS_KV_PORT)],
+                            stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         assert json.loads(proc.stdout.readline())["ready"]
@@ -557,7 +630,7 @@ def test_portable_fingerprint_survives_a_copied_checkpoint(tiny, tmp_path):
 def test_wildcard_bind_advertises_a_reachable_address():
     import ipaddress
 
-    from tokenmill.kv_transfer.p2p_worker import advertised_host
+    from tokenmill.kv_transfer.p2p_params import advertised_host
 
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     addr = ipaddress.ip_address(advertised_host("0.0.0.0"))

@@ -66,6 +66,8 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_token_ids(req.prompt_token_ids, req.sampling_params, self.vocab_size)
         self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
+        if self.scheduler.connector is not None:  # e.g. kv_transfer_params naming a pull source not allowed
+            self.scheduler.connector.check_request(req)
         self.scheduler.add_request(Request(req, self.config.model.max_model_len))
 
     def abort_requests(self, request_ids) -> None:

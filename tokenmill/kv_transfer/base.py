@@ -28,7 +28,8 @@ Hooks for connectors that send KV to another instance (disaggregated prefill, p2
   is eventually freeable (its blocks were pulled, or a timeout passed), so the pool becomes whole again;
   while any request is held `build_plan()` returns a plan, so the engine keeps stepping and the worker keeps
   reporting.
-- Per-request parameters arrive as `Request.kv_transfer_params` (EngineCoreRequest's, vLLM's shape).
+- Per-request parameters arrive as `Request.kv_transfer_params` (EngineCoreRequest's, vLLM's shape);
+  `check_request(req)` refuses, at admission, parameters the connector would not act on safely.
 - `first_token(req)`: a pulled prompt may come with the first output token the prefill instance sampled.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this pa
     # the API process imports those without torch
     import torch
 
-    from tokenmill.engine.request import Request
+    from tokenmill.engine.request import EngineCoreRequest, Request
     from tokenmill.layers.attention.kv_quant import KVCacheQuant
 
 
@@ -64,6 +65,10 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def release(self, req: Request) -> None:
         """req finished, was aborted or gave up its hit: drop whatever the connector holds for it."""
+
+    def check_request(self, req: EngineCoreRequest) -> None:
+        """Raise ValueError (the request is rejected, the engine serves on) for per-request parameters this
+        connector refuses; called before req is queued."""
 
     def is_ready(self, req: Request) -> bool:
         """Whether the background transfers req waits for have finished (successfully or not)."""

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import EngineCoreRequest, Request
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker
 from tokenmill.step import ConnectorOutput, ConnectorPlan
 
@@ -34,6 +34,10 @@ class CompositeScheduler(KVConnectorScheduler):
                         other.release(req)  # it may hold what it found; only one part supplies the hit
                 break
         return hit
+
+    def check_request(self, req: EngineCoreRequest) -> None:
+        for part in self.parts:
+            part.check_request(req)
 
     def on_allocated(self, req: Request, block_ids: list[int]) -> None:
         for part in self.parts:

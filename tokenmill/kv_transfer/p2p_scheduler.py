@@ -22,6 +22,10 @@ How much is pulled depends on whether the request can take the prefill instance'
   token is recomputed here so that this instance samples the first token itself. Either way the output equals
   a colocated run's.
 
+Safety: a consumer pulls only from the peers its config allows (p2p_params.py): check_request refuses other
+params at admission, and lookup re-checks them (a request that slipped past computes its prompt here, with no
+connection made); malformed params never raise in the engine's step.
+
 Invariants: a held request is freeable once its puller is done or its timeout passed (take_freeable), so the
 pool becomes whole again; blocks are offered only between the end of the step that wrote them and the step
 that may reuse them; staged rows are loaded or dropped exactly once per pull; the first token is handed over
@@ -37,8 +41,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.config import KVTransferConfig
-from tokenmill.engine.request import FinishReason, Request, RequestStatus
+from tokenmill.engine.request import EngineCoreRequest, FinishReason, Request, RequestStatus
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
+from tokenmill.kv_transfer.p2p_params import KVTransferParams, check_pull_source, check_request_params, validated
 from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters
 
 logger = logging.getLogger("tokenmill")
@@ -67,6 +72,9 @@ class TransferScheduler(KVConnectorScheduler):
         self._pulled_by_peer: list[str] = []      # producer: held requests whose puller said done
         self._plan = TransferPlan()
 
+    def check_request(self, req: EngineCoreRequest) -> None:
+        check_request_params(req.kv_transfer_params, self.cfg)
+
     # -- consumer ------------------------------------------------------------------------------
     def lookup(self, req: Request, num_device_tokens: int) -> ExternalHit:
         params = req.kv_transfer_params
@@ -74,7 +82,12 @@ class TransferScheduler(KVConnectorScheduler):
             return ExternalHit(0, True)
         st = self.pulls.get(req.request_id)
         if st is None:
-            self._start_pull(req, params, num_device_tokens)
+            source = self._pull_source(req)
+            if source is None:  # refused: computed here, as after a failed pull (nothing to drop or load)
+                self.pulls[req.request_id] = _PullState(0, 0, ready=True)
+                self.stats["kv_pull_fallbacks"] += 1
+                return ExternalHit(0, True)
+            self._start_pull(req, source, num_device_tokens)
             return ExternalHit(0, False)
         if not st.ready:
             return ExternalHit(0, False)
@@ -83,29 +96,38 @@ class TransferScheduler(KVConnectorScheduler):
         st.hit_from = num_device_tokens
         return ExternalHit(st.end - num_device_tokens if usable else 0, True)
 
-    def _start_pull(self, req: Request, params: dict, num_device_tokens: int) -> None:
+    def _pull_source(self, req: Request) -> Optional[KVTransferParams]:
+        """req's params, checked again (check_request refused them at admission already); None: not pulled."""
+        try:
+            params = validated(req.kv_transfer_params)
+            check_pull_source(params, self.cfg)
+        except ValueError as e:
+            logger.warning("request %s: not pulling its KV, computing its prompt here: %s", req.request_id, e)
+            return None
+        return params
+
+    def _start_pull(self, req: Request, params: KVTransferParams, num_device_tokens: int) -> None:
         """Pull the blocks after the device hit up to the prompt's end when req takes the prefill instance's
         first token, else up to prompt_len - 1 tokens (none: just say done)."""
         bs = self.block_size
         first_token = self._first_token(req, params)
-        end = req.num_prompt_tokens if first_token is not None else min(int(params.get("num_tokens", 0)),
+        end = req.num_prompt_tokens if first_token is not None else min(params.num_tokens or 0,
                                                                          req.num_prompt_tokens - 1)
         end = max(end, num_device_tokens)
         first = num_device_tokens // bs
-        blocks = list(params.get("remote_block_ids", []))[first:-(-end // bs)]
+        blocks = params.remote_block_ids[first:-(-end // bs)]
         if len(blocks) < -(-end // bs) - first:  # fewer blocks than the params claim: take none, sample here
             blocks, end, first_token = [], num_device_tokens, None
         self.pulls[req.request_id] = _PullState(first, end, first_token=first_token)
         self._plan.pulls.append(self._pull(req.request_id, params, blocks))
 
-    def _first_token(self, req: Request, params: dict) -> Optional[int]:
+    def _first_token(self, req: Request, params: KVTransferParams) -> Optional[int]:
         """The prefill instance's first output token if req can take it as its own with the output still equal
         to a colocated run's; None: this instance recomputes the last prompt token and samples it itself."""
-        token = params.get("first_token_id")
+        token = params.first_token_id
         if token is None:
             return None
-        if type(token) is not int or not 0 <= token < self.vocab_size or \
-                params.get("num_tokens") != req.num_prompt_tokens:
+        if token >= self.vocab_size or params.num_tokens != req.num_prompt_tokens:
             logger.warning("request %s: kv_transfer_params first_token_id %r does not fit its prompt or the "
                            "vocabulary; sampling the first token here", req.request_id, token)
             return None
@@ -127,9 +149,9 @@ class TransferScheduler(KVConnectorScheduler):
         return st.first_token
 
     @staticmethod
-    def _pull(rid: str, params: dict, blocks: list[int]) -> Pull:
-        return Pull(rid, str(params.get("remote_host")), int(params.get("remote_port", 0)),
-                    str(params.get("remote_request_id")), blocks, str(params.get("kv_fingerprint")))
+    def _pull(rid: str, params: KVTransferParams, blocks: list[int]) -> Pull:
+        return Pull(rid, params.remote_host, params.remote_port, params.remote_request_id, blocks,
+                    params.kv_fingerprint)
 
     def is_ready(self, req: Request) -> bool:
         st = self.pulls.get(req.request_id)
@@ -156,7 +178,9 @@ class TransferScheduler(KVConnectorScheduler):
             params = req.kv_transfer_params
             if (req.status == RequestStatus.FINISHED and self.cfg.is_consumer and params
                     and params.get("do_remote_prefill")):
-                self._plan.pulls.append(self._pull(rid, params, []))  # never looked up: just say done
+                source = self._pull_source(req)
+                if source is not None:  # never looked up: just say done
+                    self._plan.pulls.append(self._pull(rid, source, []))
             return
         if not st.consumed and (st.ok or not st.ready):
             self._plan.drops.append(rid)  # staged rows, or a pull still running

@@ -21,7 +21,6 @@ values are requantized into its scales (dequantize with theirs, quantize with it
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_transfer.base import KVConnectorWorker
 from tokenmill.kv_transfer.fingerprint import kv_fingerprint
 from tokenmill.kv_transfer.host_pool import HostBlockPool
+from tokenmill.kv_transfer.p2p_params import advertised_host
 from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
 from tokenmill.kv_transfer.p2p_transport import Blocks, BlockTransport, NotReady, TcpTransport, TransferError
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
@@ -202,15 +202,3 @@ class TransferWorker(KVConnectorWorker):
             self.cancelled.update(self.in_flight)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-
-def advertised_host(bind_host: str) -> str:
-    """The address a decode instance should pull from: the bind address, or for a wildcard bind (0.0.0.0, ::)
-    this machine's address on its default route (no packet is sent: a UDP socket only picks the route)."""
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere, only chosen a route for
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
