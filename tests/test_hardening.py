@@ -497,3 +497,28 @@ def test_router_cuts_stalled_request_bodies_too(server):
         assert status == 408 and err["error"]["code"] == "request_timeout" and took < 6, (err, took)
     finally:
         router.stop()
+
+
+# -- issue 29, defect 10: kv_transfer_params are typed and bounded at the API ------------------------------
+_PULL = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": 5557,
+         "remote_request_id": "r", "remote_block_ids": [0], "num_tokens": 3, "kv_fingerprint": "ab"}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 1})])
+@pytest.mark.parametrize("params", [
+    {**_PULL, "remote_port": "abc"}, {**_PULL, "remote_port": 70000}, {**_PULL, "remote_port": True},
+    {**_PULL, "remote_block_ids": [-1]}, {**_PULL, "remote_block_ids": "0"}, {**_PULL, "remote_host": ["x"]},
+    {**_PULL, "first_token_id": 1.5}, {**_PULL, "do_remote_prefill": "yes"}, {**_PULL, "surprise": 1},
+    {k: v for k, v in _PULL.items() if k != "remote_port"}, "abc", [1]])
+def test_kv_transfer_params_are_typed_and_bounded(http, path, body, params):
+    """Every key is checked at the API ("remote_port": "abc" once reached a decode engine and killed it); an
+    instance without a connector refuses them too, and vLLM's proxy style (nulls) is served."""
+    err = _error(http.post(path, json={"model": MODEL, **body, "kv_transfer_params": params}), 400)
+    assert (err["param"] or "").startswith("kv_transfer_params"), err
+    vllm_proxy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert http.post(path, json={"model": MODEL, **body, "kv_transfer_params": vllm_proxy}).status_code == 200
+    _healthy(http)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from tokenmill.kv_transfer.p2p_params import KVTransferParams
+from tokenmill.kv_transfer.p2p_params import as_dict as kv_params_as_dict
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.serve.errors import bad_request, param_of
 
@@ -50,6 +52,10 @@ def _check_metadata(value: dict[str, str]) -> dict[str, str]:
 
 
 Metadata = Annotated[dict[str, str], AfterValidator(_check_metadata)]
+
+# kv_transfer_params: a client's value is checked key by key (a "remote_port": "abc" once reached the engine and
+# killed it) and handed on as a plain dict of the keys set
+KVTransferParamsField = Annotated[KVTransferParams, AfterValidator(kv_params_as_dict)]
 
 
 @dataclass(frozen=True)
@@ -162,8 +168,9 @@ class SamplingRequest(RequestBody):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     cache_salt: Optional[str] = None
-    # Disaggregated prefill/decode (vLLM's field): passed to the engine request as is; see docs/router.md
-    kv_transfer_params: Optional[dict[str, Any]] = None
+    # Disaggregated prefill/decode (vLLM's field): its known keys, typed and bounded (kv_transfer/p2p_params.py),
+    # passed to the engine request as a dict; see docs/router.md
+    kv_transfer_params: Optional[KVTransferParamsField] = None
     metadata: Optional[Metadata] = None  # accepted (bounded) and not used: this server stores nothing
 
     def _structured(self, limits: RequestLimits) -> Optional[StructuredOutputsParams]:

@@ -14,6 +14,7 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError, next_outputs
+from tokenmill.kv_transfer.p2p_params import check_request_params
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.errors import APIError, bad_request
@@ -168,6 +169,10 @@ class Generation:
             engine.check_alive()
         except EngineDeadError as e:
             raise engine_error(e) from None
+        try:  # a KV pull from a peer the operator did not list: refused before the engine could connect
+            check_request_params(kv_transfer_params, state.config.kv_transfer)
+        except ValueError as e:
+            raise bad_request(str(e), "kv_transfer_params") from None
         check_admission(state, len(prompts) * params.n)
         self.engine = engine
         self.queue: asyncio.Queue = asyncio.Queue()
