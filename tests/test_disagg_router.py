@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -248,6 +249,64 @@ def test_responses_api_is_disaggregated_too(deployment):
     assert _counter(decode, "kv_pulls") == pulls + 1
 
 
+class _Trap:
+    """A listening socket on a free port that records whether anything connected to it."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+
+    def connected(self) -> bool:
+        try:
+            self.sock.accept()[0].close()
+            return True
+        except socket.timeout:
+            return False
+
+
+def _aimed_at(port) -> dict:
+    """kv_transfer_params a client makes up, naming a pull source on 127.0.0.1:port."""
+    return {"do_remote_prefill": True, "remote_engine_id": "e", "remote_host": "127.0.0.1", "remote_port": port,
+            "remote_request_id": "r", "remote_block_ids": [0, 1], "num_tokens": 20, "kv_fingerprint": "ab"}
+
+
+def test_decode_instance_refuses_pull_sources_a_client_names(deployment):
+    """Issue 29, defect 10, on the decode instance itself: params naming a port that is not one of the prefill
+    instances `--disaggregate` listed in its allowed_peers are a 400 and nothing connects there; a malformed port
+    ("abc" once killed its engine) is a 400 too; the instance serves on."""
+    decode, trap = deployment.decode[0], _Trap()
+    with trap.sock, httpx.Client(base_url=decode, timeout=60) as http:
+        for path, body in (("/v1/completions", {"prompt": LONG}),
+                           ("/v1/chat/completions", {"messages": CHAT, "stream": True})):
+            for params in (_aimed_at(trap.port), _aimed_at("abc")):
+                r = http.post(path, json={**body, "max_tokens": 4, "kv_transfer_params": params})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"].startswith("kv_transfer_params"), r.text
+            assert "allowed_peers" in http.post(path, json={**body, "kv_transfer_params": _aimed_at(trap.port)}).text
+        assert not trap.connected()
+        assert http.get("/health").status_code == 200
+    assert _generate(decode, _body(PROMPTS[0], False))[1] == "length"
+
+
+def test_router_drops_the_clients_kv_transfer_params(deployment):
+    """Issue 29, defect 10, through the router: a batch prompt skips the prefill phase and went to the decode
+    instance with the client's body as it was, params included; the router now drops them (the batch is computed
+    on the decode instance as before), and a single prompt's phases use only the prefill instance's params."""
+    d, trap = deployment, _Trap()
+    expected = [_generate(d.ref.url, _body(p, False))[0] for p in PROMPTS[:2]]
+    with trap.sock:
+        for params in (_aimed_at(trap.port), _aimed_at("abc"), {"surprise": 1}):
+            r = httpx.post(d.launcher.url + "/v1/completions", timeout=60,
+                           json={**_body(PROMPTS[:2], False), "kv_transfer_params": params})
+            assert r.status_code == 200, r.text
+            assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == expected
+            body = {**_body(PROMPTS[0], True), "kv_transfer_params": params}
+            assert _generate(d.launcher.url, body)[0] == expected[0]
+        assert not trap.connected()
+    assert _counter(d.decode[0], "kv_pull_fallbacks") == 0
+
+
 def test_router_in_front_of_an_instance_without_a_connector(deployment):
     d = deployment
     router = d.router([d.ref.url], d.decode)  # (one URL cannot be both a prefill and a decode instance)
@@ -307,7 +366,8 @@ def test_prefill_instance_killed_the_other_one_serves(deployment):
     assert m[f"tokenmill:router_replica_healthy{{replica={dead}}}"] == 0
     assert _sum(m, f"tokenmill:router_disagg_requests_total{{replica={alive},role=prefill}}") \
         - _sum(before, f"tokenmill:router_disagg_requests_total{{replica={alive},role=prefill}}") == len(CASES)
-    assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == 0  # the KV still came by transfer
+    assert _sum(m, "tokenmill:router_disagg_fallbacks_total") == \
+        _sum(before, "tokenmill:router_disagg_fallbacks_total")  # the KV still came by transfer
     assert _counter(d.decode[0], "kv_pulls") - pulls == len(CASES)
     state = _wait_kv_empty([alive, *d.decode])
     assert not any(state["usage"].values()) and not any(state["held"].values()), state

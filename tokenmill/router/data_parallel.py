@@ -241,13 +241,23 @@ def parse_disaggregate(value: str, data_parallel_size: int = 1) -> tuple[int, in
     return int(m[1]), int(m[2])
 
 
-def _kv_transfer_flags(args: argparse.Namespace, role: str) -> list[str]:
-    """--kv-transfer-config for one instance: the user's config (if any) with this role and a free port."""
+def _kv_transfer_configs(args: argparse.Namespace, x: int, y: int) -> list[dict]:
+    """--kv-transfer-config for each instance: the user's config (if any) with its role and a free port; the
+    decode instances' allowed_peers list the prefill instances' KV addresses (they pull from no one else)."""
+    from tokenmill.config import peer_address
+    from tokenmill.kv_transfer.p2p_params import advertised_host
+
     base = args.kv_transfer_config
-    config = dict(json.loads(base) if isinstance(base, str) else base or {})
-    config.setdefault("kv_connector", "TokenmillConnector")
-    config.update(kv_role=role, kv_port=free_port())
-    return ["--kv-transfer-config", json.dumps(config)]
+    base = dict(json.loads(base) if isinstance(base, str) else base or {})
+    base.setdefault("kv_connector", "TokenmillConnector")
+    configs = [{**base, "kv_role": "kv_producer" if i < x else "kv_consumer", "kv_port": free_port()}
+               for i in range(x + y)]
+    host = advertised_host(base.get("kv_host", "127.0.0.1"))
+    extra = dict(base.get("kv_connector_extra_config") or {})
+    extra["allowed_peers"] = [*extra.get("allowed_peers", []), *(peer_address(host, c["kv_port"]) for c in configs[:x])]
+    for c in configs[x:]:
+        c["kv_connector_extra_config"] = extra
+    return configs
 
 
 def run_disaggregated(args: argparse.Namespace) -> int:
@@ -260,7 +270,7 @@ def run_disaggregated(args: argparse.Namespace) -> int:
     make_router(args, [], fake[:x], fake[x:])  # the router's flags are checked before anything starts
     resolve_model_path(args.model_flag or args.model, getattr(args, "install_default_model", False))
     gpus = _gpus_for(x + y, args.device, f"--disaggregate {args.disaggregate}")
-    extra = [_kv_transfer_flags(args, "kv_producer" if i < x else "kv_consumer") for i in range(x + y)]
+    extra = [["--kv-transfer-config", json.dumps(c)] for c in _kv_transfer_configs(args, x, y)]
     argv = flags_of(args.serve_parser, args, _LAUNCHER_DESTS | {"kv_transfer_config"})
 
     def build(urls):

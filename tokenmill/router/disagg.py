@@ -12,6 +12,9 @@ A failing prefill instance is retried on another one; with none left, or when a 
 without params (no connector there), the decode instance gets the original request and recomputes the
 prompt (counted in router_disagg_fallbacks_total). A decode instance failing before its first byte is
 retried on another with the same params (its KV pull may then fail: the engine recomputes).
+A client's own `kv_transfer_params` are dropped before either phase: they would name the address the decode
+instance connects to, and only a prefill instance's answer may (the decode instance also pulls only from the
+prefill instances its --kv-transfer-config lists: kv_transfer/p2p_params.py).
 """
 from __future__ import annotations
 
@@ -89,6 +92,9 @@ class DisaggRouter(Router):
             request = None
         if not isinstance(request, dict):  # not a generation (or not JSON: an instance answers the 400)
             return await super().forward(method, path, query, body, headers)
+        if "kv_transfer_params" in request:  # the router's to set, never a client's (see the module docstring)
+            request = {k: v for k, v in request.items() if k != "kv_transfer_params"}
+            body = json.dumps(request).encode()
         url_tail = path + (f"?{query}" if query else "")
         headers = forwardable(headers)
         text, hashes = self.routing_key(request)
