@@ -904,7 +904,9 @@ class EngineConfig:
         p.add_argument("--kv-transfer-config", default=None,
                        help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "TokenmillConnector", '
                             '"kv_role": "kv_producer", "kv_host": "10.0.0.5", "kv_port": 14579}\' (roles: '
-                            'kv_producer serves its prompts\' KV, kv_consumer pulls it, kv_both either)')
+                            'kv_producer serves its prompts\' KV, kv_consumer pulls it, kv_both either); a '
+                            'consumer pulls only from the producers it lists: "kv_connector_extra_config": '
+                            '{"allowed_peers": ["10.0.0.5:14579"]}')
         p.add_argument("--batch-invariant", action="store_true",
                        help="make each token's logits bit-identical whatever else shares its step (batch size, "
                             "position, prefill chunking, prefix-cache hits); CPU")
