@@ -71,6 +71,10 @@ class TransferScheduler(KVConnectorScheduler):
         self.stats: Counter[str] = Counter()
         self._pulled_by_peer: list[str] = []      # producer: held requests whose puller said done
         self._plan = TransferPlan()
+        if cfg.is_consumer and not cfg.allowed_peers:
+            logger.warning("KV transfer: this %s lists no prefill instances to pull from (--kv-transfer-config "
+                           '"kv_connector_extra_config": {"allowed_peers": ["host:port", ...]}): requests naming '
+                           "one are refused", cfg.kv_role)
 
     def check_request(self, req: EngineCoreRequest) -> None:
         check_request_params(req.kv_transfer_params, self.cfg)
