@@ -147,9 +147,10 @@ class VirtualCPU:
 
     def __init__(self, cost=None, neighbour="never", load=3.0):
         self.cost, self.neighbour, self.load = cost or self.AVX512_BF16, neighbour, load
-        self.now, self.busy = 0.0, False
+        self.now, self.busy, self.runs = 0.0, False, 0
 
     def run(self, path, x, N, K):
+        self.runs += 1
         if self.neighbour == "with the first bfloat16 matmul" and x.dtype == torch.bfloat16:
             self.busy = True
         self.now += x.shape[0] * N * K * self.cost[(path, x.dtype)] * 2e-11 * (self.load if self.busy else 1.0)
@@ -159,7 +160,8 @@ class VirtualCPU:
         from types import SimpleNamespace
 
         monkeypatch.setattr(matmul_plan, "time", SimpleNamespace(perf_counter=lambda: self.now))
-        monkeypatch.setattr(matmul_plan, "F", SimpleNamespace(linear=lambda x, w, b=None: self.run("torch", x, *w.shape)))
+        monkeypatch.setattr(matmul_plan, "F",
+                            SimpleNamespace(linear=lambda x, w, b=None: self.run("torch", x, *w.shape)))
         monkeypatch.setattr(cpu_linear, "_panels",
                             lambda w: SimpleNamespace(linear=lambda x: self.run("panel", x, *w.shape)))
         return self
@@ -194,6 +196,22 @@ def test_dtype_auto_prior_and_clear_margin_overturn(native, cost, expected, monk
         assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == expected
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
     assert "float32" in line and "bfloat16" in line and line.count(" us") >= 2  # both numbers
+
+
+def test_dtype_auto_decides_once_per_cpu_and_model_shapes(monkeypatch, caplog):
+    """Issue 29, defect 5: a start without a resolution record (--skip-tokenizer-init writes none) must not
+    race the dtypes again: the rule's decision is cached (never the race's timings), with its reason."""
+    _native_bf16(monkeypatch, False)
+    VirtualCPU().install(monkeypatch)
+    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16  # overturned, twice
+    matmul_plan._Cache._instance = None  # the next start: a new process reads the file
+    later = VirtualCPU(cost={**VirtualCPU.AVX512_BF16, ("torch", torch.bfloat16): 9.0}).install(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+    assert later.runs == 0  # nothing timed
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto")][-1]
+    assert "decided at an earlier start" in line and "float32" in line and " us" in line
+    matmul_plan._Cache._instance = None
 
 
 def test_dtype_overturn_must_hold_in_every_round():

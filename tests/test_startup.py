@@ -181,8 +181,28 @@ def test_bench_serve_reports_connections(plain_server, tmp_path, capsys):
     (["--llama-server-bin", "/nonexistent/llama-server"], "not an executable file"),
     (["--llama-server-bin", "/bin/true", "--", "."], "needs a .gguf model"),
     (["--cold-runs", "-1"], "--cold-runs must be 0 or more"),
+    (["--compare-with", "/nonexistent"], "not a tokenmill source tree"),
 ])
 def test_bench_startup_bad_peer_arguments(args, message, capsys):
     rc = main(["bench", "startup", *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_startup_busy_neighbour_spins_one_core_and_stops():
+    """--busy-neighbour (issue 29, defect 5: warm starts measured beside a process taking one core)."""
+    from tokenmill.bench.startup import busy_neighbour
+
+    def cpu_ticks(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    with busy_neighbour(True) as spinner:
+        time.sleep(0.1)
+        start = cpu_ticks(spinner.pid)
+        time.sleep(0.5)
+        assert cpu_ticks(spinner.pid) - start >= 5  # >= 50 ms of CPU in 0.5 s: spinning, even on a loaded machine
+    assert spinner.poll() is not None  # stopped with the block
+    with busy_neighbour(False) as none:
+        assert none is None

@@ -23,7 +23,9 @@ that prior, but only clearly and repeatedly: the model's own layer shapes (each 
 PAIRS interleaved float32/bfloat16 pairs, and the other dtype must win by MARGIN in both the best times and
 the median pair, in each of DTYPE_ROUNDS separate rounds. The race itself is never cached: a first start
 that timed one dtype while a neighbour was busy used to lock in the wrong choice for every later start
-(issue 29). What sticks is only the decision, in the start's resolution record (models/resolution_cache.py).
+(issue 29). What sticks is only the rule's decision: in the start's resolution record
+(models/resolution_cache.py), and here under the model's shapes, so that a start without a record (e.g. with
+--skip-tokenizer-init) does not race again.
 """
 from __future__ import annotations
 
@@ -181,9 +183,16 @@ def choose_dtype(shapes: list[tuple[int, int]], pack: Callable[[torch.Tensor], C
     `pack(weight)` returns the panel-kernel callable for a weight. Returns the dtype and a one-line reason.
     Callers check forced_path() first: a forced path measures nothing."""
     other = torch.float32 if prior == torch.bfloat16 else torch.bfloat16
+    key = f"prior {str(prior).removeprefix('torch.')} {shapes} t{torch.get_num_threads()}"
+    cache = _Cache.get()
+    decided = cache.dtype(key)
+    if decided is not None:
+        return getattr(torch, decided[0]), f"decided at an earlier start: {decided[1]}"
     run_prior, rows = _model_pass(prior, shapes, pack)
     run_other, _ = _model_pass(other, shapes, pack)
-    return race_dtypes(prior, run_prior, other, run_other, rows, clock)
+    dtype, why = race_dtypes(prior, run_prior, other, run_other, rows, clock)
+    cache.store_dtype(key, str(dtype).removeprefix("torch."), why)
+    return dtype, why
 
 
 def panel_row_limit(plans: list[MatmulPlan]) -> float:
@@ -244,17 +253,20 @@ def kernel_identity() -> str:
 
 
 class _Cache:
-    """matmul_plans.json: {"cpu", "kernels", "plans": {key: {"batched", "prefill", "times"}}}, one per process."""
+    """matmul_plans.json: {"cpu", "kernels", "plans": {key: {"batched", "prefill", "times"}}, "dtypes": {key:
+    [dtype, why]}}, one per process."""
     _instance: Optional["_Cache"] = None
 
     def __init__(self, path: str) -> None:
         self.path, self.identity = path, {"cpu": cpu_identity(), "kernels": kernel_identity()}
         self.plans: dict = {}
+        self.dtypes: dict = {}
         try:
             with open(path) as f:
                 data = json.load(f)
             if all(data.get(k) == v for k, v in self.identity.items()):
-                self.plans = data.get("plans", {})
+                self.plans, self.dtypes = data.get("plans", {}), data.get("dtypes", {})
+                self.dtypes = self.dtypes if isinstance(self.dtypes, dict) else {}
             else:
                 logger.info("matmul plans: the CPU or the kernels changed since %s was written; measuring again",
                             path)
@@ -274,13 +286,27 @@ class _Cache:
             return None
         return MatmulPlan(entry["batched"], entry["prefill"], entry.get("times"))
 
+    def dtype(self, key: str) -> Optional[tuple[str, str]]:
+        """(dtype name, the reason logged when it was decided) for --dtype auto, or None."""
+        entry = self.dtypes.get(key)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("float32", "bfloat16")):
+            return None
+        return entry[0], str(entry[1])
+
+    def store_dtype(self, key: str, dtype: str, why: str) -> None:
+        self.dtypes[key] = [dtype, why]
+        self._write()
+
     def store(self, key: str, plan: MatmulPlan) -> None:
         self.plans[key] = plan._asdict()
+        self._write()
+
+    def _write(self) -> None:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".json")
             with os.fdopen(fd, "w") as f:
-                json.dump({**self.identity, "plans": self.plans}, f, indent=1, sort_keys=True)
+                json.dump({**self.identity, "plans": self.plans, "dtypes": self.dtypes}, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)  # atomic: concurrent engines never read half a file
         except OSError as e:
             logger.warning("matmul plans not cached (%s); they will be measured again next start", e)
