@@ -219,23 +219,23 @@ def test_dtype_overturn_must_hold_in_every_round():
     the second, separate round must say so too."""
     clock = [0.0]
 
-    def runner(ms, slow_first_round=False):
+    def runner(us, slow_first_round=False):
         calls = []
 
-        def run():
-            calls.append(1)
+        def run(now):
+            calls.append(now())
             slowed = slow_first_round and len(calls) <= matmul_plan.PAIRS + 1  # warm-up + the first round
-            clock[0] += ms * (3.0 if slowed else 1.0) / 1e3
+            return us * (3.0 if slowed else 1.0) / 1e6
         return run
 
     def race(prior_run, other_run):
-        return matmul_plan.race_dtypes(torch.bfloat16, prior_run, torch.float32, other_run, rows=1,
-                                       clock=lambda: clock[0])
+        return matmul_plan.race_dtypes(torch.bfloat16, prior_run, torch.float32, other_run, clock=lambda: clock[0])
 
     dtype, why = race(runner(1.0, slow_first_round=True), runner(1.2))
     assert dtype == torch.bfloat16 and why.startswith("kept bfloat16") and why.count(" us") == 4  # 2 rounds
     dtype, why = race(runner(2.0), runner(1.0))  # float32 2x faster, every time
     assert dtype == torch.float32 and why.count(" us") == 2 * matmul_plan.DTYPE_ROUNDS
+    assert "float32 1.0 us" in why and "bfloat16 2.0 us" in why  # both numbers, per row
     dtype, why = race(runner(1.0), runner(1.05))  # within the margin: one round, prior kept
     assert dtype == torch.bfloat16 and why.count(" us") == 2
 

@@ -80,18 +80,16 @@ def forced_path() -> Optional[str]:
     return None if value == "measure" else value
 
 
-def _race(a: Callable[[], object], b: Callable[[], object],
-          clock: Optional[Callable[[], float]] = None) -> tuple[float, float, float]:
+def _race(a: Callable[[], object], b: Callable[[], object]) -> tuple[float, float, float]:
     """Time a and b in PAIRS back-to-back pairs (alternating which goes first, so a busy neighbour hits both
-    alike): (best ms of a, best ms of b, median of the pairs' a/b ratios). clock: the timer (tests)."""
-    clock = clock or time.perf_counter
+    alike): (best ms of a, best ms of b, median of the pairs' a/b ratios)."""
     a(), b()  # warm: first-touch pages, oneDNN's primitive cache
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(PAIRS):
         for j in ((0, 1) if i % 2 == 0 else (1, 0)):
-            t0 = clock()
+            t0 = time.perf_counter()
             (a, b)[j]()
-            times[j].append(clock() - t0)
+            times[j].append(time.perf_counter() - t0)
     ratios = sorted(ta / tb for ta, tb in zip(*times))
     return min(times[0]) * 1e3, min(times[1]) * 1e3, ratios[len(ratios) // 2]
 
@@ -124,12 +122,12 @@ def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tens
 
 
 def _model_pass(dtype: torch.dtype, shapes: list[tuple[int, int]],
-                pack: Callable[[torch.Tensor], Callable]) -> tuple[Callable[[], None], int]:
-    """One pass of the model's compute-bound steps in this dtype, each layer shape on the path its plan
-    chose (as the engine would run it), and the rows to divide its time by for the summed per-row time of the
-    model's shapes at BATCHED_ROWS and PREFILL_ROWS rows (as the log reports it). Decode steps are left out: they stream
-    weights, so bfloat16 halves their bytes on every CPU. The BATCHED_ROWS step repeats until it covers as
-    many rows as the PREFILL_ROWS one: both classes weigh the same per row."""
+                pack: Callable[[torch.Tensor], Callable]) -> Optional[Callable[[Callable[[], float]], float]]:
+    """One pass over the model's compute-bound steps in this dtype, each layer shape on the path its plan chose
+    (as the engine would run it) at BATCHED_ROWS and PREFILL_ROWS rows: pass(clock) returns the summed
+    seconds per row (each step's time over its rows, so both classes weigh the same per row). Decode steps
+    are left out: they stream weights, so bfloat16 halves their bytes on every CPU. None: nothing to time
+    (every step above MAX_FLOP)."""
     steps: list[tuple[Callable[[], object], int]] = []
     for N, K in shapes:
         weight = torch.randn(N, K).div_(K ** 0.5).to(dtype)
@@ -140,34 +138,53 @@ def _model_pass(dtype: torch.dtype, shapes: list[tuple[int, int]],
                 continue
             x = torch.randn(rows, K).to(dtype)
             run = (lambda x=x, w=weight: F.linear(x, w)) if plan.torch_serves(rows) else (lambda x=x, r=run_panel: r(x))
-            steps.append((run, max(1, PREFILL_ROWS // rows)))
-    total_rows = PREFILL_ROWS if steps else 1  # each step, repeated, covers PREFILL_ROWS rows
+            steps.append((run, rows))
+    if not steps:
+        return None
 
-    def run_pass() -> None:
+    def run_pass(clock: Callable[[], float]) -> float:
+        per_row = 0.0
         with torch.no_grad():
-            for run, repeat in steps:
-                for _ in range(repeat):
-                    run()
-    return run_pass, total_rows
+            for run, rows in steps:
+                t0 = clock()
+                run()
+                per_row += (clock() - t0) / rows
+        return per_row
+    return run_pass
 
 
 _PER_ROW = (f"matmul time per row of the model's shapes at {BATCHED_ROWS} and {PREFILL_ROWS} rows, best of "
             f"{PAIRS} interleaved pairs")
 
 
-def race_dtypes(prior: torch.dtype, run_prior: Callable[[], object], other: torch.dtype,
-                run_other: Callable[[], object], rows: int,
+def _pairs(a: Callable[[Callable[[], float]], float], b: Callable[[Callable[[], float]], float],
+           clock: Callable[[], float]) -> tuple[float, float, float]:
+    """PAIRS back-to-back pairs of two passes (alternating which goes first, so a busy neighbour hits both
+    alike): (best of a, best of b, median of the pairs' a/b ratios)."""
+    a(clock), b(clock)  # warm: first-touch pages, oneDNN's primitive cache
+    costs: tuple[list[float], list[float]] = ([], [])
+    for i in range(PAIRS):
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            costs[j].append((a, b)[j](clock))
+    ratios = sorted(ca / cb for ca, cb in zip(*costs))
+    return min(costs[0]), min(costs[1]), ratios[len(ratios) // 2]
+
+
+def race_dtypes(prior: torch.dtype, run_prior: Callable[[Callable[[], float]], float], other: torch.dtype,
+                run_other: Callable[[Callable[[], float]], float],
                 clock: Optional[Callable[[], float]] = None) -> tuple[torch.dtype, str]:
     """`other` replaces `prior` only if it is MARGIN faster in both the best pass and the median pair, in
     each of DTYPE_ROUNDS separate rounds of PAIRS interleaved pairs (a second round runs only when the
-    first says overturn). Returns the dtype and a line with both dtypes' per-row times (us) per round."""
+    first says overturn). run_x(clock) -> seconds per row. Returns the dtype and a line with both dtypes'
+    per-row times (us) per round."""
+    clock = clock or time.perf_counter
     name = {d: str(d).removeprefix("torch.") for d in (prior, other)}
     rounds = []
     for _ in range(DTYPE_ROUNDS):
-        prior_ms, other_ms, ratio = _race(run_prior, run_other, clock)
-        rounds.append(f"{name[prior]} {prior_ms * 1e3 / rows:.1f} us, {name[other]} {other_ms * 1e3 / rows:.1f} us, "
+        prior_s, other_s, ratio = _pairs(run_prior, run_other, clock)
+        rounds.append(f"{name[prior]} {prior_s * 1e6:.1f} us, {name[other]} {other_s * 1e6:.1f} us, "
                       f"median pair {ratio:.2f}x")
-        if not (ratio > MARGIN and prior_ms > MARGIN * other_ms):
+        if not (ratio > MARGIN and prior_s > MARGIN * other_s):
             why = (f"kept {name[prior]}: {name[other]} was not {MARGIN}x faster in both best and median; "
                    f"{_PER_ROW}: " + "; then ".join(rounds))
             return prior, why
@@ -188,9 +205,10 @@ def choose_dtype(shapes: list[tuple[int, int]], pack: Callable[[torch.Tensor], C
     decided = cache.dtype(key)
     if decided is not None:
         return getattr(torch, decided[0]), f"decided at an earlier start: {decided[1]}"
-    run_prior, rows = _model_pass(prior, shapes, pack)
-    run_other, _ = _model_pass(other, shapes, pack)
-    dtype, why = race_dtypes(prior, run_prior, other, run_other, rows, clock)
+    run_prior, run_other = _model_pass(prior, shapes, pack), _model_pass(other, shapes, pack)
+    if run_prior is None or run_other is None:
+        return prior, f"not measured: every layer shape is above {MAX_FLOP:.0e} FLOP a step"
+    dtype, why = race_dtypes(prior, run_prior, other, run_other, clock)
     cache.store_dtype(key, str(dtype).removeprefix("torch."), why)
     return dtype, why
 
