@@ -1,6 +1,6 @@
 """A regular (non-editable) install carries every file the C kernels need: build the wheel from a copy of the
-sources, install it into a fresh virtualenv (system site-packages for torch & co, but tokenmill imported from
-the venv, not this checkout), and there compile and load every kernel library into an empty cache and
+sources, install it into a fresh virtualenv (the running environment's site-packages for torch & co, wherever
+the suite runs, but tokenmill imported from the venv, not this checkout), and there compile and load every kernel library into an empty cache and
 generate with a tiny model under TOKENMILL_REQUIRE_KERNELS=1, so any fallback to the torch path fails."""
 import glob
 import json
@@ -47,12 +47,25 @@ def _kernel_sources() -> set[str]:
             for p in glob.glob(os.path.join(ROOT, "tokenmill", "**", f"*.{ext}"), recursive=True)}
 
 
+def _running_site_packages() -> list[str]:
+    """The site-packages directories this interpreter imports from (a virtualenv's own, and the base's when it
+    has --system-site-packages). `venv --system-site-packages` would give the *base* interpreter's instead, which
+    inside a virtualenv holds none of the suite's dependencies."""
+    return [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages") and os.path.isdir(p)]
+
+
 def _install(wheel: str, tmp_path) -> str:
-    """A fresh venv that sees the system's packages, with the wheel installed into it; returns its python."""
+    """A fresh venv that imports the running environment's packages (torch & co) after its own, with the wheel
+    installed into it; returns its python. A .pth line adds a directory to sys.path without processing the .pth
+    files inside it, so the editable install of this checkout there stays invisible to the venv."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    # pip comes from the system site-packages; --ignore-installed never touches the editable install there
+    own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         check=True, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(own, "zz_running_env.pth"), "w") as f:
+        f.write("\n".join(_running_site_packages()) + "\n")
+    # pip comes from the running environment; --ignore-installed never touches the editable install there
     subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", wheel],
                    check=True, capture_output=True)
     return python
