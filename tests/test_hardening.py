@@ -378,7 +378,6 @@ def test_chat_template_kwargs_cannot_lift_the_sandbox_limits(http, path):
     _healthy(http)
 
 
-
 # -- issue 29, defect 8: tools are bounded, checked in linear time and planned off the event loop ------------
 class _HealthProbe:
     """Polls /health from a thread while the block runs; `worst` is its slowest answer in seconds."""
@@ -439,7 +438,6 @@ def test_tools_at_the_limit_are_served_without_stalling_the_event_loop(server, h
         r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert probe.worst < 1.0, probe.latencies
-
 
 
 # -- issue 29, defect 13: a request body that stops arriving is cut after --request-body-timeout ------------
