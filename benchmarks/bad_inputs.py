@@ -199,7 +199,9 @@ def run() -> dict:
     try:
         prober = Prober(url)
         prober.thread.start()
-        time.sleep(3)
+        deadline = time.monotonic() + 60  # the first requests may warm up slowly (kernels, caches)
+        while len(prober.samples) < 10 and time.monotonic() < deadline:
+            time.sleep(0.2)
         baseline = statistics.median(x for _, x in prober.samples)
         rss_start = vm_kib(proc.pid, "VmRSS")
         half = {}
