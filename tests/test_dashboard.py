@@ -20,7 +20,7 @@ import pytest
 
 from models import tiny_model
 from server_utils import API_KEY, CliProc, ServerProc, metrics, require_default_model, shared_server
-from tokenmill.serve.dashboard import Broadcaster, Window, percentiles
+from tokenmill.serve.dashboard import Broadcaster, LatencyWindow, percentiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -87,15 +87,102 @@ def test_percentiles_nearest_rank():
     assert percentiles([3.0]) == {"p50": 3.0, "p90": 3.0, "p99": 3.0}
 
 
-def test_window_drops_old_samples(monkeypatch):
+def test_window_drops_old_requests(monkeypatch):
+    from tokenmill.engine.async_llm import RequestStream
+
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    w = Window(seconds=10, max_samples=3)
-    for v in (5.0, 1.0, 3.0, 2.0):  # the oldest falls off the bounded deque
-        w.add(v)
-    assert w.percentiles()["p99"] == 3.0 and w.percentiles()["p50"] == 2.0
-    now[0] = 111.0  # every sample older than the window
-    assert w.percentiles() == {"p50": None, "p90": None, "p99": None} and not w.times and not w.values
+
+    def stream(ttft: float, gaps: list[float]) -> RequestStream:
+        s = RequestStream("r", None, ["r"], 1, arrival=now[0] - ttft - sum(gaps), first_token=now[0] - sum(gaps))
+        s.token_times = [(s.first_token, 1)] + [(s.first_token + sum(gaps[:i + 1]), 1) for i in range(len(gaps))]
+        return s
+
+    w = LatencyWindow(seconds=10, max_requests=3, max_gaps=16)
+    for ttft in (5.0, 1.0, 3.0, 2.0):  # the oldest falls off (max_requests), its gaps with it
+        w.add(stream(ttft, [0.5, 0.5]), ttft + 1.0)
+    w.add(RequestStream("aborted", None, ["a"], 1), 0.2)  # no first token: counted, not in the percentiles
+    p = w.percentiles()
+    assert (p["ttft"]["p99"], p["ttft"]["p50"], p["e2e"]["p50"]) == (3.0, 2.0, 3.0)
+    assert (p["requests"], p["without_token"], list(w.itl)) == (3, 1, [0.5] * 6)
+    w.add(stream(4.0, [0.1, 0.2, 0.3, 0.4, 0.5]), 5.5)  # a long output: max_gaps // 8 of its gaps' quantiles
+    assert list(w.itl)[-2:] == pytest.approx([0.1, 0.3]) and w.percentiles()["requests"] == 3
+    big = LatencyWindow(seconds=10, max_requests=100, max_gaps=16)
+    for _ in range(9):  # 18 gaps: the oldest request goes, with its 2
+        big.add(stream(1.0, [0.5, 0.5]), 2.0)
+    assert (big.percentiles()["requests"], len(big.itl)) == (8, 16)
+    now[0] = 111.0  # every request ended before the window
+    p = w.percentiles()
+    assert p["ttft"] == p["itl"] == p["e2e"] == {"p50": None, "p90": None, "p99": None}
+    assert (p["requests"], p["without_token"]) == (0, 0) and not w.itl and not w.times
+
+
+def _drive_hooks(stats, requests, clock) -> None:
+    """Call DashboardStats' hooks in the order AsyncLLM does for `requests`, each (arrival, first token or
+    None, [later delta times], end or None: still open): first token, inter-token gaps, then on_finished
+    with the request's RequestStream when it ends (finished, or aborted with or without a first token)."""
+    from tokenmill.engine.async_llm import RequestStream
+
+    events = []
+    for i, (arrival, first, deltas, end) in enumerate(requests):
+        s = RequestStream(f"r{i}", None, [f"r{i}"], 10, arrival=arrival)
+        times = ([first] if first is not None else []) + deltas
+        events += [(t, 0, s) for t in times if end is None or t <= end]
+        if end is not None:
+            events.append((end, 1, s))
+    for t, kind, s in sorted(events, key=lambda e: (e[0], e[1])):
+        clock[0] = t
+        if kind == 0:
+            if s.first_token is None:
+                s.first_token = t
+                stats.on_first_token(t - s.arrival)
+            else:
+                stats.on_inter_token(t - s.last_token)
+            s.last_token = t
+            s.num_generation_tokens += 1
+            s.token_times.append((t, 1))
+        else:
+            s.finished = True
+            stats.on_finished(["abort" if s.first_token is None else "length"], t - s.arrival, 10,
+                              s.num_generation_tokens, s)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_latency_percentiles_come_from_one_set_of_finished_requests(monkeypatch, seed):
+    """Issue 29.3: E2E P50 1,060 ms below TTFT P50 9,854 ms. TTFT was taken when a first token came (of
+    requests still running too) and E2E when a request ended (also those aborted before any token): two
+    sets. Now every figure of the latency panel comes from the requests that ended in the window and had a
+    first token, recorded together when each ends, so E2E >= TTFT at every percentile, whatever the mix."""
+    import random
+
+    from tokenmill.serve.dashboard import DashboardStats
+
+    rng = random.Random(seed)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    requests = []
+    for _ in range(rng.randint(1, 60)):
+        arrival = 1000 + rng.uniform(0, 30)
+        first = arrival + rng.uniform(0.01, 12) if rng.random() < 0.8 else None
+        deltas = [] if first is None else sorted(first + rng.uniform(0, 3) for _ in range(rng.randint(0, 20)))
+        end = rng.choice([None, arrival + rng.uniform(0.01, 1.5),
+                          max([arrival] + [t for t in [first, *deltas] if t is not None]) + rng.uniform(0, 0.5)])
+        requests.append((arrival, first, deltas, end))
+    # and always the capture's shape: long waits still running, short requests aborted before a token
+    requests += [(1000.0, 1010.0, [1010.1], None)] * 3 + [(1001.0, None, [], 1002.0)] * 3
+    stats = DashboardStats(window=600)
+    _drive_hooks(stats, requests, clock)
+    lat = stats.latency()
+    ended = [r for r in requests if r[3] is not None and r[1] is not None and r[1] <= r[3]]
+    assert lat["requests"] == len(ended)
+    assert lat["without_token"] == sum(r[3] is not None and (r[1] is None or r[1] > r[3]) for r in requests)
+    for q in ("p50", "p90", "p99"):
+        ttft, e2e = lat["ttft"][q], lat["e2e"][q]
+        assert (ttft is None) == (e2e is None) == (not ended)
+        assert ttft is None or e2e >= ttft, (q, lat)
+    # ITL: the gaps between the deltas of those same requests, and only those
+    gaps = sorted(b - a for r in ended for a, b in zip([r[1], *r[2]], r[2]) if b <= r[3])
+    assert lat["itl"] == percentiles(gaps)
 
 
 def test_snapshots_carry_their_own_cost():
@@ -242,6 +329,38 @@ def _number(page, sel: str) -> float:
     return float(text) if re.fullmatch(r"-?[\d.]+", text) else float("nan")
 
 
+# One look at the page, in one synchronous script (so one snapshot's rendering): the tiles, what the request
+# table's rows add up to, the latency table's cells, and whether the plan text fits its panel.
+_PAGE_STATE = """() => {
+  const rows = [...document.querySelectorAll('#t-requests tbody tr[data-state]')];
+  const total = (k) => rows.reduce((a, r) => a + Number(r.dataset[k]), 0);
+  const num = (id) => Number(document.getElementById(id).textContent.replace(/,/g, ''));
+  const plan = document.getElementById('plan-text');
+  return {tiles: {waiting: num('v-waiting'), running: num('v-running')},
+          rows: {waiting: total('waiting'), running: total('running')},
+          states: rows.filter((r) => r.dataset.id).map((r) => [r.dataset.state, r.cells[1].textContent,
+                                                               Number(r.dataset.waiting), Number(r.dataset.running)]),
+          latency: Object.fromEntries([...document.querySelectorAll('#t-latency tbody tr')].map(
+            (tr) => [tr.cells[0].textContent, [...tr.cells].slice(1).map((td) => parseFloat(td.textContent))])),
+          plan: [plan.scrollWidth, plan.clientWidth,
+                 document.getElementById('panel-plan').scrollWidth, document.getElementById('panel-plan').clientWidth]};
+}"""
+
+
+def _check_page_state(st: dict) -> None:
+    """Issue 29.3: the tiles equal what the table lists (a waiting tile of 0 beside 8 rows listed as waiting),
+    each row's state matches its counts, and E2E >= TTFT at every percentile."""
+    assert st["tiles"] == st["rows"], st
+    for state, text, waiting, running in st["states"]:
+        if state == "waiting":
+            assert text == "waiting" and waiting > 0 and running == 0, st
+        elif state == "running":
+            assert text.startswith("running") and (waiting == 0) == (text == "running"), st
+    lat = st["latency"]
+    for ttft, e2e in zip(lat["TTFT"], lat["E2E"]):
+        assert ttft != ttft or e2e >= ttft, lat  # NaN: '–', no request in the window yet
+
+
 def test_dashboard_in_a_browser(server, router, browser, artifacts):
     page = browser.new_page(viewport={"width": 1280, "height": 1500})
     errors = []
@@ -254,10 +373,19 @@ def test_dashboard_in_a_browser(server, router, browser, artifacts):
     page.fill("#key-input", "wrong")
     page.click("#key-form button")
     page.wait_for_function("document.querySelector('#key-error').textContent.includes('refused')", timeout=15000)
+    # Until the first snapshot: a "waiting for the first snapshot" note, not empty panels (the stream is held
+    # off here, then let through).
+    page.route("**/dashboard/api/events", lambda route: route.abort())
     page.fill("#key-input", API_KEY)
     page.click("#key-form button")
+    page.wait_for_selector("#first-snapshot:not([hidden])", timeout=15000)
+    page.wait_for_function("document.querySelector('#status').textContent === 'reconnecting'", timeout=15000)
+    assert page.is_hidden("#engine-view") and "first snapshot" in page.inner_text("#first-snapshot")
+    page.screenshot(path=os.path.join(artifacts, "dashboard-first-paint.png"))
+    page.unroute("**/dashboard/api/events")
     page.wait_for_selector("#engine-view:not([hidden])", timeout=15000)
-    errors.clear()  # the 401s above are logged by the browser as failed loads: they are the point
+    assert page.is_hidden("#first-snapshot")
+    errors.clear()  # the 401s and the held-off stream above are logged by the browser as failed loads
 
     with Load(server.url, workers=2) as load:
         page.wait_for_function("Number(document.querySelector('#v-running').textContent) > 0", timeout=30000)
@@ -270,8 +398,24 @@ def test_dashboard_in_a_browser(server, router, browser, artifacts):
         assert _number(page, "#v-gen-tps") > 0
         assert page.inner_text("#v-hit") != "–" and page.inner_text("#t-latency").count("–") < 9
         page.wait_for_function("document.querySelector('#plan-text').textContent.includes('decode')", timeout=60000)
+        plan = page.evaluate(_PAGE_STATE)["plan"]
+        assert plan[0] <= plan[1] and plan[2] <= plan[3], plan  # the plan text is not cut off at the edge
+        # A request of many prompts beside the load: some of its sequences wait (in the engine's queue, or
+        # held back by the API), and every look at the page finds the tiles equal to what the table lists.
+        prompts = [f"Prompt {i}: say a word" for i in range(160)]
+        big = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=120,
+                                                         json={"prompt": prompts, "max_tokens": 2}))
+        big.start()
+        looks = []
+        while big.is_alive() or not looks:
+            looks.append(page.evaluate(_PAGE_STATE))
+            _check_page_state(looks[-1])
+            page.wait_for_timeout(100)
+        big.join()
+        assert any(st["tiles"]["waiting"] > 0 for st in looks), looks[-1]
+        assert any(st["tiles"]["running"] > 0 for st in looks), looks[-1]
         assert "SmolLM2" in page.inner_text("#t-config") and "float32" in page.inner_text("#t-config")
-        page.click("#t-requests tbody tr")
+        page.click("#t-requests tbody tr[data-id]")
         page.wait_for_selector("#request-detail:not([hidden])", timeout=10000)
         page.screenshot(path=os.path.join(artifacts, "dashboard-under-load.png"), full_page=True)
     assert not load.errors, load.errors[:2]
@@ -282,6 +426,7 @@ def test_dashboard_in_a_browser(server, router, browser, artifacts):
     page.wait_for_function(f"Number(document.querySelector('#v-finished').textContent) == {done}", timeout=10000)
     page.wait_for_function("Number(document.querySelector('#v-gen-tokens').textContent.replace(/,/g, '')) == "
                            f"{m['tokenmill:generation_tokens_total']}", timeout=10000)
+    _check_page_state(page.evaluate(_PAGE_STATE))
 
     # The playground streams an answer with per-token latency.
     page.fill("#pg-input", "What is the capital of France?")

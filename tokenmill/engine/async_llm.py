@@ -381,7 +381,7 @@ class AsyncLLM:
             self.unscheduled.discard(eid)
         if self.stat_logger is not None:
             self.stat_logger.on_finished(["abort"], time.monotonic() - stream.arrival, stream.num_prompt_tokens,
-                                         stream.num_generation_tokens)
+                                         stream.num_generation_tokens, stream)
         if ids and self.dead is None and not self._shutting_down:
             self._in.send_multipart([ABORT, self._encoder.encode(ids)])
 
@@ -460,7 +460,8 @@ class AsyncLLM:
                     self.unscheduled.discard(eid)
                 if sl is not None:
                     sl.on_finished(stream.finish_reasons + [c.finish_reason for c in ro.outputs if c.finish_reason],
-                                   now - stream.arrival, stream.num_prompt_tokens, stream.num_generation_tokens)
+                                   now - stream.arrival, stream.num_prompt_tokens, stream.num_generation_tokens,
+                                   stream)
             elif sl is not None:
                 stream.finish_reasons += [c.finish_reason for c in ro.outputs if c.finish_reason]
             stream.queue.put_nowait(ro)

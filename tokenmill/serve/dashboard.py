@@ -1,12 +1,13 @@
 """The live dashboard at /dashboard: static pages (serve/static/) and one server-sent-events stream of
 snapshots a few times a second.
 
-Data comes from what the API process already receives: AsyncLLM's metric hooks (TTFT, ITL, E2E, tokens;
-fanned out to ServerMetrics and to DashboardStats), the EngineStats that arrive with every step (queue
-sizes, KV blocks, prefix-cache and speculation counters, and the engine's per-step records,
-engine/step_records.py) and the open requests' streams. One producer task builds each snapshot once and
-hands it to every open stream, so more viewers cost almost nothing more, and it runs only while one is
-open.
+Data comes from what the API process already receives: AsyncLLM's metric hooks (tokens, and each request's
+stream when it ends, for TTFT, ITL and E2E; fanned out to ServerMetrics and to DashboardStats), the
+EngineStats that arrive with every step (KV blocks, prefix-cache and speculation counters, and the engine's
+per-step records, engine/step_records.py) and the open requests' streams (running and waiting: what the
+API has sent and the engine has or has not yet scheduled, the same count the request table is made of).
+One producer task builds each snapshot once and hands it to every open stream, so more viewers cost almost
+nothing more, and it runs only while one is open.
 
 Authentication: the pages themselves hold no data and are served to anyone; everything under
 /dashboard/api/ is guarded by --api-key like /v1 (api_server.PROTECTED). The page asks for the key, keeps it
@@ -31,7 +32,7 @@ from starlette.responses import Response, StreamingResponse
 
 logger = logging.getLogger("tokenmill")
 
-WINDOW_S = 60.0           # latency percentiles over this sliding window (and at most 4096 samples)
+WINDOW_S = 60.0           # latency percentiles over the requests that ended in this sliding window
 SNAPSHOT_INTERVAL_S = 0.25
 _STATIC = ("dashboard.html", "dashboard.js", "dashboard.css")
 
@@ -44,36 +45,70 @@ def percentiles(values, qs=(50, 90, 99)) -> dict[str, Optional[float]]:
     return {f"p{q}": v[min(len(v), max(1, math.ceil(q / 100 * len(v)))) - 1] for q in qs}
 
 
-class Window:
-    """The last `seconds` of samples (at most `max_samples`): times and values kept apart so a snapshot's
-    percentiles are one C-level sort of plain floats (about 0.3 ms for 4096), not a Python filter."""
+class LatencyWindow:
+    """The requests that ended in the last `seconds` (at most `max_requests` of them, and at most `max_gaps`
+    inter-token gaps among them), each recorded whole when it ends: its TTFT, its E2E and the gaps between its
+    deltas. Every figure of the latency panel is then over one set of requests: per request e2e >= ttft, so
+    E2E >= TTFT at every percentile too (sorting both lists keeps that rank by rank). Taken when they happen
+    instead, TTFT included requests still running and E2E those aborted before a token (two sets: an E2E P50
+    of 1 s under a TTFT P50 of 10 s). A request that ended before its first token has no TTFT: it is counted
+    (`without_token`), not mixed in. Values are kept in plain deques so a snapshot's percentiles are a few
+    C-level sorts (about 1 ms for the largest window), not a Python filter."""
 
-    def __init__(self, seconds: float, max_samples: int) -> None:
-        self.seconds = seconds
-        self.times: deque = deque(maxlen=max_samples)
-        self.values: deque = deque(maxlen=max_samples)
+    def __init__(self, seconds: float, max_requests: int, max_gaps: int) -> None:
+        self.seconds, self.max_requests, self.max_gaps = seconds, max_requests, max_gaps
+        self.times: deque = deque()      # when each request ended, oldest first
+        self.ttft: deque = deque()
+        self.e2e: deque = deque()
+        self.num_gaps: deque = deque()   # how many of `itl` each request put there
+        self.itl: deque = deque()
+        self.without_token: deque = deque()  # when requests without a first token ended
 
-    def add(self, value: float) -> None:
-        self.times.append(time.monotonic())
-        self.values.append(value)
+    def add(self, stream, e2e: float) -> None:
+        """A request ended `e2e` seconds after it arrived; `stream` is its AsyncLLM RequestStream."""
+        now = time.monotonic()
+        if stream is None or stream.first_token is None:
+            self.without_token.append(now)
+            return
+        times = [t for t, _ in stream.token_times]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        share = max(1, self.max_gaps // 8)
+        if len(gaps) > share:  # a very long output: evenly spaced quantiles of its gaps stand for all of them
+            gaps.sort()
+            gaps = [gaps[i * len(gaps) // share] for i in range(share)]
+        self.times.append(now)
+        self.ttft.append(stream.first_token - stream.arrival)
+        self.e2e.append(max(e2e, self.ttft[-1]))  # the caller's clock read: the invariant must not hang on it
+        self.num_gaps.append(len(gaps))
+        self.itl.extend(gaps)
+        while len(self.times) > 1 and (len(self.times) > self.max_requests or len(self.itl) > self.max_gaps):
+            self._drop_oldest()
 
-    def percentiles(self) -> dict[str, Optional[float]]:
+    def _drop_oldest(self) -> None:
+        self.times.popleft()
+        self.ttft.popleft()
+        self.e2e.popleft()
+        for _ in range(self.num_gaps.popleft()):
+            self.itl.popleft()
+
+    def percentiles(self) -> dict[str, Any]:
         cutoff = time.monotonic() - self.seconds
         while self.times and self.times[0] < cutoff:
-            self.times.popleft()
-            self.values.popleft()
-        return percentiles(self.values)
+            self._drop_oldest()
+        while self.without_token and self.without_token[0] < cutoff:
+            self.without_token.popleft()
+        return {"ttft": percentiles(self.ttft), "itl": percentiles(self.itl), "e2e": percentiles(self.e2e),
+                "requests": len(self.times), "without_token": len(self.without_token), "window_s": self.seconds}
 
 
 class DashboardStats:
-    """AsyncLLM's stat hooks, kept as sliding windows (for percentiles) and running totals."""
+    """AsyncLLM's stat hooks, kept as a window of finished requests (for percentiles) and running totals."""
 
-    def __init__(self, window: float = WINDOW_S, max_samples: int = 4096, max_steps: int = 2048) -> None:
-        # at most max_samples each, so sorting them a few times a second stays cheap on the event loop
-        # however fast tokens come (a fast GPU: the last max_samples, not 60 s)
-        self.ttft = Window(window, max_samples)
-        self.itl = Window(window, max_samples)
-        self.e2e = Window(window, max_samples)
+    def __init__(self, window: float = WINDOW_S, max_requests: int = 4096, max_gaps: int = 8192,
+                 max_steps: int = 2048) -> None:
+        # bounded, so sorting them a few times a second stays cheap on the event loop however fast requests
+        # end (a fast GPU: the last max_requests, not 60 s)
+        self.finished = LatencyWindow(window, max_requests, max_gaps)
         self.steps: deque = deque(maxlen=max_steps)  # engine step records, oldest first
         self.num_steps = 0
         self.generation_tokens = 0
@@ -85,16 +120,17 @@ class DashboardStats:
         pass
 
     def on_first_token(self, ttft: float) -> None:
-        self.ttft.add(ttft)
+        pass  # recorded with the rest of the request when it ends (LatencyWindow)
 
     def on_inter_token(self, itl: float) -> None:
-        self.itl.add(itl)
+        pass  # likewise
 
     def on_generation_tokens(self, n: int) -> None:
         self.generation_tokens += n
 
-    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int) -> None:
-        self.e2e.add(e2e)
+    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
+                    stream=None) -> None:
+        self.finished.add(stream, e2e)
         self.finished_requests += len(reasons) or 1
         self.prompt_tokens += prompt_tokens
 
@@ -104,8 +140,8 @@ class DashboardStats:
             self.steps.extend(s.steps)
             self.num_steps += len(s.steps)
 
-    def latency(self) -> dict[str, dict]:
-        return {"ttft": self.ttft.percentiles(), "itl": self.itl.percentiles(), "e2e": self.e2e.percentiles()}
+    def latency(self) -> dict[str, Any]:
+        return self.finished.percentiles()
 
     def recent_steps(self, n: int) -> list:
         """The last n step records, oldest first (without copying the whole ring)."""
@@ -134,9 +170,10 @@ class StatFanout:
         for t in self.targets:
             t.on_generation_tokens(n)
 
-    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int) -> None:
+    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
+                    stream=None) -> None:
         for t in self.targets:
-            t.on_finished(reasons, e2e, prompt_tokens, generation_tokens)
+            t.on_finished(reasons, e2e, prompt_tokens, generation_tokens, stream)
 
     def on_engine_stats(self, s) -> None:
         for t in self.targets:

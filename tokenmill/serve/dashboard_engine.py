@@ -12,7 +12,6 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from tokenmill.serve.dashboard import DashboardStats, mount
-from tokenmill.serve.serving import num_waiting
 
 MAX_STEPS_SHOWN = 120    # step timeline bars per snapshot
 MAX_OPEN_SHOWN = 64      # open requests in the table
@@ -36,20 +35,35 @@ class EngineView:
             if rid not in streams:
                 self.finished.append(s)
         self.seen = streams
-        return {"t": time.time(), "engine": self._engine_state(), "latency": st.latency(),
+        opened = self._open(streams)
+        return {"t": time.time(), "engine": self._engine_state(opened), "latency": st.latency(),
                 "throughput": self._throughput(now, streams), "num_steps": st.num_steps,
-                "steps": st.recent_steps(MAX_STEPS_SHOWN), "requests": self._requests(now, streams),
+                "steps": st.recent_steps(MAX_STEPS_SHOWN), "requests": self._requests(now, opened),
                 "alive": engine.dead is None}
 
-    def _engine_state(self) -> dict:
+    def _open(self, streams: dict) -> list[tuple[Any, int, int]]:
+        """Every open request with its sequences waiting (sent, not yet scheduled) and running (scheduled,
+        not finished): the one count both the tiles and the table are made of, so they cannot disagree. The
+        engine's stats are not used here: they lag what the API has sent (they said 0 waiting while the table
+        listed 8) and count sequences the table cannot name. A preempted sequence counts as running."""
+        unscheduled = self.state.engine.unscheduled
+        out = []
+        for s in streams.values():
+            waiting = sum(e in unscheduled for e in s.engine_ids)
+            out.append((s, waiting, max(len(s.engine_ids) - waiting - len(s.finish_reasons), 0)))
+        return out
+
+    def _engine_state(self, opened: list) -> dict:
+        held = self.state.admission.held
+        counts = {"running": sum(r for _, _, r in opened), "waiting": sum(w for _, w, _ in opened) + held,
+                  "held": held}
         s = self.stats.engine
         if s is None:
-            return {}
+            return counts
         used = s.num_blocks - s.num_free_blocks
         queries = s.prefix_cache_queries
         return {
-            # waiting as /metrics counts it (serving.num_waiting): the engine's stats lag behind what was sent
-            "running": s.num_running, "waiting": num_waiting(self.state), "preemptions": s.num_preemptions,
+            **counts, "preemptions": s.num_preemptions,
             "kv": {"total": s.num_blocks, "used": used, "cached_free": s.num_cached_free_blocks,
                    "free": s.num_free_blocks - s.num_cached_free_blocks, "usage": s.kv_cache_usage},
             "prefix": {"queries": queries, "hits": s.prefix_cache_hits,
@@ -81,20 +95,27 @@ class EngineView:
                 "generation_tokens": st.generation_tokens, "prompt_tokens": st.prompt_tokens,
                 "finished_requests": st.finished_requests}
 
-    def _requests(self, now: float, streams: dict) -> list[dict]:
-        unscheduled = self.state.engine.unscheduled
-        rows = []
-        for s in list(streams.values())[:MAX_OPEN_SHOWN]:
-            waiting = all(e in unscheduled for e in s.engine_ids)
-            rows.append(self._row(s, "waiting" if waiting else "running", now))
-        rows += [self._row(s, "finished", now) for s in reversed(self.finished)]
+    def _requests(self, now: float, opened: list) -> list[dict]:
+        """Rows: the first MAX_OPEN_SHOWN open requests, one row summing the others, one for the sequences
+        the API process still holds back (a large request goes to the engine a window at a time), then the
+        recently finished. Every open row carries its waiting and running sequences: they add up to the tiles."""
+        rows = [self._row(s, "waiting" if w and not r else "running", now, w, r) for s, w, r in opened[:MAX_OPEN_SHOWN]]
+        more = opened[MAX_OPEN_SHOWN:]
+        if more:
+            rows.append({"id": None, "state": "more", "count": len(more), "waiting": sum(w for _, w, _ in more),
+                         "running": sum(r for _, _, r in more)})
+        held = self.state.admission.held
+        if held:
+            rows.append({"id": None, "state": "held", "count": held, "waiting": held, "running": 0})
+        rows += [self._row(s, "finished", now, 0, 0) for s in reversed(self.finished)]
         return rows
 
     @staticmethod
-    def _row(s, state: str, now: float) -> dict:
+    def _row(s, state: str, now: float, waiting: int, running: int) -> dict:
         times = s.token_times
         itl = times[-1][0] - times[-2][0] if len(times) > 1 else None
-        return {"id": s.request_id, "state": state, "prompt_tokens": s.num_prompt_tokens,
+        return {"id": s.request_id, "state": state, "sequences": len(s.engine_ids), "waiting": waiting,
+                "running": running, "prompt_tokens": s.num_prompt_tokens,
                 "output_tokens": s.num_generation_tokens, "cached_tokens": s.num_cached_tokens,
                 "ttft": s.first_token - s.arrival if s.first_token is not None else None, "itl": itl,
                 "age": (s.last_token if state == "finished" and s.last_token else now) - s.arrival}

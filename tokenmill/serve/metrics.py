@@ -114,7 +114,9 @@ class ServerMetrics:
     def on_generation_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)
 
-    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int) -> None:
+    def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
+                    stream=None) -> None:
+        """stream: the request's AsyncLLM RequestStream (the dashboard reads its token times; not needed here)."""
         for reason in reasons:
             counter = self.success.get(reason)
             if counter is not None:

@@ -158,6 +158,7 @@ async function stream(onSnapshot) {
 
 function askKey(message) {
   $("key-form").hidden = false;
+  $("first-snapshot").hidden = true;
   $("engine-view").hidden = $("router-view").hidden = true;
   $("key-error").textContent = message || "";
   $("status").textContent = "needs API key"; $("status").className = "pill down";
@@ -181,6 +182,7 @@ function renderEngine(s) {
   const e = s.engine || {}, tp = s.throughput || {};
   $("v-running").textContent = e.running ?? "–";
   $("v-waiting").textContent = e.waiting ?? "–";
+  $("v-waiting").title = e.held ? `${e.held} of them held back by the API process` : "";
   $("v-preemptions").textContent = e.preemptions ?? "–";
   $("v-gen-tps").textContent = fmt(tp.generation_tok_s);
   $("v-user-tps").textContent = fmt(tp.per_user_tok_s);
@@ -221,6 +223,11 @@ function renderLatency(lat) {
     return `<tr><td>${m.toUpperCase()}</td><td>${ms(p.p50)}</td><td>${ms(p.p90)}</td><td>${ms(p.p99)}</td></tr>`;
   }).join("");
   $("t-latency").tBodies[0].innerHTML = rows;
+  // every figure above is over the same requests: say which
+  const n = lat.requests ?? 0, none = lat.without_token ?? 0;
+  $("v-latency-set").textContent = (n ? `all over the ${n} request${n === 1 ? "" : "s"} that ended in the last ` +
+    `${fmt(lat.window_s ?? 60, 0)} s with a first token` : "no request has ended in the last " +
+    `${fmt(lat.window_s ?? 60, 0)} s yet`) + (none ? `; ${none} more ended before their first token` : "");
 }
 
 function renderKV(e) {
@@ -246,13 +253,28 @@ function renderSpec(spec) {
     `(${pct(spec.accepted / spec.draft_tokens)}), k = ${spec.k}; bar i: share of rounds whose draft i was accepted`;
 }
 
+// One row per open request (its waiting and running sequences in data-waiting / data-running: they add up
+// to the tiles, which the server counts from the same rows), a row for the open ones not listed and one for
+// the sequences the API process still holds back, then the recently finished.
+function requestRow(r) {
+  const counts = `data-state="${r.state}" data-waiting="${r.waiting}" data-running="${r.running}"`;
+  if (r.id === null) {
+    const what = r.state === "held" ? `${r.count} sequences held back by the API (a large request is sent a window at a time)`
+      : `${r.count} more open requests`;
+    return `<tr class="summary" ${counts}><td colspan="2">${what}</td><td colspan="7">` +
+      `${r.waiting} waiting, ${r.running} running</td></tr>`;
+  }
+  const partly = r.state === "running" && r.waiting ? ` (${r.waiting} of ${r.sequences} waiting)` : "";
+  return `<tr data-id="${encodeURIComponent(r.id)}" ${counts}${r.id === selected ? ' class="sel"' : ""}>` +
+    `<td title="${esc(r.id)}">${esc(r.id)}</td><td>${r.state}${partly}</td><td>${r.sequences}</td>` +
+    `<td>${r.prompt_tokens}</td><td>${r.output_tokens}</td><td>${r.cached_tokens}</td><td>${ms(r.ttft)}</td>` +
+    `<td>${ms(r.itl)}</td><td>${fmt(r.age)}</td></tr>`;
+}
+
 function renderRequests(rows) {
-  const body = $("t-requests").tBodies[0];
-  body.innerHTML = rows.map((r) => `<tr data-id="${encodeURIComponent(r.id)}"${r.id === selected ? ' class="sel"' : ""}>` +
-    `<td title="${esc(r.id)}">${esc(r.id)}</td><td>${r.state}</td><td>${r.prompt_tokens}</td><td>${r.output_tokens}</td>` +
-    `<td>${r.cached_tokens}</td><td>${ms(r.ttft)}</td><td>${ms(r.itl)}</td><td>${fmt(r.age)}</td></tr>`).join("");
+  $("t-requests").tBodies[0].innerHTML = rows.map(requestRow).join("");
   // keep the selected request's timing fresh while it runs; once finished it no longer changes
-  const row = rows.find((r) => r.id === selected);
+  const row = rows.find((r) => r.id !== null && r.id === selected);
   if (row && (row.state !== "finished" || !detailFinal)) { detailFinal = row.state === "finished"; showRequest(selected, false); }
 }
 
@@ -276,12 +298,21 @@ async function showRequest(id, fresh) {
   } finally { detailBusy = false; }
 }
 
+// `tokenmill plan`'s text, one block per line: a line too long for the panel wraps under itself (hanging
+// indent) instead of running past the panel's edge
+function renderPlan(text) {
+  $("plan-text").innerHTML = text.split("\n").map((line) => {
+    const indent = line.length - line.trimStart().length;
+    return `<div style="padding-left:${indent + 4}ch;text-indent:-4ch">${esc(line.trimStart()) || "&nbsp;"}</div>`;
+  }).join("");
+}
+
 async function loadConfig(batch) {
   try {
     const c = await api(`/dashboard/api/config?batch=${batch}`);
     $("t-config").tBodies[0].innerHTML = Object.entries(c.config).map(([k, v]) =>
       `<tr><td>${esc(k)}</td><td>${v === null ? "–" : esc(typeof v === "object" ? JSON.stringify(v) : v)}</td></tr>`).join("");
-    $("plan-text").textContent = c.plan.text;
+    renderPlan(c.plan.text);
   } catch (e) { console.warn("config:", e.message); }
 }
 
@@ -377,9 +408,13 @@ async function start() {
   const router = info.kind === "router";
   modelName = info.model || null;
   $("title").textContent = router ? `router (${info.replicas} replicas)` : `${info.model} · v${info.version}`;
-  $("engine-view").hidden = router;
-  $("router-view").hidden = !router;
-  stream(router ? renderRouter : renderEngine);
+  // the panels stay hidden behind "waiting for the first snapshot" until there is something to put in them
+  const view = router ? $("router-view") : $("engine-view"), render = router ? renderRouter : renderEngine;
+  $("first-snapshot").hidden = false;
+  stream((snap) => {
+    if (view.hidden) { $("first-snapshot").hidden = true; view.hidden = false; }
+    render(snap);
+  });
 }
 
 start();
