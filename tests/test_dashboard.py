@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import threading
 import time
 
@@ -193,6 +195,25 @@ def test_snapshots_carry_their_own_cost():
     assert first == {"x": 1, "snapshot_ms": 0.0, "snapshot_busy": 0.0}  # nothing built before it
     assert second["snapshot_ms"] > 0 and second["snapshot_busy"] == pytest.approx(second["snapshot_ms"] / 250, abs=1e-4)
 
+
+
+def test_closing_a_broadcaster_ends_its_streams():
+    """What a shutting-down server does to its dashboards: open streams end (after what they were sent), and a
+    stream opened afterwards ends at once, so uvicorn has no open response to wait on."""
+    import asyncio
+
+    async def scenario():
+        hub = Broadcaster(lambda: {"x": 1}, interval=0.01)
+        stream = hub.stream()
+        assert await anext(stream) == b"retry: 2000\n\n" and (await anext(stream)).startswith(b"data: ")
+        hub.close()
+        rest = [chunk async for chunk in stream]
+        assert all(c.startswith(b"data: ") for c in rest) and not hub.listeners
+        assert [chunk async for chunk in hub.stream()] == []
+        await asyncio.sleep(0.05)
+        assert hub.task is None  # the producer stopped too
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
 
 def test_engine_step_records(tiny):
     """The engine's per-step records: prefill + decode tokens add up to the tokens the steps ran."""
@@ -459,3 +480,49 @@ def test_dashboard_in_a_browser(server, router, browser, artifacts):
     page.screenshot(path=os.path.join(artifacts, "dashboard-router.png"), full_page=True)
     assert not errors, errors
     page.close()
+
+
+def _stream_until_closed(url: str, api_key: str, out: dict) -> None:
+    """Reads a dashboard stream until the server ends it; out['events'] counts snapshots, out['ended'] is
+    set when the stream ended cleanly (the server closed it, not a read error)."""
+    out["events"] = 0
+    try:
+        with httpx.stream("GET", url + "/dashboard/api/events", headers={"Authorization": f"Bearer {api_key}"},
+                          timeout=httpx.Timeout(60, connect=5)) as r:
+            for line in r.iter_lines():
+                out["events"] += line.startswith("data: ")
+        out["ended"] = time.monotonic()
+    except httpx.HTTPError as e:
+        out["error"] = repr(e)
+
+
+@pytest.mark.parametrize("kind", ["serve", "router"])
+def test_open_dashboard_stream_does_not_hold_up_shutdown(server, kind):
+    """SIGINT/SIGTERM with a dashboard stream open: the stream ends and the process exits at once, rather than
+    after the whole --shutdown-timeout (30 s) the snapshot stream, which never ends by itself, held it for."""
+    if kind == "serve":
+        proc = ServerProc(None, api_key=API_KEY)
+    else:
+        proc = CliProc(["router", "--replica", server.url, "--health-check-interval", "0.5"], api_key=API_KEY)
+    try:
+        sig = signal.SIGINT if kind == "serve" else signal.SIGTERM  # Ctrl-C; a service manager's stop
+        out: dict = {}
+        reader = threading.Thread(target=_stream_until_closed, args=(proc.url, API_KEY, out), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while out.get("events", 0) < 2 and time.monotonic() < deadline and reader.is_alive():
+            time.sleep(0.05)
+        assert out.get("events", 0) >= 2, out
+        t0 = time.monotonic()
+        proc.proc.send_signal(sig)
+        try:
+            code = proc.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - t0
+        reader.join(5)
+        assert code == 0 and took < 5, f"{kind} exited {code} {took:.1f}s after {sig.name}: {proc.logs()[-2000:]}"
+        assert "ended" in out and out["ended"] - t0 < 5, out
+    finally:
+        proc.stop(signal.SIGKILL)
+        os.unlink(proc.log.name)

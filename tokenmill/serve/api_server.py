@@ -429,6 +429,8 @@ class DrainingServer:
 
         import uvicorn
 
+        from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
+
         class Server(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self):
@@ -447,8 +449,10 @@ class DrainingServer:
                     timeout = self.config.timeout_graceful_shutdown
                     logger.info("received %s: draining in-flight requests (up to %.0fs)",
                                 signal.Signals(sig).name, timeout)
+                    loop = asyncio.get_event_loop()
+                    # the dashboard's streams never end by themselves: uvicorn would wait the whole timeout
+                    loop.call_soon_threadsafe(end_dashboard_streams)
                     if on_deadline is not None and timeout is not None:
-                        loop = asyncio.get_event_loop()
                         loop.call_soon_threadsafe(loop.call_later, max(timeout - 1.0, 0.0), on_deadline)
                 super().handle_exit(sig, frame)
 

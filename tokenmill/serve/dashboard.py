@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from itertools import islice
 from importlib import resources
@@ -192,6 +193,17 @@ class Broadcaster:
         self.listeners: set[asyncio.Queue] = set()
         self.task: Optional[asyncio.Task] = None
         self.last_cost = 0.0  # seconds of this process's time the last snapshot took (build + encode)
+        self.closed = False
+        _HUBS.add(self)
+
+    def close(self) -> None:
+        """The server is stopping: end every open stream and refuse new ones. A snapshot stream never ends by
+        itself, and uvicorn waits for open responses up to --shutdown-timeout (30 s) before it exits."""
+        self.closed = True
+        for q in self.listeners:
+            if q.full():
+                q.get_nowait()
+            q.put_nowait(None)  # the end of the stream
 
     async def _snapshot(self) -> bytes:
         try:
@@ -210,8 +222,10 @@ class Broadcaster:
             return b": snapshot failed\n\n"
 
     async def _run(self) -> None:
-        while self.listeners:
+        while self.listeners and not self.closed:
             data = await self._snapshot()
+            if self.closed:  # closed while building: a full queue must not drop the end for a snapshot
+                break
             for q in list(self.listeners):
                 if q.full():
                     q.get_nowait()
@@ -220,16 +234,27 @@ class Broadcaster:
         self.task = None
 
     async def stream(self):
+        if self.closed:
+            return
         q: asyncio.Queue = asyncio.Queue(maxsize=4)
         self.listeners.add(q)
         if self.task is None:
             self.task = asyncio.create_task(self._run(), name="tokenmill-dashboard")
         try:
             yield b"retry: 2000\n\n"
-            while True:
-                yield await q.get()
+            while (data := await q.get()) is not None:
+                yield data
         finally:
             self.listeners.discard(q)
+
+
+_HUBS: "weakref.WeakSet[Broadcaster]" = weakref.WeakSet()  # every dashboard of this process (serve, router)
+
+
+def end_streams() -> None:
+    """Ends the open dashboard streams of this process, for a server that is shutting down (run on its loop)."""
+    for hub in list(_HUBS):
+        hub.close()
 
 
 def _static(name: str) -> bytes:
