@@ -87,10 +87,7 @@ class CliProc:
 
     def engine_pid(self) -> int:
         """The engine core child process (not multiprocessing's resource tracker)."""
-        pids = []
-        for task in os.listdir(f"/proc/{self.proc.pid}/task"):
-            with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
-                pids += [int(p) for p in f.read().split()]
+        pids = child_pids(self.proc.pid)
         for pid in pids:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ")
@@ -149,3 +146,12 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of every thread of process pid (a child started from a thread is listed under that thread)."""
+    pids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    return pids

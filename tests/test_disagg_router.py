@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from models import tiny_model
-from server_utils import CliProc, ServerProc, metrics, sse_events
+from server_utils import CliProc, ServerProc, child_pids, metrics, sse_events
 from tokenmill.cli import main
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.request import EngineCoreOutput, FinishReason
@@ -84,10 +84,7 @@ LONG = " ".join(PROMPTS[:3])  # four blocks of tokens
 def instance_pid(launcher: CliProc, url: str) -> int:
     """The launcher's child `tokenmill serve` process listening on url's port (children of any of its threads)."""
     port = url.rsplit(":", 1)[1]
-    pids = []
-    for task in os.listdir(f"/proc/{launcher.proc.pid}/task"):
-        with open(f"/proc/{launcher.proc.pid}/task/{task}/children") as f:
-            pids += [int(p) for p in f.read().split()]
+    pids = child_pids(launcher.proc.pid)
     for pid in pids:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
