@@ -140,15 +140,16 @@ def model_not_found_message(model: str) -> str:
     return f"model {model!r} does not exist: pass {MODEL_FORMS}; nothing is downloaded at run time"
 
 
-def resolve_model_path(model: Optional[str], install_default: bool = False) -> str:
+def resolve_model_path(model: Optional[str], install_default: bool = False, gguf_weights: str = "auto") -> str:
     """A local HF directory, a .gguf file, or None for the built-in default model.
-    Returns a Hugging Face directory (GGUF files are converted once and cached)."""
+    Returns a Hugging Face directory (a GGUF file's is made once and cached: models/gguf.py; gguf_weights is
+    --gguf-weights)."""
     from tokenmill.models import default_model, gguf
 
     if model is None or model == "default":
         model = default_model.default_model_path(install=install_default)
     if os.path.isfile(model) and model.endswith(".gguf"):
-        return gguf.gguf_to_hf_dir(model)
+        return gguf.gguf_to_hf_dir(model, gguf.weights_mode(model, gguf_weights))
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model directory {model} has no config.json")
@@ -268,6 +269,7 @@ class ModelConfig:
     quantization: Optional[str] = None  # online int8|w8a8|fp8|mxfp4|nvfp4; a quantized checkpoint's own method
     quantize_lm_head: bool = False      # online quantization covers the LM head too (default: model dtype)
     task: str = "auto"                  # generate | embed | auto (an encoder or sentence-transformers folder: embed)
+    gguf_weights: str = "auto"          # a GGUF's weights: native (its own blocks) | dequantize (float) | auto
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
@@ -302,7 +304,7 @@ class ModelConfig:
         from tokenmill.startup import timed
 
         with timed(ledger, "model resolution"):
-            self.model_dir = resolve_model_path(self.model, install_default)
+            self.model_dir = resolve_model_path(self.model, install_default, self.gguf_weights)
             if self.tokenizer is None:
                 self.tokenizer = self.model_dir
             key = resolution_cache.key(self.model_dir, self.tokenizer, self.dtype, device)
@@ -874,6 +876,11 @@ class EngineConfig:
                             "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
                             "per-channel), mxfp4, nvfp4. FP8 checkpoints (fp8, compressed-tensors) load as they "
                             "are without the flag")
+        p.add_argument("--gguf-weights", default="auto", choices=["auto", "native", "dequantize"],
+                       help="a GGUF model's weights: native = served in the file's own block types, memory-mapped "
+                            "(no float copy); dequantize = converted once to a float checkpoint (exact, for "
+                            "comparisons with transformers; needs 4-8x the file in disk and memory); auto = "
+                            "native for a quantized GGUF")
         p.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantization: quantize the LM head too (default: off, the head keeps the "
                             "model dtype, as in vLLM; faster decode, less accurate logits)")
@@ -923,6 +930,7 @@ class EngineConfig:
             num_gpu_blocks_override=a.num_gpu_blocks_override, enable_prefix_caching=a.enable_prefix_caching,
             kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
             quantize_lm_head=getattr(a, "quantize_lm_head", False), task=getattr(a, "task", "auto"),
+            gguf_weights=getattr(a, "gguf_weights", "auto"),
             kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,

@@ -9,8 +9,9 @@
  *
  * Activations are in the model's dtype (float32 or bfloat16, `bf16` below). A linear layer takes float32 in
  * and out: in bf16 its input is widened and its output rounded, as panel_linear and the bound int8 kernel
- * (quantization/kernels.py) do in Python. Each linear is either the float panel kernel or int8_linear_iq
- * (int8 weight-only with 16-bit activations, or w8a8): the call the Python layer would make for these rows.
+ * (quantization/kernels.py) do in Python. Each linear is the float panel kernel, int8_linear_iq (int8
+ * weight-only with 16-bit activations, or w8a8) or gg_linear (ggml block weights: quantization/ggml.c): the
+ * call the Python layer would make for these rows.
  */
 #include "cpu_vec.h"
 
@@ -18,6 +19,8 @@ typedef void (*linear_fn)(const float *x, const void *wp, const float *bias, flo
                           int64_t K, int num_threads);
 typedef void (*int8_fn)(const float *x, int64_t M, int32_t qmax, const int8_t *w, const float *w_scale, int64_t N,
                         int64_t K, const float *bias, float *y, int num_threads);
+typedef void (*blocks_fn)(const float *x, int64_t M, const void *parts, int32_t nparts, int64_t N, int64_t K,
+                          const float *bias, float *y, int num_threads);
 typedef void (*norm_fn)(const void *x, const void *residual, void *res_out, const void *w, void *out, int64_t T,
                         int64_t H, float eps, int num_threads);
 typedef void (*silu_fn)(const void *x, void *out, int64_t T, int64_t I, int num_threads);
@@ -33,15 +36,16 @@ typedef int (*write_kv_fn)(const char *k, int64_t k_row_bytes, const char *v, in
                            int64_t T, int64_t num_kv_heads, int64_t head_bytes, int64_t cache_head_bytes,
                            const int64_t *slots);
 
-enum { LINEAR_PANEL = 0, LINEAR_INT8 = 1 };
+enum { LINEAR_PANEL = 0, LINEAR_INT8 = 1, LINEAR_BLOCKS = 2 };
 
 typedef struct {
-    const void *fn;     /* linear_fn (LINEAR_PANEL) or int8_fn (LINEAR_INT8) */
-    const void *w;      /* panels, or int8 [N, K] */
+    const void *fn;     /* linear_fn (LINEAR_PANEL), int8_fn (LINEAR_INT8) or blocks_fn (LINEAR_BLOCKS) */
+    const void *w;      /* panels, int8 [N, K], or the gg_part_t array */
     const float *bias;  /* float32 or NULL */
     const float *scale; /* LINEAR_INT8: the weight's per-row scales */
     int64_t N, K;
-    int32_t kind, qmax; /* qmax: LINEAR_INT8's activation grid (32767 weight-only, 127 w8a8) */
+    int32_t kind, qmax; /* qmax: LINEAR_INT8's activation grid (32767 weight-only, 127 w8a8); LINEAR_BLOCKS:
+                         * the number of parts */
 } linear_t;
 
 typedef struct {
@@ -74,6 +78,8 @@ typedef struct {
 static void linear_f32(const linear_t *l, const float *x, float *y, int64_t M, int nt) {
     if (l->kind == LINEAR_INT8)
         ((int8_fn)l->fn)(x, M, l->qmax, l->w, l->scale, l->N, l->K, l->bias, y, nt);
+    else if (l->kind == LINEAR_BLOCKS)
+        ((blocks_fn)l->fn)(x, M, l->w, l->qmax, l->N, l->K, l->bias, y, nt);
     else
         ((linear_fn)l->fn)(x, l->w, l->bias, y, M, l->N, l->K, nt);
 }

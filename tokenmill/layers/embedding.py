@@ -27,8 +27,10 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp_size()
         self.start, self.rows, per = vocab_block(vocab_size, self.tp, tp_rank())
-        # zeros: padding rows are never looked up, but must hold finite values for a tied, padded head
-        self.weight = nn.Parameter(torch.zeros(per, hidden_size, dtype=dtype), requires_grad=False)
+        # padding rows are never looked up, but must hold finite values for a tied, padded head; the others are
+        # loaded (empty: untouched pages cost no memory when a GGUF's blocks replace this module)
+        self.weight = nn.Parameter(torch.empty(per, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.data[self.rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp == 1:

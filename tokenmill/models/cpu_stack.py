@@ -3,8 +3,10 @@ all short (decodes, speculative verification): the same kernels, order and round
 Python code, minus its per-layer glue, which costs as much as the matmuls in a single-stream decode step of a
 small model.
 
-Each linear layer runs the float panel kernel or, for int8 weight-only and w8a8 layers, the int8 kernel
-(quantization/qlinear.c) with the layer's scales: the call its Python `apply` makes for decode-sized rows.
+Each linear layer runs the float panel kernel; for int8 weight-only and w8a8 layers, the int8 kernel
+(quantization/qlinear.c) with the layer's scales; for ggml block weights (a GGUF served natively, int4), the
+block kernel (quantization/ggml.c) over the layer's parts: the call its Python `apply` makes for decode-sized
+rows.
 
 `CpuStack.build` returns None where the stack does not apply as a whole (fp8/fp4 or unpacked linears, an
 8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler; `unavailable` says which);
@@ -27,6 +29,7 @@ from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization import kernels as qkernels
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
 
@@ -34,7 +37,7 @@ _SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "layers", "de
 vp, i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-LINEAR_PANEL, LINEAR_INT8 = 0, 1  # decoder_stack.c's linear kinds
+LINEAR_PANEL, LINEAR_INT8, LINEAR_BLOCKS = 0, 1, 2  # decoder_stack.c's linear kinds
 
 
 class _Linear(ctypes.Structure):
@@ -81,7 +84,7 @@ def _addr(fn) -> int:
 class CpuStack:
     def __init__(self, model, kv_caches: list[torch.Tensor], lib, window: Optional[int]) -> None:
         cfg, first = model.config, model.layers[0]
-        attn, dtype = first.self_attn, model.embed_tokens.weight.dtype
+        attn, dtype = first.self_attn, model.dtype
         self.lib, self.model, self.window = lib, model, window
         self.kv_caches = kv_caches  # kept alive: the C side points into them
         self.group, self.dtype = attn.num_heads // attn.num_kv_heads, dtype
@@ -94,6 +97,10 @@ class CpuStack:
                 self._keep.append(bias)
             bias = bias.data_ptr() if bias is not None else None
             method = layer.quant_method
+            blocks = _block_linear(layer)
+            if blocks is not None:  # w: the gg_part_t array, qmax: its length
+                return _Linear(_addr(ggml.load().gg_linear), ctypes.addressof(blocks.c_parts), bias, None,
+                               blocks.N, blocks.K, LINEAR_BLOCKS, len(blocks.c_parts))
             if isinstance(method, Int8LinearMethod):
                 return _Linear(_addr(qkernels.load().int8_linear_iq), layer.weight.data_ptr(), bias,
                                layer.weight_row_scale.data_ptr(), layer.out_features, layer.in_features,
@@ -125,8 +132,10 @@ class CpuStack:
         # (matmul_plan.py), or an int8 layer widens its weight for MKL there; the stack only knows the kernels.
         lins = [lin for layer in model.layers for lin in _linears(layer)]
         int8 = [lin.quant_method.kernel_rows for lin in lins if isinstance(lin.quant_method, Int8LinearMethod)]
-        plans = [lin.packed_weight.plan for lin in lins if not isinstance(lin.quant_method, Int8LinearMethod)]
-        self.max_rows = min([matmul_plan.panel_row_limit(plans)] + int8)
+        blocks = [_block_linear(lin).max_rows for lin in lins if _block_linear(lin) is not None]
+        plans = [lin.packed_weight.plan for lin in lins
+                 if type(lin.quant_method) is UnquantizedLinearMethod]
+        self.max_rows = min([matmul_plan.panel_row_limit(plans)] + int8 + blocks)
 
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
@@ -170,6 +179,11 @@ class CpuStack:
         return self._scratch
 
 
+def _block_linear(layer) -> Optional["ggml.BlockLinear"]:
+    """The bound block kernel of a layer with ggml block weights (gguf_blocks, int4), else None."""
+    return getattr(layer.quant_method, "block_linear", None)
+
+
 def _hooked(model) -> bool:
     return any(layer._forward_pre_hooks or layer._forward_hooks for layer in model.layers)
 
@@ -185,18 +199,19 @@ def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, boo
     take) rather than the model's own features."""
     if tp_size() > 1 or pp_size() > 1:  # the C stack has no collectives between its layers
         return "tensor/pipeline parallel (no all-reduce or stage hand-off inside the C stack)", False
-    weight = model.embed_tokens.weight
-    if weight.device.type != "cpu":
+    if model.norm.weight.device.type != "cpu":
         return "not on CPU", False
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in model.layers):
         return "mixture-of-experts feed-forward layers", False
-    if weight.dtype not in cpu_kernels.DTYPES:
-        return f"no C kernels for {weight.dtype}", False
+    if model.dtype not in cpu_kernels.DTYPES:
+        return f"no C kernels for {model.dtype}", False
     lins = [lin for layer in model.layers for lin in _linears(layer)]
     libraries = {"skinny_linear": cpu_linear.available, "cpu_fused": cpu_fused.available,
                  "paged_attention": lambda: cpu_kernels.load() is not None, "decoder_stack": available}
     if any(isinstance(lin.quant_method, Int8LinearMethod) for lin in lins):
         libraries["qlinear"] = qkernels.available
+    if any(_block_linear(lin) is not None for lin in lins):
+        libraries["ggml"] = ggml.available
     missing = [name for name, ok in libraries.items() if not ok()]
     if missing:
         return f"C kernel libraries unavailable: {', '.join(missing)}", True
@@ -229,7 +244,7 @@ def _model_mismatch(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
 
 
 def _layer_mismatch(model, layer, kv: torch.Tensor, kv0: torch.Tensor) -> Optional[str]:
-    a, first, dtype = layer.self_attn, model.layers[0].self_attn, model.embed_tokens.weight.dtype
+    a, first, dtype = layer.self_attn, model.layers[0].self_attn, model.dtype
     norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([a.q_norm, a.k_norm] if a.qk_norm else [])
     if a.kv_quant is not None:
         return "8-bit KV cache"
@@ -240,10 +255,10 @@ def _layer_mismatch(model, layer, kv: torch.Tensor, kv0: torch.Tensor) -> Option
     if (kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[1] != a.num_kv_heads
             or kv.shape[4] != a.head_dim or kv.shape != kv0.shape):
         return "KV cache dtype or layout"
-    other = [lin.quant_method for lin in _linears(layer)
-             if not isinstance(lin.quant_method, (UnquantizedLinearMethod, Int8LinearMethod))]
+    other = [lin.quant_method for lin in _linears(layer) if _block_linear(lin) is None
+             and not isinstance(lin.quant_method, (UnquantizedLinearMethod, Int8LinearMethod))]
     if other:
-        return f"{type(other[0]).__name__} linear layers (the stack runs float, int8 and w8a8 ones)"
+        return f"{type(other[0]).__name__} linear layers (the stack runs float, int8, w8a8 and ggml block ones)"
     if any(n.weight.dtype != dtype or n.eps != model.norm.eps for n in norms):
         return "norms differ in dtype or eps"
     return None

@@ -1,9 +1,15 @@
-"""Turn a GGUF checkpoint into a cached Hugging Face model directory.
+"""GGUF checkpoints: served in their own block formats (native), or converted to a float HF directory.
 
-The engine only loads HF directories, so a GGUF file is converted once into
-`<cache>/gguf/<key>/` holding `config.json`, a float32 `model.safetensors`, tokenizer files and
-`generation_config.json`. The key hashes (converter version, absolute path, size, mtime_ns), so an
-edited or replaced file is converted again and a warm start is a single `stat`.
+Either way the engine loads a cached HF-style directory `<cache>/gguf/<key>/` holding `config.json`,
+tokenizer files and `generation_config.json`:
+- `--gguf-weights native` (the default for a quantized GGUF): no weights in it; config.json names the GGUF
+  file (`tokenmill_gguf_file`) and the loader (`GgufWeights`) hands the model each tensor in its own type,
+  memory-mapped from the file: quantized ones as `BlockTensor`s (ggml blocks, run by the block kernels of
+  layers/quantization/ggml), float ones (norms) as tensors. Nothing is written but the tokenizer and config.
+- `--gguf-weights dequantize` (and any GGUF whose weights are all float): a float32 `model.safetensors` too,
+  the exact dequantized weights, loaded as any HF checkpoint (for exactness work against transformers).
+The key hashes (converter version, mode, absolute path, size, mtime_ns), so an edited or replaced file is
+converted again and a warm start is a single `stat`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -24,7 +31,7 @@ from tokenmill.config import cache_root
 
 logger = logging.getLogger("tokenmill")
 
-_CONVERTER_VERSION = 1  # bump whenever the output changes, so stale cache entries are not reused
+_CONVERTER_VERSION = 2  # bump whenever the output changes, so stale cache entries are not reused
 
 # GGUF architecture -> (HF class, HF model_type). Mistral GGUFs use the "llama" architecture.
 _ARCHS = {
@@ -41,6 +48,8 @@ _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                  "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
+GGUF_WEIGHTS = ("auto", "native", "dequantize")  # --gguf-weights
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -50,12 +59,26 @@ _LAYER_NAMES = {
 }
 
 
-def gguf_to_hf_dir(gguf_path: str) -> str:
-    """Return a HF model directory equivalent to `gguf_path`, converting it on first use."""
+def weights_mode(gguf_path: str, requested: str = "auto") -> str:
+    """--gguf-weights: native or dequantize; auto is native when the file holds quantized weights."""
+    if requested not in GGUF_WEIGHTS:
+        raise ValueError(f"--gguf-weights must be one of {', '.join(GGUF_WEIGHTS)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if _cache_dir(gguf_path, "native").is_dir():  # decided before (a header parse reads the whole vocabulary)
+        return "native"
+    reader, _ = _read(os.path.abspath(gguf_path))
+    quantized = any(t.tensor_type.name not in _FLOAT_TYPES for t in reader.tensors)
+    return "native" if quantized else "dequantize"
+
+
+def gguf_to_hf_dir(gguf_path: str, weights: str = "dequantize") -> str:
+    """Return the HF-style model directory for `gguf_path` (weights: native or dequantize, see the module
+    docstring), making it on first use."""
+    if weights not in ("native", "dequantize"):
+        raise ValueError(f"weights must be native or dequantize, got {weights!r}")
     path = os.path.abspath(gguf_path)
-    st = os.stat(path)
-    digest = hashlib.sha256(f"{_CONVERTER_VERSION}\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
-    final = Path(cache_root()) / "gguf" / f"{Path(path).stem}-{digest[:16]}"
+    final = _cache_dir(path, weights)
     if final.is_dir():  # only complete conversions are ever renamed into place
         return str(final)
 
@@ -65,8 +88,8 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
     try:
-        logger.info("converting GGUF %s -> %s", path, final)
-        _convert(path, reader, meta, tmp)
+        logger.info("%s GGUF %s -> %s", "reading" if weights == "native" else "converting", path, final)
+        _convert(path, reader, meta, tmp, native=weights == "native")
         try:
             os.rename(tmp, final)
         except OSError:
@@ -79,12 +102,21 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     return str(final)
 
 
+def _cache_dir(gguf_path: str, weights: str) -> Path:
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    key = f"{_CONVERTER_VERSION}\0{weights}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
+    suffix = "-native" if weights == "native" else ""
+    return Path(cache_root()) / "gguf" / f"{Path(path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}{suffix}"
+
+
 def _read(path: str):
-    """Parse the GGUF header, turning any parse failure into a one-line ValueError."""
+    """Parse the GGUF header, turning any parse failure into a one-line ValueError. The file is mapped
+    copy-on-write: tensors are writable numpy views (torch takes them without a warning), never written."""
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        reader = gguf.GGUFReader(path, mode="c")
         meta = {key: _scalar(field) for key, field in reader.fields.items()}
     except Exception as e:  # truncated or corrupt files fail deep inside numpy with assorted errors
         msg = " ".join(str(e).split())
@@ -113,15 +145,21 @@ def _scalar(field):
     return part[0].item()
 
 
-def _convert(path: str, reader, meta: dict, out: Path) -> None:
+def _convert(path: str, reader, meta: dict, out: Path, native: bool) -> None:
     arch = meta["general.architecture"]
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
-    config = _hf_config(path, arch, meta, shapes)
+    config = _hf_config(path, arch, meta, _shapes(reader))
+    if native:
+        config["tokenmill_gguf_file"] = path
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    _write_safetensors(out / "model.safetensors", _hf_tensors(path, reader, arch, config))
+    if not native:
+        _write_safetensors(out / "model.safetensors", _hf_tensors(path, reader, arch, config))
     _save_tokenizer(path, meta, config, out)
+
+
+def _shapes(reader) -> dict:
+    return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
 
 
 def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
@@ -190,34 +228,22 @@ def _moe_config(config: dict, arch: str, meta: dict, need, shapes: dict) -> None
                                                               if f"blk.{i}.ffn_gate.weight" in shapes])
 
 
-def _expert_tensors(config: dict, layer: str, stack: str, t, shape: tuple):
-    """(hf_name, shape, thunk) per expert of a stacked GGUF expert tensor; the stack is dequantized once and
-    shared by its experts' thunks (the writer takes them in order)."""
-    from gguf.quants import dequantize
-
-    block, names = _EXPERT_NAMES[config["model_type"]]
-    cache = {}
-
-    def expert(e: int) -> np.ndarray:
-        if "w" not in cache:
-            cache["w"] = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        w = cache["w"][e]
-        if e == shape[0] - 1:
-            cache.clear()
-        return w
-
-    for e in range(shape[0]):
-        name = f"model.layers.{layer}.{block}.experts.{e}.{names[_EXPERT_STACKS[stack]]}.weight"
-        yield name, shape[1:], (lambda e=e: expert(e))
+class _Entry(NamedTuple):
+    """One model tensor of the GGUF file: its HF name and shape, the file tensor, the rows of it (an expert of
+    a stacked tensor, or None for all) and the head count whose Q/K rows llama.cpp permuted (or None)."""
+    hf_name: str
+    shape: tuple
+    tensor: Any
+    expert: Optional[int]
+    n_head: Optional[int]
 
 
-def _hf_tensors(path: str, reader, arch: str, config: dict):
-    """Yield (hf_name, hf_shape, thunk producing float32 data) in file order; data is made lazily."""
-    from gguf.quants import dequantize
-
+def _entries(path: str, reader, arch: str, config: dict):
+    """The file's tensors as the HF model's, in file order (an expert stack becomes one entry per expert)."""
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
+        shape = tuple(int(d) for d in reversed(t.shape))
         if base == "rope_freqs":
             # llama3-style per-frequency factors precomputed by llama.cpp; HF recomputes them from
             # rope_scaling, which the GGUF does not carry, so long-context rope may differ slightly.
@@ -229,25 +255,41 @@ def _hf_tensors(path: str, reader, arch: str, config: dict):
             hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
         elif len(parts) == 3 and parts[0] == "blk" and config["model_type"] in _EXPERT_NAMES and \
                 parts[2] in (_ROUTER, *_EXPERT_STACKS):
-            shape = tuple(int(d) for d in reversed(t.shape))
+            block, names = _EXPERT_NAMES[config["model_type"]]
             if parts[2] in _EXPERT_STACKS:
-                yield from _expert_tensors(config, parts[1], parts[2], t, shape)
+                for e in range(shape[0]):
+                    name = f"model.layers.{parts[1]}.{block}.experts.{e}.{names[_EXPERT_STACKS[parts[2]]]}.weight"
+                    yield _Entry(name, shape[1:], t, e, None)
                 continue
-            hf = f"model.layers.{parts[1]}.{_EXPERT_NAMES[config['model_type']][0]}.gate"
+            hf = f"model.layers.{parts[1]}.{block}.gate"
         else:
             raise ValueError(f"{path}: unexpected tensor {t.name} for GGUF architecture {arch}")
-        shape = tuple(int(d) for d in reversed(t.shape))
         n_head = None
         if arch == "llama" and parts[-1] == "attn_q":
             n_head = config["num_attention_heads"]
         elif arch == "llama" and parts[-1] == "attn_k":
             n_head = config["num_key_value_heads"]
+        yield _Entry(f"{hf}.{suffix}", shape, t, None, n_head)
 
-        def make(t=t, shape=shape, n_head=n_head):
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            return w if n_head is None else _unpermute_rope_rows(w, n_head)
 
-        yield f"{hf}.{suffix}", shape, make
+def _hf_tensors(path: str, reader, arch: str, config: dict):
+    """Yield (hf_name, hf_shape, thunk producing float32 data) in file order; data is made lazily (an expert
+    stack is dequantized once and shared by its experts' thunks, which the writer takes in order)."""
+    from gguf.quants import dequantize
+
+    stack: dict = {}
+
+    def make(e: _Entry) -> np.ndarray:
+        if e.expert is None:
+            w = np.asarray(dequantize(e.tensor.data, e.tensor.tensor_type), dtype=np.float32).reshape(e.shape)
+            return w if e.n_head is None else _unpermute_rope_rows(w, e.n_head)
+        if stack.get("t") is not e.tensor:
+            stack.update(t=e.tensor, w=np.asarray(dequantize(e.tensor.data, e.tensor.tensor_type),
+                                                  dtype=np.float32).reshape((-1, *e.shape)))
+        return stack["w"][e.expert]
+
+    for e in _entries(path, reader, arch, config):
+        yield e.hf_name, e.shape, (lambda e=e: make(e))
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -287,3 +329,91 @@ def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> None:
         tok.chat_template = meta["tokenizer.chat_template"]
     tok.model_max_length = config["max_position_embeddings"]
     tok.save_pretrained(out)
+
+
+# -- native weights -----------------------------------------------------------------------------------------
+class BlockTensor:
+    """A GGUF weight [N, K] kept in its ggml block type: `data` is uint8 [N, row_bytes] over the memory-mapped
+    file (a copy only where llama.cpp permuted Q/K rows). Block-aware loaders take `part(...)`: a rank's rows
+    and block-aligned columns as a ggml.Part, without copying. Any other loader indexes it like a tensor and
+    gets float32 (the dequantized rows: e.g. MoE experts, which the float MoE layer runs)."""
+
+    def __init__(self, data: "torch.Tensor", ggml_type: int, shape: tuple, owner: "GgufWeights") -> None:
+        self.data, self.ggml_type, self.shape, self._owner = data, ggml_type, tuple(shape), owner
+
+    def part(self, rows: tuple[int, int], cols: tuple[int, int]):
+        """Rows [start, start + count) and columns [start, start + count) as a ggml.Part (a strided view)."""
+        from tokenmill.layers.quantization import ggml
+
+        values, nbytes = ggml.block_size(self.ggml_type)
+        (r0, nr), (c0, nc) = rows, cols
+        if c0 % values or nc % values:
+            raise ValueError(f"columns [{c0}, {c0 + nc}) of a {ggml.TYPE_NAMES[self.ggml_type]} tensor do not fall "
+                             f"on its {values}-value blocks (tensor-parallel split of the input dimension)")
+        data = self.data[r0:r0 + nr, c0 // values * nbytes:(c0 + nc) // values * nbytes]
+        self._owner.bytes_read += data.shape[0] * data.shape[1]
+        return ggml.Part(self.ggml_type, data)
+
+    def __getitem__(self, index) -> "torch.Tensor":
+        import torch
+        from gguf.quants import dequantize
+
+        self._owner.bytes_read += self.data.numel()
+        w = dequantize(self.data.numpy(), self._owner.quant_type(self.ggml_type))
+        return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(self.shape))[index]
+
+
+class GgufWeights:
+    """Iterates (HF name, tensor) over a GGUF file for a model's load_weights, every tensor in its own type:
+    quantized ones as BlockTensors, float ones as tensors (float32, float16 or bfloat16 views of the file).
+    `types` maps each HF name to its ggml type id before loading (the quant config picks methods by it);
+    bytes_read counts what loaders took."""
+
+    def __init__(self, path: str, config) -> None:
+        self.path = path
+        self.reader, meta = _read(path)
+        arch = meta["general.architecture"]
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        self.entries = list(_entries(path, self.reader, arch, cfg))
+        self.types = {e.hf_name: int(e.tensor.tensor_type) for e in self.entries}
+        self.bytes_read, self.bytes_total = 0, os.path.getsize(path)
+
+    @staticmethod
+    def quant_type(type_id: int):
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(type_id)
+
+    def __iter__(self):
+        for e in self.entries:
+            yield e.hf_name, self._tensor(e)
+
+    def _tensor(self, e: _Entry):
+        import torch
+
+        t, rows = e.tensor, e.shape[0]
+        name = t.tensor_type.name
+        data = np.asarray(t.data)
+        if e.expert is not None:
+            data = data.reshape(-1, *data.shape[-1:])[e.expert * rows:(e.expert + 1) * rows]
+        if name == "BF16":
+            out = torch.from_numpy(data.view(np.uint16).reshape(e.shape)).view(torch.bfloat16)
+        elif name in _FLOAT_TYPES:
+            out = torch.from_numpy(data.reshape(e.shape))
+        else:
+            out = BlockTensor(torch.from_numpy(data.reshape(rows, -1)), int(t.tensor_type), e.shape, self)
+        if e.n_head is not None:
+            out = _unpermute(out, e.n_head)
+        if not isinstance(out, BlockTensor):
+            self.bytes_read += out.numel() * out.element_size()
+        return out
+
+
+def _unpermute(t, n_head: int):
+    """_unpermute_rope_rows for a float tensor or a BlockTensor (whole rows move: a copy of this tensor)."""
+    import torch
+
+    rows = torch.arange(t.shape[0]).reshape(n_head, -1, 2).transpose(1, 2).reshape(-1)
+    if isinstance(t, BlockTensor):
+        return BlockTensor(t.data[rows].contiguous(), t.ggml_type, t.shape, t._owner)
+    return t[rows]

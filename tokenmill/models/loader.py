@@ -100,6 +100,19 @@ def _weight_cache_file(files: list[str], cls: type, dtype: torch.dtype, device: 
     return weight_cache.cache_path(key)
 
 
+def _install_gguf(model, gguf_file: str, config, quantization: Optional[str]):
+    """(quant config, quantized layer count, reader) for a GGUF served natively: its blocks are the format."""
+    from tokenmill.layers.quantization import gguf_blocks
+    from tokenmill.models.gguf import GgufWeights
+
+    if quantization is not None:
+        raise ValueError(f"--quantization {quantization} cannot be applied to a GGUF served in its own blocks; "
+                         "pass --gguf-weights dequantize to quantize its float weights instead")
+    reader = GgufWeights(gguf_file, config)
+    quant, count = gguf_blocks.install(model, reader.types)
+    return quant, count, reader
+
+
 def load_model(model_dir: str, config, dtype: torch.dtype, device: str, backend, max_positions: int,
                quantization: Optional[str] = None, quantize_lm_head: bool = False,
                layer_range: Optional[tuple[int, int]] = None, ledger=None):
@@ -115,17 +128,22 @@ the phases "weight load" and "weight packing"."""
     t0 = time.perf_counter()
     ledger = ledger or Ledger(origin=0.0)
     cls = get_model_class(config)
+    gguf_file = getattr(config, "tokenmill_gguf_file", None)  # a GGUF served in its own blocks (models/gguf.py)
     with ledger.phase("weight load"):
         with torch.device(device):
             model = cls(config, dtype, backend, max_positions, layer_range=layer_range)
-        quant = get_quant_config(quantization, config)
-        if quant is not None:
-            nquant = apply_quantization(model, quant, quantize_lm_head)
-        files = weight_files(model_dir)
-        cached = _weight_cache_file(files, cls, dtype, device, quant, layer_range)
+        if gguf_file:
+            quant, nquant, reader = _install_gguf(model, gguf_file, config, quantization)
+            cached = None  # the file is already mapped: nothing to cache
+        else:
+            quant = get_quant_config(quantization, config)
+            if quant is not None:
+                nquant = apply_quantization(model, quant, quantize_lm_head)
+            files = weight_files(model_dir)
+            cached = _weight_cache_file(files, cls, dtype, device, quant, layer_range)
         mapped = weight_cache.load_into(model, cached) if cached and os.path.isfile(cached) else None
         if mapped is None:
-            reader = CheckpointReader(files)
+            reader = reader if gguf_file else CheckpointReader(files)
             _check_loaded(model, model.load_weights(reader), model_dir)
     if mapped is None and cached:
         with ledger.phase("weight cache write"):  # once: later starts map it (weight_cache.py)
@@ -141,7 +159,9 @@ the phases "weight load" and "weight packing"."""
             gather_packed_weights(model)
         if hasattr(model, "process_weights_after_loading"):
             model.process_weights_after_loading()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        m.quant_method.weight_bytes() for m in model.modules() if hasattr(getattr(m, "quant_method", None),
+                                                                          "weight_bytes"))
     if quant is not None:
         head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \
             " (LM head in the model dtype; --quantize-lm-head includes it)"

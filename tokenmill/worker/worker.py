@@ -44,7 +44,7 @@ def init_worker_process(config: EngineConfig, rank: int, init_method: str, local
                      "nccl" if config.device == "cuda" else "gloo", collective_timeout_s(), pc.enable_expert_parallel)
     # The head resolved the model to a directory on its own disk (a GGUF file becomes a cache folder there).
     # Resolve it again from the user's argument, so another node converts / finds its own copy.
-    config.model.model_dir = resolve_model_path(config.model.model)
+    config.model.model_dir = resolve_model_path(config.model.model, gguf_weights=config.model.gguf_weights)
     if config.speculative is not None and config.speculative.draft_model_dir:
         config.speculative.draft_model_dir = resolve_model_path(config.speculative.model)
 

@@ -1,0 +1,177 @@
+"""A GGUF's weights in their own ggml block types (`--gguf-weights native`), as a quantization format.
+
+The GGUF file is the checkpoint: each linear layer whose tensors are quantized keeps them as ggml.Parts, views
+of the memory-mapped file (one per merged projection, each in its own type: a Q4_K_M file mixes Q4_K, Q6_K,
+Q5_0 and Q8_0), and runs them through the block kernels (ggml.BlockLinear). A tensor-parallel rank views only
+its rows, or its block-aligned columns. The token embedding (`BlockEmbedding`) dequantizes only the rows a
+step looks up; a tied LM head runs the embedding's blocks like any linear. Float tensors (norms, and the rare
+float linear weight) load as usual in the model dtype.
+
+The loader hands these methods models.gguf.BlockTensor objects (anything with `part(rows, cols)`, `shape`
+and `ggml_type`); a float tensor in a merged layer becomes an F32/F16/BF16 part.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.distributed import tp_all_reduce, tp_rank, tp_size
+from tokenmill.layers.embedding import vocab_block
+from tokenmill.layers.quantization import ggml
+from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader, sharding_of
+
+logger = logging.getLogger("tokenmill")
+
+FLOAT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}  # ggml ids of the float types
+EMBEDDING, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def is_quantized(type_id: Optional[int]) -> bool:
+    return type_id is not None and type_id not in FLOAT_TYPES.values()
+
+
+def _part(loaded, rows: tuple[int, int], cols: tuple[int, int]) -> ggml.Part:
+    """Rows and columns of a checkpoint tensor as a ggml.Part: blocks as they are, a float tensor as its
+    float type's part (a copy of that slice)."""
+    if hasattr(loaded, "part"):
+        return loaded.part(rows, cols)
+    t = loaded[rows[0]:rows[0] + rows[1], cols[0]:cols[0] + cols[1]]
+    if t.dtype not in FLOAT_TYPES:
+        t = t.float()
+    t = t.contiguous()
+    return ggml.Part(FLOAT_TYPES[t.dtype], t.view(torch.uint8).reshape(t.shape[0], -1))
+
+
+def _zero_rows(rows: int, K: int) -> ggml.Part:
+    """Padding rows of a vocabulary shard (never among the logits kept)."""
+    return ggml.Part(FLOAT_TYPES[torch.float32], torch.zeros(rows, 4 * K, dtype=torch.uint8))
+
+
+class BlockLinearMethod:
+    """A linear layer over ggml parts. tied_to: a BlockEmbedding whose blocks are this layer's weight (a tied
+    LM head); the layer then shares the embedding's placeholder parameter, as a float tied head shares its
+    tensor."""
+
+    def __init__(self, tied_to: Optional["BlockEmbedding"] = None) -> None:
+        self.tied_to = tied_to
+        self.parts: list[Optional[list[ggml.Part]]] = []
+        self.block_linear: Optional[ggml.BlockLinear] = None  # bound once the parts are loaded
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        self.parts = [None] * len(sharding_of(layer).local_sizes)
+        if self.tied_to is not None:
+            layer.weight = self.tied_to.weight
+            return
+        # a placeholder, so the loader finds a parameter to hand this layer's tensors to
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.weight = set_shard_loader(placeholder, self._load)
+
+    def _load(self, layer: nn.Module, param: nn.Parameter, loaded, shard: int) -> None:
+        s = sharding_of(layer)
+        expected = (s.full_sizes[shard], s.full_in)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"tensor of shape {tuple(loaded.shape)} does not fit a layer expecting {expected}")
+        start, rows = s.out_ranges[shard]
+        parts = [_part(loaded, (start, rows), s.in_range)]
+        if s.local_sizes[shard] > rows:
+            parts.append(_zero_rows(s.local_sizes[shard] - rows, s.in_range[1]))
+        self.parts[shard] = parts
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.tied_to is not None:
+            self.parts = [self.tied_to.head_parts(layer.out_features)]
+        if any(p is None for p in self.parts):
+            raise ValueError("a GGUF linear layer is missing one of its merged projections")
+        self.block_linear = ggml.bind([p for parts in self.parts for p in parts], layer.in_features)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.block_linear(x, bias)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The float32 weight the parts stand for (tests, the quality report)."""
+        return torch.cat([ggml.dequantize(p, layer.in_features) for parts in self.parts for p in parts])
+
+    def weight_bytes(self) -> int:
+        return sum(p.data.numel() for parts in self.parts for p in parts)
+
+
+class BlockEmbedding(nn.Module):
+    """The vocabulary-parallel token embedding (layers/embedding.py) in a ggml block type: each rank views its
+    block of rows of the file, and a lookup dequantizes only the rows it looks up."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size, self.dtype, self.tp = vocab_size, hidden_size, dtype, tp_size()
+        self.start, self.rows, self.padded_rows = vocab_block(vocab_size, self.tp, tp_rank())
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # loader's handle
+        self.part: Optional[ggml.Part] = None
+
+    def load_shard(self, param: nn.Parameter, loaded, shard: int = 0) -> None:
+        expected = (self.vocab_size, self.hidden_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"tensor of shape {tuple(loaded.shape)} does not fit an embedding of {expected}")
+        self.part = _part(loaded, (self.start, self.rows), (0, self.hidden_size))
+
+    def head_parts(self, out_features: int) -> list[ggml.Part]:
+        """The parts of a tied LM head over this rank's rows (padded to out_features)."""
+        pad = out_features - self.rows
+        return [self.part] + ([_zero_rows(pad, self.hidden_size)] if pad > 0 else [])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return ggml.dequantize(self.part, self.hidden_size, input_ids.reshape(-1), self.dtype).reshape(
+                *input_ids.shape, self.hidden_size)
+        local = input_ids.reshape(-1) - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = ggml.dequantize(self.part, self.hidden_size, local.masked_fill(outside, 0), self.dtype)
+        x.masked_fill_(outside[:, None], 0)
+        return tp_all_reduce(x).reshape(*input_ids.shape, self.hidden_size)
+
+
+class GgufConfig(QuantizationConfig):
+    """Picks BlockLinearMethod for each linear layer whose checkpoint tensors include a quantized one.
+    types: HF tensor name -> ggml type id (models.gguf.GgufWeights.types); layer_offset: the first decoder
+    layer of this pipeline stage (our layer names count from it, the file's from 0)."""
+    name = "gguf"
+    online = False
+
+    def __init__(self, types: dict[str, int], layer_offset: int = 0) -> None:
+        self.types, self.layer_offset = dict(types), layer_offset
+        if LM_HEAD not in self.types and EMBEDDING in self.types:  # tied: the head is the embedding's tensor
+            self.types[LM_HEAD] = self.types[EMBEDDING]
+
+    def _type(self, hf_name: str) -> Optional[int]:
+        name = re.sub(r"\blayers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + self.layer_offset}.", hf_name)
+        return self.types.get(f"{name}.weight")
+
+    def get_linear_method(self, layer: nn.Module, prefix: str, hf_names: list[str]):
+        return BlockLinearMethod() if any(is_quantized(self._type(n)) for n in hf_names) else None
+
+    def describe(self) -> str:
+        counts = Counter(ggml.TYPE_NAMES.get(t, str(t)) for t in self.types.values() if is_quantized(t))
+        return "GGUF blocks (" + ", ".join(f"{n} x{c}" for n, c in counts.most_common()) + ")"
+
+
+def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
+    """Before the GGUF's tensors load: block methods on the quantized linear layers, a BlockEmbedding for a
+    quantized token embedding, and a tied head over its blocks. Returns the config and the layer count."""
+    from tokenmill.layers.quantization import apply_quantization
+
+    config = GgufConfig(types, getattr(model, "start_layer", 0))
+    count = apply_quantization(model, config)
+    embedding = getattr(model, "embed_tokens", None)
+    if embedding is not None and is_quantized(types.get(EMBEDDING)):
+        vocab, hidden = embedding.vocab_size, embedding.weight.shape[1]
+        model.embed_tokens = BlockEmbedding(vocab, hidden, embedding.weight.dtype)
+        head = getattr(model, "lm_head", None)
+        if head is not None and getattr(model, "tie_word_embeddings", False):
+            head.quant_method = BlockLinearMethod(tied_to=model.embed_tokens)
+            del head.weight
+            head.quant_method.create_weights(head, head.in_features, head.out_features, embedding.weight.dtype)
+            count += 1
+    return config, count
