@@ -341,6 +341,13 @@ class BlockTensor:
     def __init__(self, data: "torch.Tensor", ggml_type: int, shape: tuple, owner: "GgufWeights") -> None:
         self.data, self.ggml_type, self.shape, self._owner = data, ggml_type, tuple(shape), owner
 
+    def splits_at(self, cols: tuple[int, int]) -> bool:
+        """Whether columns [start, start + count) fall on whole blocks (a row-parallel rank's slice)."""
+        from tokenmill.layers.quantization import ggml
+
+        values = ggml.block_size(self.ggml_type)[0]
+        return cols[0] % values == 0 and cols[1] % values == 0
+
     def part(self, rows: tuple[int, int], cols: tuple[int, int]):
         """Rows [start, start + count) and columns [start, start + count) as a ggml.Part (a strided view)."""
         from tokenmill.layers.quantization import ggml

@@ -39,12 +39,24 @@ def _part(loaded, rows: tuple[int, int], cols: tuple[int, int]) -> ggml.Part:
     """Rows and columns of a checkpoint tensor as a ggml.Part: blocks as they are, a float tensor as its
     float type's part (a copy of that slice)."""
     if hasattr(loaded, "part"):
-        return loaded.part(rows, cols)
+        if loaded.splits_at(cols):
+            return loaded.part(rows, cols)
+        _log_once(f"the tensor-parallel split of the input dimension cuts {ggml.TYPE_NAMES[loaded.ggml_type]} "
+                  f"blocks ({ggml.block_size(loaded.ggml_type)[0]} values): those shards run as float32 (slower)")
     t = loaded[rows[0]:rows[0] + rows[1], cols[0]:cols[0] + cols[1]]
     if t.dtype not in FLOAT_TYPES:
         t = t.float()
     t = t.contiguous()
     return ggml.Part(FLOAT_TYPES[t.dtype], t.view(torch.uint8).reshape(t.shape[0], -1))
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("%s", message)
 
 
 def _zero_rows(rows: int, K: int) -> ggml.Part:

@@ -1,0 +1,140 @@
+"""Tiny random models written as quantized GGUF files, every tensor in a chosen ggml type.
+
+The legacy types (Q4_0 ... Q8_0) are quantized from the tiny model's float weights with gguf-py; gguf-py cannot
+quantize K-quants, so those tensors are random blocks whose fp16 scales are set to small finite values (any
+such bytes are a valid block; the scales are picked so the weights have roughly the float model's size).
+The GGUF's tokenizer is the tiny models' BPE, written as llama.cpp's converter writes a gpt2 tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from tests.models import ARCHS, build_tokenizer
+
+ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+# K-quant block: (byte offsets of the fp16 d / dmin fields, d giving weights of ~0.05)
+_K_SCALES = {"Q2_K": ((80, 82), 1e-3), "Q3_K": ((108,), 4e-4), "Q4_K": ((0, 2), 5e-5), "Q5_K": ((0, 2), 2.5e-5),
+             "Q6_K": ((208,), 1.2e-5)}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _encode(w: np.ndarray, type_name: str, rng: np.random.Generator):
+    """(data, ggml type) of float32 w [N, K] in type_name, as GGUFWriter.add_tensor takes it."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    t = T[type_name]
+    if type_name == "F32":
+        return w.astype(np.float32), None
+    if type_name == "F16":
+        return w.astype(np.float16), None
+    if type_name == "BF16":
+        bits = (w.astype(np.float32).view(np.uint32) + 0x8000) >> 16  # round to nearest (no NaNs here)
+        return bits.astype(np.uint16).view(np.uint8).reshape(w.shape[0], -1), t
+    if type_name not in _K_SCALES:
+        return gguf.quants.quantize(w.astype(np.float32), t), t
+    values, nbytes = gguf.GGML_QUANT_SIZES[t]
+    blocks = rng.integers(0, 256, size=(w.size // values, nbytes), dtype=np.uint8)
+    offsets, d = _K_SCALES[type_name]
+    for i, off in enumerate(offsets):
+        scale = (d * rng.uniform(0.5, 1.5, size=blocks.shape[0]) * (0.5 if i else 1.0)).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(w.shape[0], -1), t
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter: HF's rotary halves -> interleaved pairs per head
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _model(arch: str, path: str, hidden: int, intermediate: int):
+    """A tiny random transformers model (2 layers, 4 heads of hidden / 4) and its tokenizer."""
+    import torch
+    import transformers
+
+    tok = build_tokenizer(path)
+    cls_name, extra = ARCHS[arch]
+    extra = {k: v for k, v in extra.items() if k not in ("rope_scaling", "head_dim", "sliding_window")}
+    config = getattr(transformers, cls_name)(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.05,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, **extra)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model, tok
+
+
+def _add_metadata(w, config, tok) -> None:
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_key_length(config.hidden_size // config.num_attention_heads)
+    w.add_value_length(config.hidden_size // config.num_attention_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_chat_template(tok.chat_template)
+
+
+def quantized_gguf(arch: str, types, hidden: int = 256, intermediate: int = 512, seed: int = 0) -> str:
+    """Path of a GGUF of a tiny random `arch` model whose 2-D weights take `types` in turn (norms stay F32)."""
+    import gguf
+
+    root = tempfile.mkdtemp(prefix="tokenmill-gguf-")
+    model, tok = _model(arch, os.path.join(root, "hf"), hidden, intermediate)
+    config, rng = model.config, np.random.default_rng(seed)
+    path = os.path.join(root, f"{arch}-{'-'.join(types)}.gguf")
+    w = gguf.GGUFWriter(path, _GGUF_ARCH[arch])
+    _add_metadata(w, config, tok)
+    turn = 0
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        data = t.float().numpy()
+        name = name.removeprefix("model.")
+        if name in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
+            gname = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[name.split(".")[0]]
+        else:
+            parts = name.split(".")  # layers.i.<module>.weight|bias
+            module = ".".join(parts[2:-1])
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+                data = _permute(data, heads)
+            gname = f"blk.{parts[1]}.{_LAYER[module]}"
+        gname += "." + name.rpartition(".")[2]
+        if data.ndim == 2:
+            data, raw = _encode(data, types[turn % len(types)], rng)
+            turn += 1
+            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

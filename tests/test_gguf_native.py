@@ -1,0 +1,114 @@
+"""GGUF weights served in their own block types (--gguf-weights native) against the dequantized float path.
+
+The models are tiny random ones written as GGUF with every supported ggml type (tests/gguf_models.py): each
+layer's blocks must stand for exactly the weights the float conversion produces (the wiring: merged q|k|v and
+gate|up parts, llama's Q/K row order, the tied head, the embedding lookup), and a whole model's greedy tokens
+must follow the float path's. The kernels' own accuracy bound is tests/test_ggml_kernels.py's.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.gguf_models import ALL_TYPES, quantized_gguf
+from tokenmill.models.gguf import gguf_to_hf_dir
+
+pytest.importorskip("gguf")
+K_TYPES = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")  # a Q4_K_M-like mix
+
+
+@pytest.fixture(scope="module")
+def files():
+    return {"llama": quantized_gguf("llama", ALL_TYPES), "qwen2": quantized_gguf("qwen2", ALL_TYPES[5:] + ALL_TYPES[:5]),
+            "qwen2_kmix": quantized_gguf("qwen2", K_TYPES)}
+
+
+def _load(model_dir: str):
+    from transformers import AutoConfig
+
+    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.models.loader import load_model
+
+    return load_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, "cpu",
+                      get_attention_backend("cpu"), max_positions=256)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_blocks_stand_for_the_dequantized_weights(files, arch):
+    """Every linear layer's parts dequantize to the float conversion's weight, bit for bit, and the embedding
+    looks up the same rows; only norms, biases and layers stored as float in the file hold float parameters."""
+    from tokenmill.layers.linear import LinearBase
+    from tokenmill.layers.quantization.gguf_blocks import BlockEmbedding, BlockLinearMethod
+
+    native, ref = _load(gguf_to_hf_dir(files[arch], "native")), _load(gguf_to_hf_dir(files[arch], "dequantize"))
+    ref_layers = dict(ref.named_modules())
+    checked, float_layers = 0, set()
+    for name, layer in native.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        reference = ref_layers[name].weight.data
+        if isinstance(layer.quant_method, BlockLinearMethod):
+            assert torch.equal(layer.quant_method.dequantized_weight(layer), reference), name
+            checked += 1
+        else:  # all of its tensors are float in the file
+            assert torch.equal(layer.weight.data, reference), name
+            float_layers.add(f"{name}.weight")
+    assert checked >= 5
+    assert isinstance(native.embed_tokens, BlockEmbedding)
+    ids = torch.tensor([0, 5, 17, 399, 5])
+    assert torch.equal(native.embed_tokens(ids), ref.embed_tokens(ids))
+    floats = [n for n, p in native.named_parameters() if p.dtype.is_floating_point]
+    assert all("norm" in n or n.endswith("bias") or n in float_layers for n in floats), floats
+
+
+def _generate(path: str, mode: str, prompts: list[str], max_tokens: int = 24):
+    from tokenmill import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    llm = LLM(model=path, dtype="float32", gguf_weights=mode, kv_cache_memory_bytes=64 << 20)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.engine.executor.kernels()
+
+
+PROMPTS = ["The quick brown fox", "Hello, world! The capital of", "def main():\n    print(", "Paged attention"]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2_kmix"])
+def test_greedy_tokens_follow_the_dequantized_path(files, name):
+    """The native kernels round the activations to 8 bits per 32-block, so exact equality is not guaranteed;
+    the tokens must agree up to the first divergence on most positions."""
+    native, kernels = _generate(files[name], "native", PROMPTS)
+    ref, _ = _generate(files[name], "dequantize", PROMPTS)
+    agree = total = 0
+    for a, b in zip(native, ref):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        agree, total = agree + n, total + len(b)
+    assert agree >= 0.75 * total, (native, ref)
+    assert kernels["decoder_stack"] == "on", kernels
+    assert "ggml" in kernels["linear"], kernels
+
+
+def test_native_writes_no_float_copy(files):
+    native = gguf_to_hf_dir(files["qwen2_kmix"], "native")
+    names = os.listdir(native)
+    assert "config.json" in names and not any(n.endswith(".safetensors") for n in names), names
+    size = sum(os.path.getsize(os.path.join(native, n)) for n in names)
+    assert size < 0.1 * os.path.getsize(files["qwen2_kmix"]) + 200_000, size
+
+
+def test_online_quantization_of_native_blocks_is_refused(files):
+    from tokenmill import LLM
+
+    with pytest.raises(ValueError, match="--gguf-weights dequantize"):
+        LLM(model=files["llama"], dtype="float32", gguf_weights="native", quantization="int8",
+            kv_cache_memory_bytes=64 << 20)
+
+
+def test_bad_gguf_weights_value_is_refused():
+    from tokenmill.models.gguf import weights_mode
+
+    with pytest.raises(ValueError, match="--gguf-weights must be one of"):
+        weights_mode("x.gguf", "float")
