@@ -13,6 +13,7 @@ import argparse  # noqa: E402 - after ENTRY_TIME on purpose
 import difflib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 
 from tokenmill import __version__  # noqa: E402
@@ -120,7 +121,10 @@ def _router(args: argparse.Namespace) -> int:
 def _eval_quality(args: argparse.Namespace) -> int:
     from tokenmill.eval.quality import evaluate, format_table, iter_quantizations
 
-    results = evaluate(args.model, list(iter_quantizations(args.quantization)), args.dataset,
+    spec = args.quantization
+    if spec is None and _is_quantized_gguf(args.model):  # measure what serving it would run
+        spec = "gguf"
+    results = evaluate(args.model, list(iter_quantizations(spec)), args.dataset,
                        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_tokens=args.max_tokens,
                        window=args.window, device=args.device, quantize_lm_head=args.quantize_lm_head)
     print(format_table(results))
@@ -128,6 +132,13 @@ def _eval_quality(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump([r.as_dict(results[0]) for r in results], f, indent=2)
     return 0
+
+
+def _is_quantized_gguf(model) -> bool:
+    from tokenmill.models import default_model, gguf
+
+    path = default_model.default_model_path() if model in (None, "default") else model
+    return path.endswith(".gguf") and os.path.isfile(path) and gguf.weights_mode(path) == "native"
 
 
 def _add_eval_parser(sub) -> None:
@@ -140,7 +151,9 @@ def _add_eval_parser(sub) -> None:
     q.add_argument("model", nargs="?", default=None,
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     q.add_argument("--quantization", default=None,
-                   help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights")
+                   help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights; "
+                        "gguf = a GGUF's own blocks (the default for a quantized GGUF, whose reference is then "
+                        "its dequantized float weights)")
     q.add_argument("--quantize-lm-head", default="both", choices=["no", "yes", "both"],
                    help="measure each method with the LM head in the model dtype (no: the engine's default), "
                         "quantized too (yes: --quantize-lm-head), or both side by side (default: both; the "

@@ -6,6 +6,10 @@ prefill). Every configuration runs in the engine's own worker (same loader, kern
 side: perplexity on the text; and against the unquantized reference, top-1 agreement (same argmax) and the mean
 KL divergence KL(reference || quantized) in nats per token. All compared models are loaded at once.
 
+For a GGUF model the reference is its dequantized float weights (`--gguf-weights dequantize`), the variant
+named `gguf` is the file's own blocks as the engine serves them by default (`--gguf-weights native`; measured
+by default when no --quantization is given), and online methods quantize the dequantized weights.
+
 Online quantization leaves the LM head in the model dtype unless `--quantize-lm-head`; `quantize_lm_head`
 ("no", "yes" or "both"; the CLI defaults to both) picks which of the two each quantization is measured with.
 Variants with the head quantized too are named `<method>+lm_head`.
@@ -23,6 +27,7 @@ import torch
 
 logger = logging.getLogger("tokenmill")
 
+GGUF_VARIANT = "gguf"  # a GGUF's own blocks (--gguf-weights native), as a "quantization" to measure
 LM_HEAD_CHOICES = ("no", "yes", "both")  # evaluate(quantize_lm_head=); spelled out in cli.py too (no torch there)
 
 
@@ -89,15 +94,21 @@ class _Scorer:
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
-        return total
+        methods = {id(m.quant_method): m.quant_method for m in self.worker.model.modules()
+                   if hasattr(getattr(m, "quant_method", None), "weight_bytes")}  # ggml blocks (a GGUF's)
+        embedding = getattr(self.worker.model.embed_tokens, "part", None)
+        return total + sum(m.weight_bytes() for m in methods.values() if getattr(m, "tied_to", None) is None) + (
+            embedding.data.numel() if embedding is not None else 0)
 
 
 def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,
             device: str, quantize_lm_head: bool = False):
     from tokenmill.config import EngineConfig
 
-    return EngineConfig.from_kwargs(model=model, quantization=quantization, quantize_lm_head=quantize_lm_head,
-                                    kv_cache_dtype=kv_cache_dtype,
+    native = quantization == GGUF_VARIANT  # any other variant of a GGUF starts from its float weights
+    return EngineConfig.from_kwargs(model=model, quantization=None if native else quantization,
+                                    quantize_lm_head=quantize_lm_head, kv_cache_dtype=kv_cache_dtype,
+                                    gguf_weights="native" if native else "dequantize",
                                     dtype=dtype, max_model_len=window, device=device,
                                     kv_cache_memory_bytes=64 * 2**20).finalize()
 
@@ -135,7 +146,7 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
     logger.info("quality: %d tokens in %d windows of up to %d", sum(len(w) for w in windows), len(windows), window)
     configs = [("reference", ref_cfg)]
     for q in quantizations:
-        for head in heads if q else (False,):  # no quantization: no head variant
+        for head in heads if q and q != GGUF_VARIANT else (False,):  # no head variant: none, or the file's own
             name = "+".join(x for x in (q, "lm_head" if head else None,
                                         None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
             configs.append((name or "reference (again)",
@@ -185,7 +196,8 @@ def format_table(results: list[QualityResult]) -> str:
 
 
 def iter_quantizations(spec: Optional[str]) -> Iterator[Optional[str]]:
-    """'int8,fp8' -> int8, fp8; 'none' stands for the unquantized weights (e.g. to measure a KV dtype alone)."""
+    """'int8,fp8' -> int8, fp8; 'none' stands for the unquantized weights (e.g. to measure a KV dtype alone),
+    'gguf' for a GGUF's own blocks."""
     for part in (spec or "none").split(","):
         part = part.strip()
         yield None if part in ("", "none") else part
