@@ -89,16 +89,14 @@ class _Scorer:
         return model.compute_logits(hidden).float().log_softmax(-1).cpu()
 
     def weight_bytes(self) -> int:
+        from tokenmill.layers.quantization.gguf_blocks import block_bytes
+
         seen, total = set(), 0
         for p in self.worker.model.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel() * p.element_size()
-        methods = {id(m.quant_method): m.quant_method for m in self.worker.model.modules()
-                   if hasattr(getattr(m, "quant_method", None), "weight_bytes")}  # ggml blocks (a GGUF's)
-        embedding = getattr(self.worker.model.embed_tokens, "part", None)
-        return total + sum(m.weight_bytes() for m in methods.values() if getattr(m, "tied_to", None) is None) + (
-            embedding.data.numel() if embedding is not None else 0)
+        return total + block_bytes(self.worker.model)  # a GGUF's blocks are views, not parameters
 
 
 def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,

@@ -159,9 +159,11 @@ the phases "weight load" and "weight packing"."""
             gather_packed_weights(model)
         if hasattr(model, "process_weights_after_loading"):
             model.process_weights_after_loading()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        m.quant_method.weight_bytes() for m in model.modules() if hasattr(getattr(m, "quant_method", None),
-                                                                          "weight_bytes"))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if gguf_file:  # its blocks are views of the file, not parameters
+        from tokenmill.layers.quantization.gguf_blocks import block_bytes
+
+        nbytes += block_bytes(model)
     if quant is not None:
         head = "" if not quant.online else " (LM head included)" if quantize_lm_head else \
             " (LM head in the model dtype; --quantize-lm-head includes it)"

@@ -108,8 +108,6 @@ class BlockLinearMethod:
         """The float32 weight the parts stand for (tests, the quality report)."""
         return torch.cat([ggml.dequantize(p, layer.in_features) for parts in self.parts for p in parts])
 
-    def weight_bytes(self) -> int:
-        return sum(p.data.numel() for parts in self.parts for p in parts)
 
 
 class BlockEmbedding(nn.Module):
@@ -187,3 +185,14 @@ def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
             head.quant_method.create_weights(head, head.in_features, head.out_features, embedding.weight.dtype)
             count += 1
     return config, count
+
+
+def block_bytes(model: nn.Module) -> int:
+    """Bytes of the model's ggml block weights (not parameters: views of the file), each tensor once."""
+    parts = {}
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        for p in [q for ps in getattr(method, "parts", None) or [] for q in ps or []] + [getattr(m, "part", None)]:
+            if isinstance(p, ggml.Part):
+                parts[(p.data.data_ptr(), p.data.shape)] = p.data.numel()
+    return sum(parts.values())
