@@ -59,6 +59,11 @@ class UnquantizedMoEMethod:
         self.w13_panels = [cpu_linear.pack(w) for w in layer.w13_weight.data]
         self.w2_panels = [cpu_linear.pack(w) for w in layer.w2_weight.data]
 
+    def load_expert(self, layer: nn.Module, local: int, proj: str, weight, rows: tuple[int, int],
+                    cols: tuple[int, int]) -> None:
+        """Copy rows/cols ((start, count) each: this rank's part) of one expert's checkpoint tensor in."""
+        layer.copy_expert(local, proj, weight[rows[0]:rows[0] + rows[1], cols[0]:cols[0] + cols[1]])
+
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` (local index) on its rows x [n, H] -> [n, H] (this rank's partial sum under TP)."""
         p13 = getattr(self, "w13_panels", None)
@@ -188,7 +193,8 @@ class FusedMoE(nn.Module):
         if tuple(shape) != expected:
             raise ValueError(f"{what} has shape {tuple(shape)}, expected {expected}")
 
-    def _copy(self, local: int, proj: str, part: torch.Tensor) -> None:
+    def copy_expert(self, local: int, proj: str, part: torch.Tensor) -> None:
+        """Float experts: `part` (this rank's slice of local expert's proj) into the stacked weights."""
         n = self.intermediate_size
         if proj == "down":
             self.w2_weight.data[local].copy_(part)
@@ -196,6 +202,8 @@ class FusedMoE(nn.Module):
             offset = 0 if proj == "gate" else n
             self.w13_weight.data[local, offset:offset + n].copy_(part)
         self._loaded.add((local, proj))
+
+
 
     def load_expert(self, expert: int, proj: str, weight) -> bool:
         """Copy in one expert's HF tensor: proj 'gate' or 'up' ([I, H]) or 'down' ([H, I]). Returns False,
@@ -205,8 +213,9 @@ class FusedMoE(nn.Module):
             return False
         n, r, full, H = self.intermediate_size, self.intermediate_rank, self._full_intermediate, self.hidden_size
         self._check(f"expert {expert} {proj} weight", weight.shape, (H, full) if proj == "down" else (full, H))
-        part = weight[:, r * n:(r + 1) * n] if proj == "down" else weight[r * n:(r + 1) * n]
-        self._copy(local, proj, part)
+        rows, cols = ((0, H), (r * n, n)) if proj == "down" else ((r * n, n), (0, H))
+        self.quant_method.load_expert(self, local, proj, weight, rows, cols)
+        self._loaded.add((local, proj))
         return True
 
     def load_stacked(self, kind: str, weight) -> None:
@@ -221,11 +230,11 @@ class FusedMoE(nn.Module):
         lo, hi = self.expert_start, self.expert_start + self.num_local_experts
         if kind == "down_proj":
             for local, part in enumerate(weight[lo:hi, :, r * n:(r + 1) * n]):
-                self._copy(local, "down", part)
+                self.copy_expert(local, "down", part)
             return
         for proj, base in (("gate", 0), ("up", full)):
             for local, part in enumerate(weight[lo:hi, base + r * n:base + (r + 1) * n]):
-                self._copy(local, proj, part)
+                self.copy_expert(local, proj, part)
 
     def experts_loaded(self) -> bool:
         return len(self._loaded) == 3 * self.num_local_experts

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_all_reduce, tp_rank, tp_size
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import vocab_block
 from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader, sharding_of
@@ -143,6 +144,35 @@ class BlockEmbedding(nn.Module):
         return tp_all_reduce(x).reshape(*input_ids.shape, self.hidden_size)
 
 
+class BlockMoEMethod:
+    """MoE experts (layers/fused_moe.FusedMoE) over ggml parts: each expert's gate|up and down a BlockLinear
+    over its rows of the file's stacked expert tensors (this rank's experts, or their slices)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[tuple[int, str], ggml.Part] = {}
+        self.w13: list[ggml.BlockLinear] = []
+        self.w2: list[ggml.BlockLinear] = []
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       dtype: torch.dtype) -> None:
+        # placeholders: the loader counts the layer loaded once every expert's parts are in
+        layer.w13_weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+
+    def load_expert(self, layer: nn.Module, local: int, proj: str, weight, rows: tuple[int, int],
+                    cols: tuple[int, int]) -> None:
+        self.parts[(local, proj)] = _part(weight, rows, cols)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        H, n = layer.hidden_size, layer.intermediate_size
+        experts = range(layer.num_local_experts)
+        self.w13 = [ggml.bind([self.parts[(e, "gate")], self.parts[(e, "up")]], H) for e in experts]
+        self.w2 = [ggml.bind([self.parts[(e, "down")]], n) for e in experts]
+
+    def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.w2[expert](silu_and_mul(self.w13[expert](x, None)), None)
+
+
 class GgufConfig(QuantizationConfig):
     """Picks BlockLinearMethod for each linear layer whose checkpoint tensors include a quantized one.
     types: HF tensor name -> ggml type id (models.gguf.GgufWeights.types); layer_offset: the first decoder
@@ -174,6 +204,7 @@ def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
 
     config = GgufConfig(types, getattr(model, "start_layer", 0))
     count = apply_quantization(model, config)
+    count += _install_experts(model, types)
     embedding = getattr(model, "embed_tokens", None)
     if embedding is not None and is_quantized(types.get(EMBEDDING)):
         vocab, hidden = embedding.vocab_size, embedding.weight.shape[1]
@@ -187,12 +218,29 @@ def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
     return config, count
 
 
+def _install_experts(model: nn.Module, types: dict[str, int]) -> int:
+    """BlockMoEMethod on every MoE layer when the file's experts are quantized; the count of those layers."""
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    if not any(is_quantized(t) for name, t in types.items() if ".experts." in name):
+        return 0
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for moe in moes:
+        moe.quant_method = BlockMoEMethod()
+        del moe.w13_weight, moe.w2_weight
+        moe.quant_method.create_weights(moe, moe.num_local_experts, moe.hidden_size, moe.intermediate_size,
+                                        moe.gate.weight.dtype)
+    return len(moes)
+
+
 def block_bytes(model: nn.Module) -> int:
     """Bytes of the model's ggml block weights (not parameters: views of the file), each tensor once."""
     parts = {}
     for m in model.modules():
         method = getattr(m, "quant_method", None)
-        for p in [q for ps in getattr(method, "parts", None) or [] for q in ps or []] + [getattr(m, "part", None)]:
+        held = getattr(method, "parts", None) or []
+        held = list(held.values()) if isinstance(held, dict) else [q for ps in held for q in ps or []]
+        for p in held + [getattr(m, "part", None)]:
             if isinstance(p, ggml.Part):
                 parts[(p.data.data_ptr(), p.data.shape)] = p.data.numel()
     return sum(parts.values())
