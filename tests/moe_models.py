@@ -118,8 +118,10 @@ def _gguf_tensors(hf_dir: str, config: dict, arch: str) -> dict:
     return out
 
 
-def tiny_moe_gguf(hf_dir: str, moe_arch: str) -> str:
-    """A GGUF file (float32 tensors, the tiny tokenizer's BPE in the metadata) of the tiny model `hf_dir`."""
+def tiny_moe_gguf(hf_dir: str, moe_arch: str, ggml_type: Optional[str] = None) -> str:
+    """A GGUF file (float32 tensors, the tiny tokenizer's BPE in the metadata) of the tiny model `hf_dir`;
+    ggml_type (a type gguf-py quantizes, e.g. Q8_0): the weight matrices and expert stacks in it instead (the
+    router stays float32, as llama.cpp keeps it)."""
     import gguf
     from transformers import AutoTokenizer
 
@@ -154,6 +156,10 @@ def tiny_moe_gguf(hf_dir: str, moe_arch: str) -> str:
     w.add_eos_token_id(tok.eos_token_id)
     w.add_pad_token_id(tok.pad_token_id)
     for name, data in _gguf_tensors(hf_dir, config, arch).items():
+        if ggml_type is not None and data.ndim >= 2 and "ffn_gate_inp" not in name:
+            kind = gguf.GGMLQuantizationType[ggml_type]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(data), kind), raw_dtype=kind)
+            continue
         w.add_tensor(name, np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()

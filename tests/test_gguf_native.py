@@ -112,3 +112,22 @@ def test_bad_gguf_weights_value_is_refused():
 
     with pytest.raises(ValueError, match="--gguf-weights must be one of"):
         weights_mode("x.gguf", "float")
+
+
+def test_moe_experts_stay_in_blocks(tiny, tmp_path, monkeypatch):
+    """A Q8_0 Mixtral GGUF: the experts run from their blocks and the tokens follow the dequantized path."""
+    import tokenmill.models.gguf as gguf_mod
+    from moe_models import tiny_moe_gguf
+    from tokenmill.layers.fused_moe import FusedMoE
+    from tokenmill.layers.quantization.gguf_blocks import BlockMoEMethod
+
+    monkeypatch.setattr(gguf_mod, "cache_root", lambda: str(tmp_path))
+    path = tiny_moe_gguf(tiny("mixtral"), "mixtral", "Q8_0")
+    model = _load(gguf_to_hf_dir(path, "native"))
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(isinstance(m.quant_method, BlockMoEMethod) for m in moes)
+    assert all(p.numel() == 0 for m in moes for n, p in m.named_parameters() if n != "gate.weight")
+    native, _ = _generate(path, "native", PROMPTS, 16)
+    ref, _ = _generate(path, "dequantize", PROMPTS, 16)
+    agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(native, ref))
+    assert agree >= 0.75 * sum(len(b) for b in ref), (native, ref)
