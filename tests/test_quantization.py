@@ -384,18 +384,18 @@ def test_config_errors(tiny, tmp_path):
 
     from tokenmill.config import EngineConfig
 
-    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
-        EngineConfig.from_kwargs(model=tiny("llama"), quantization="int4").finalize()
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        EngineConfig.from_kwargs(model=tiny("llama"), quantization="int3").finalize()
     with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
         EngineConfig.from_kwargs(model=tiny("llama"), quantization="compressed-tensors").finalize()
     awq = tmp_path / "awq"
     shutil.copytree(tiny("llama"), awq)
     with open(awq / "config.json") as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     with open(awq / "config.json", "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ValueError, match="quantized with 'awq', which tokenmill cannot load"):
+    with pytest.raises(ValueError, match="quantized with 'bitsandbytes', which tokenmill cannot load"):
         EngineConfig.from_kwargs(model=str(awq)).finalize()
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(awq / "config.json", "w") as f:

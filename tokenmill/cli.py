@@ -151,9 +151,10 @@ def _add_eval_parser(sub) -> None:
     q.add_argument("model", nargs="?", default=None,
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     q.add_argument("--quantization", default=None,
-                   help="one or more of int8,w8a8,fp8,mxfp4,nvfp4 (comma-separated); none = float weights; "
-                        "gguf = a GGUF's own blocks (the default for a quantized GGUF, whose reference is then "
-                        "its dequantized float weights)")
+                   help="one or more of int8,w8a8,fp8,mxfp4,nvfp4,int4,int4-g128 (comma-separated); none = "
+                        "float weights; gguf = a GGUF's own blocks (the default for a quantized GGUF, whose "
+                        "reference is then its dequantized float weights); a folder = a quantized checkpoint of "
+                        "the same model (AWQ, GPTQ, compressed-tensors), loaded as it is")
     q.add_argument("--quantize-lm-head", default="both", choices=["no", "yes", "both"],
                    help="measure each method with the LM head in the model dtype (no: the engine's default), "
                         "quantized too (yes: --quantize-lm-head), or both side by side (default: both; the "

@@ -159,8 +159,8 @@ def resolve_model_path(model: Optional[str], install_default: bool = False, gguf
     raise ValueError(model_not_found_message(model))
 
 
-QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4")   # --quantization on a float checkpoint
-CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors")            # quantization_config.quant_method we load
+QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4", "int4", "int4-g128")  # --quantization, float ckpt
+CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method we load
 
 
 def validate_quantization(requested: Optional[str], hf_config: Any, model_dir: str = "") -> Optional[str]:
@@ -874,8 +874,10 @@ class EngineConfig:
                        help="quantize the linear weights on load (the LM head stays in the model dtype unless "
                             "--quantize-lm-head): int8 (weight-only, "
                             "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
-                            "per-channel), mxfp4, nvfp4. FP8 checkpoints (fp8, compressed-tensors) load as they "
-                            "are without the flag")
+                            "per-channel), mxfp4, nvfp4, int4 (weight-only, asymmetric, groups of 32; int4-g128: "
+                            "groups of 128; both as ggml Q4_1 blocks). FP8 checkpoints (fp8, compressed-tensors) "
+                            "and int4 ones (awq, gptq, compressed-tensors pack-quantized) load as they are "
+                            "without the flag")
         p.add_argument("--gguf-weights", default="auto", choices=["auto", "native", "dequantize"],
                        help="a GGUF model's weights: native = served in the file's own block types, memory-mapped "
                             "(no float copy); dequantize = converted once to a float checkpoint (exact, for "

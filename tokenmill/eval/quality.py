@@ -13,11 +13,15 @@ by default when no --quantization is given), and online methods quantize the deq
 Online quantization leaves the LM head in the model dtype unless `--quantize-lm-head`; `quantize_lm_head`
 ("no", "yes" or "both"; the CLI defaults to both) picks which of the two each quantization is measured with.
 Variants with the head quantized too are named `<method>+lm_head`.
+
+A variant may also be a folder holding a quantized checkpoint of the same model (AWQ, GPTQ, compressed-tensors,
+fp8...): it is loaded as it is and scored against the float reference (`<quant_method> (<folder name>)`).
 """
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -144,6 +148,10 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
     logger.info("quality: %d tokens in %d windows of up to %d", sum(len(w) for w in windows), len(windows), window)
     configs = [("reference", ref_cfg)]
     for q in quantizations:
+        if q and os.path.isdir(q):  # a quantized checkpoint of the same model, as it is
+            cfg = _config(q, None, kv_cache_dtype, dtype, window, device)
+            configs.append((f"{cfg.model.quantization or 'float'} ({os.path.basename(os.path.normpath(q))})", cfg))
+            continue
         for head in heads if q and q != GGUF_VARIANT else (False,):  # no head variant: none, or the file's own
             name = "+".join(x for x in (q, "lm_head" if head else None,
                                         None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
@@ -164,6 +172,9 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
         for scorer, res in zip(scorers, results):
             t0 = time.perf_counter()
             lp = scorer.logprobs(w)[:-1]  # position t predicts token t + 1
+            if ref is not None and lp.shape != ref.shape:
+                raise ValueError(f"{res.name} has a vocabulary of {lp.shape[-1]}, the reference {ref.shape[-1]}: "
+                                 "a checkpoint compared must be a quantized copy of the same model")
             res.seconds += time.perf_counter() - t0
             res.nll_sum -= float(lp.gather(1, target[:, None]).sum())
             res.tokens += len(target)

@@ -1,8 +1,8 @@
 """Weight quantization: a registry of formats and the step that installs them on a model's linear layers.
 
 Online (`--quantization`, applied on load to a float checkpoint): int8 (weight-only), w8a8, fp8, mxfp4,
-nvfp4. Pre-quantized checkpoints, recognised from config.json's `quantization_config`: `fp8` and
-`compressed-tensors`. Models never branch on any of this: every LinearBase gets a quant_method from the
+nvfp4, int4 (and int4-g128; ggml Q4_1 blocks, int4.py). Pre-quantized checkpoints, recognised from
+config.json's `quantization_config`: `fp8`, `compressed-tensors`, and int4 `awq` / `gptq` (awq_gptq.py). Models never branch on any of this: every LinearBase gets a quant_method from the
 config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
 dtype (as vLLM does) unless asked to include it (`--quantize-lm-head`); a checkpoint's own `ignore` list
 decides for its head.
@@ -18,8 +18,8 @@ from tokenmill.layers.quantization.base import QuantizationConfig
 
 logger = logging.getLogger("tokenmill")
 
-ONLINE_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4")
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+ONLINE_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4", "int4", "int4-g128")
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 
 
 def checkpoint_quant_config(hf_config) -> Optional[dict]:
@@ -43,6 +43,10 @@ def get_quant_config(method: Optional[str], hf_config=None) -> Optional[Quantiza
             from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 
             return CompressedTensorsConfig.from_checkpoint(qc)
+        if kind in ("awq", "gptq"):
+            from tokenmill.layers.quantization.awq_gptq import AwqConfig, GptqConfig
+
+            return (AwqConfig if kind == "awq" else GptqConfig).from_checkpoint(qc)
         raise ValueError(f"checkpoint quantization {kind!r} is not supported "
                          f"(tokenmill loads {', '.join(CHECKPOINT_METHODS)})")
     if method is None:
@@ -59,6 +63,10 @@ def get_quant_config(method: Optional[str], hf_config=None) -> Optional[Quantiza
         from tokenmill.layers.quantization.fp4 import Fp4Config
 
         return Fp4Config(method)
+    if method in ("int4", "int4-g128"):
+        from tokenmill.layers.quantization.int4 import Int4Config
+
+        return Int4Config(method)
     raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(ONLINE_METHODS)}")
 
 

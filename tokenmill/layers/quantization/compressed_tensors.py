@@ -7,7 +7,9 @@
 "symmetric": true, "block_structure": [bn, bk]}, "input_activations": {... "dynamic": true, "strategy":
 "token"} | null}}, "ignore": ["lm_head", "re:..."]}. Tensors: `weight`, `weight_scale` (and `input_scale`
 for static activations). Supported: 8-bit float weights (channel, tensor, block) and 8-bit symmetric int
-weights per channel (weight-only, or W8A8 with dynamic per-token activations).
+weights per channel (weight-only, or W8A8 with dynamic per-token activations); and, in the `pack-quantized`
+format, 4-bit int weights (weight-only, group or channel, symmetric or with zero points: `weight_packed`,
+`weight_scale`, `weight_zero_point`, `weight_shape`), served as ggml Q4_1 blocks (awq_gptq.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.layers.quantization.awq_gptq import pack_quantized_method
 from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
@@ -38,9 +41,16 @@ class _Scheme:
         act = spec.get("input_activations")
         self.act_dynamic = bool(act.get("dynamic", True)) if act else None  # None: weight-only
         what = f"compressed-tensors group {group_name!r}"
+        self.format = spec.get("format")  # newer checkpoints name the format per group
+        self.int4 = w if self.bits == 4 and self.type == "int" else None  # pack-quantized: awq_gptq.py
+        if self.int4 is not None:
+            if act is not None:
+                raise ValueError(f"{what}: 4-bit int weights load weight-only (no input_activations)")
+            pack_quantized_method(self.int4, what)  # checks the strategy and group size now
+            return
         if self.bits != 8 or self.type not in ("float", "int"):
             raise ValueError(f"{what}: {self.bits}-bit {self.type} weights are not supported "
-                             "(tokenmill loads 8-bit float and 8-bit int weights)")
+                             "(tokenmill loads 8-bit float and int weights, and 4-bit int weights)")
         if w.get("symmetric") is False:
             raise ValueError(f"{what}: asymmetric weights are not supported")
         if self.type == "float" and self.strategy not in ("channel", "tensor", "block"):
@@ -80,13 +90,17 @@ class CompressedTensorsConfig(QuantizationConfig):
     @classmethod
     def from_checkpoint(cls, qc: dict) -> "CompressedTensorsConfig":
         fmt = qc.get("format")
-        if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized"):
+        if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized", "pack-quantized"):
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported "
-                             "(float-quantized, int-quantized, naive-quantized)")
+                             "(float-quantized, int-quantized, naive-quantized, pack-quantized)")
         groups = qc.get("config_groups") or {}
         if not groups:
             raise ValueError("compressed-tensors checkpoint has no config_groups")
-        return cls([_Scheme(n, g) for n, g in groups.items()], list(qc.get("ignore") or []))
+        schemes = [_Scheme(n, g) for n, g in groups.items()]
+        if any((s.int4 is not None) != ((s.format or fmt) == "pack-quantized") for s in schemes):  # layouts differ
+            raise ValueError("compressed-tensors: 4-bit int weights load from the pack-quantized format, and "
+                             f"that format holds 4-bit int weights only (format {fmt!r})")
+        return cls(schemes, list(qc.get("ignore") or []))
 
     def _scheme(self, hf_names: list[str]) -> Optional[_Scheme]:
         ignored = [any(_matches(p, n) for p in self.ignore) for n in hf_names]
@@ -100,6 +114,8 @@ class CompressedTensorsConfig(QuantizationConfig):
         s = self._scheme(hf_names)
         if s is None:
             return None
+        if s.int4 is not None:
+            return pack_quantized_method(s.int4, prefix)
         if s.type == "int":
             return _Int8CheckpointMethod(activations=s.act_dynamic is not None)
         return Fp8LinearMethod(s.strategy, online=False, block=s.block,
@@ -107,5 +123,6 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def describe(self) -> str:
         kinds = sorted({f"{s.type}{s.bits} {s.strategy}" + (" w8a8" if s.type == "int" and s.act_dynamic else "")
+                        + (" as ggml Q4_1 blocks" if s.int4 is not None else "")
                         for s in self.schemes})
         return f"compressed-tensors ({', '.join(kinds)})"
