@@ -380,3 +380,61 @@ def test_row_parallel_split_must_fall_on_blocks():
         check_input_split(layer, "x")
     layer.sharding = Sharding(128, (64, 64), (64,), ((0, 64),), (64,), tp=2)
     check_input_split(layer, "x")
+
+
+# -- tensor parallelism: each rank's blocks are its slice of one process's ----------------------------------
+def _rank_weights(jobs):
+    """On each rank: job -> {layer name: (dequantized weight, sharding)} of the int4 layers."""
+    from tokenmill.layers.quantization.int4 import Q4BlockMethod
+
+    out = {}
+    for name, path, quantization in jobs:
+        model = _load_online(path, quantization)
+        out[name] = {n: (m.quant_method.dequantized_weight(m).numpy(), m.sharding) for n, m in model.named_modules()
+                     if isinstance(getattr(m, "quant_method", None), Q4BlockMethod)}
+    return out
+
+
+@pytest.mark.distributed
+def test_tp2_ranks_hold_their_slices_of_the_blocks(base, tmp_path):
+    """Column-parallel rows (q|k|v, gate|up) and row-parallel columns (o, down: a split at 64 inside AWQ's
+    groups of 128) give each rank exactly the blocks of its part of the one-process weight."""
+    from dist_utils import run_ranks
+
+    jobs = [("awq", _build(base, str(tmp_path), "awq", 128)[0], None),
+            ("gptq", _build(base, str(tmp_path), "gptq", 32, sym=True)[0], None),
+            ("ct", _build(base, str(tmp_path), "ct", 64)[0], None), ("int4", base[0], "int4")]
+    ranks = run_ranks(_rank_weights, 2, 1, jobs)
+    for name, path, quantization in jobs:
+        full = _rank_weights([(name, path, quantization)])[name]
+        assert len(full) == 4 * LAYERS
+        for layer, (w, _) in full.items():
+            for rank, results in enumerate(ranks):
+                got, s = results[name][layer]
+                offsets = np.cumsum((0,) + s.full_sizes)
+                rows = np.concatenate([np.arange(o + a, o + a + n) for o, (a, n) in zip(offsets, s.out_ranges)])
+                want = w[rows][:, s.in_range[0]:s.in_range[0] + s.in_range[1]]
+                assert s.tp == 2 and np.array_equal(got, want), (name, layer, rank)
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq", "ct"])
+def test_a_slice_reads_as_the_slice_of_the_whole(layout):
+    """Field.read of any rows and any 32-aligned columns (starts inside a packed word or a group) equals that
+    part of the whole tensor's read."""
+    from tokenmill.layers.quantization import awq_gptq
+
+    fields = {"awq": awq_gptq.awq_layout(), "gptq": awq_gptq.gptq_layout(False),
+              "ct": awq_gptq.pack_quantized_layout(False)}[layout].fields
+    N, K, g = 40, 512, 128
+    gen = torch.Generator().manual_seed(3)
+    for f in fields:
+        n = -(-N // 8) if f.n_pack else N
+        k = K // g if f.grouped else K // 8 if f.k_pack else K
+        stored = torch.randint(-2**31, 2**31 - 1, (n, k) if f.n_axis == 0 else (k, n), generator=gen,
+                               dtype=torch.int64).to(torch.int32 if f.n_pack or f.k_pack else torch.float32)
+        whole = f.read(stored, N, K, g, (0, N), (0, K))
+        per = 32 if f.grouped else 1
+        for rows, cols in [((5, 11), (32, 96)), ((13, 27), (160, 320)), ((0, 40), (448, 64))]:
+            part = f.read(stored, N, K, g, rows, cols)
+            want = whole[rows[0]:rows[0] + rows[1], cols[0] // per:(cols[0] + cols[1]) // per]
+            assert torch.equal(part, want), (f.name, rows, cols)
