@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from tests.models import ARCHS, build_tokenizer
+from models import ARCHS, build_tokenizer
 
 ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
 # K-quant block: (byte offsets of the fp16 d / dmin fields, d giving weights of ~0.05)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.gguf_models import ALL_TYPES, quantized_gguf
+from gguf_models import ALL_TYPES, quantized_gguf
 from tokenmill.models.gguf import gguf_to_hf_dir
 
 pytest.importorskip("gguf")

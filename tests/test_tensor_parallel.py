@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_utils import run_ranks
+from gguf_models import ALL_TYPES, quantized_gguf
+from tokenmill.models.gguf import gguf_to_hf_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -121,6 +123,9 @@ def paths(tiny, tmp_path_factory):
         "fp8_block_ckpt": export_quantized(llama, str(root / "fp8blk"), "fp8", "fp8", block=(8, 16)),
         "int8_ckpt": export_quantized(tiny("qwen2"), str(root / "int8ct"), "int8", "compressed-tensors"),
         "odd_heads": _odd_heads_model(str(root / "odd")),
+        # GGUFs served in their blocks: every ggml type (tied head), and a Q4_K_M-like mix (untied, biases)
+        "gguf_all_types": gguf_to_hf_dir(quantized_gguf("llama", ALL_TYPES), "native"),
+        "gguf_kmix": gguf_to_hf_dir(quantized_gguf("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0")), "native"),
     }
 
 
@@ -135,8 +140,10 @@ TP_JOBS = {
     "int8+lm_head": ("mistral", "int8+lm_head"),     # a quantized, vocab-sharded head
     "fp8_channel_ckpt": ("fp8_channel_ckpt", None), "fp8_block_ckpt": ("fp8_block_ckpt", None),
     "int8_ckpt": ("int8_ckpt", None),
+    # a row-parallel split of 256 columns cuts 256-value K-quant blocks: those shards run float32
+    "gguf_all_types": ("gguf_all_types", None), "gguf_kmix": ("gguf_kmix", None),
 }
-PP_JOBS = ("llama", "mistral", "int8")  # tied head on the last stage only; untied; quantized
+PP_JOBS = ("llama", "mistral", "int8", "gguf_all_types")  # tied head on the last stage only; untied; quantized
 
 
 def _job_list(paths, names):
