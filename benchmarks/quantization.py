@@ -1,4 +1,9 @@
-"""Weight quantization on the default model: float32 and bf16 vs int8, w8a8, fp8, mxfp4, nvfp4, in one run.
+"""Weight quantization on the default model: float32 and bf16 vs int8, w8a8, fp8, mxfp4, nvfp4, int4, in one run.
+
+The default model is a GGUF: every configuration here starts from its dequantized float weights (its "HF form",
+`--gguf-weights dequantize`), so the quantized ones quantize the same float weights. `int4` is
+`--quantization int4` (ggml Q4_1 blocks, the GGUF block kernels); `int4_vs_int8` in the summary compares their
+single-stream decode at the same activation dtype.
 
 The quantized configurations keep the LM head in the model dtype (the engine's default); `int8+lm_head` is
 int8 with `--quantize-lm-head`, so the int8 pair shows what quantizing the head buys in single-stream decode
@@ -32,7 +37,8 @@ from common import load_average  # noqa: E402
 # (dtype, --quantization, --quantize-lm-head)
 CONFIGS = [("float32", None, False), ("bfloat16", None, False), ("float32", "int8", False),
            ("float32", "int8", True), ("bfloat16", "int8", False), ("float32", "w8a8", False), ("float32", "fp8", False),
-           ("float32", "mxfp4", False), ("float32", "nvfp4", False)]
+           ("float32", "mxfp4", False), ("float32", "nvfp4", False), ("float32", "int4", False),
+           ("bfloat16", "int4", False), ("float32", "int4", True)]
 FLOATS = ("fp32", "bf16")
 
 
@@ -163,6 +169,7 @@ def main() -> None:
     for dtype, q, head in configs:
         llms[_name(dtype, q, head)] = LLM(args.model, dtype=dtype, quantization=q, quantize_lm_head=head,
                                           kv_cache_memory_bytes="256MiB", enable_prefix_caching=False,
+                                          gguf_weights="dequantize",
                                           max_num_seqs=max(args.batch, 1))
     first = next(iter(llms.values()))
     tok = first.get_tokenizer()
@@ -204,6 +211,10 @@ def main() -> None:
                 r[f"batch_vs_{base}"] = round(r["batch_tok_s"] / cfg[base]["batch_tok_s"], 2)
         if best_float and name not in FLOATS:
             r["decode_vs_best_float"] = round(r["decode_tok_s"] / best_float, 2)
+    for suffix in ("", "-bf16", "+lm_head"):  # int4 against int8 at the same activation dtype and head
+        if "int4" + suffix in cfg and "int8" + suffix in cfg:
+            a = cfg["int4" + suffix]
+            a["decode_vs_int8"] = round(a["decode_tok_s"] / cfg["int8" + suffix]["decode_tok_s"], 2)
     result["workload"] = {"decode_tokens": args.decode_tokens, "batch": args.batch, "batch_tokens": args.batch_tokens,
                           "prompt_tokens": len(prompt["prompt_token_ids"]), "batch_prompt_tokens": 64,
                           "repeats": args.repeats, "budget_bytes": budget}
@@ -215,6 +226,11 @@ def main() -> None:
 
     parts = [f"{n} {r['decode_tok_s']:.1f} tok/s{ratios(r)}" for n, r in cfg.items()]
     print("single-stream decode: " + "; ".join(parts))
+    for suffix in ("", "-bf16", "+lm_head"):
+        a, b = cfg.get("int4" + suffix), cfg.get("int8" + suffix)
+        if a and b:
+            print(f"int4{suffix} vs int8{suffix}: decode {a['decode_tok_s']:.1f} vs {b['decode_tok_s']:.1f} tok/s "
+                  f"({a['decode_vs_int8']:.2f}x), weights {a['weight_mb']} vs {b['weight_mb']} MB")
     if "int8" in cfg and "int8+lm_head" in cfg:
         a, b = cfg["int8"], cfg["int8+lm_head"]
         vs = (f" ({a['decode_vs_best_float']:.2f}x vs {b['decode_vs_best_float']:.2f}x the best float dtype)"

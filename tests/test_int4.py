@@ -438,3 +438,58 @@ def test_a_slice_reads_as_the_slice_of_the_whole(layout):
             part = f.read(stored, N, K, g, rows, cols)
             want = whole[rows[0]:rows[0] + rows[1], cols[0] // per:(cols[0] + cols[1]) // per]
             assert torch.equal(part, want), (f.name, rows, cols)
+
+
+# -- MoE experts --------------------------------------------------------------------------------------------
+def _experts(worker):
+    from tokenmill.layers.fused_moe import FusedMoE
+
+    return [(type(m.quant_method).__name__, m.intermediate_size, m.w13_weight.data.clone(), m.w2_weight.data.clone())
+            for m in worker.model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_online_int4_reaches_the_experts(tiny, caplog):
+    """Mixtral's experts (hidden 64, intermediate 128) become Q4_1 blocks, each the quantization of the float
+    expert, and run as x through their dequantized weights; Qwen3-MoE's (intermediate 48, not whole blocks) stay float, said once."""
+    from tokenmill import LLM
+    from tokenmill.layers.quantization.int4 import dequantize_q4_1, quantize_q4_1
+
+    ref = LLM(tiny("mixtral"), dtype="float32", kv_cache_memory_bytes=2**22)
+    llm = LLM(tiny("mixtral"), dtype="float32", quantization="int4", kv_cache_memory_bytes=2**22)
+    floats = ref.engine.executor.collective_rpc(_experts)[0]
+    quant = llm.engine.executor.collective_rpc(_experts)[0]
+    assert quant and all(kind == "Int4MoEMethod" for kind, *_ in quant)
+    for (_, n, w13, w2), (_, _, b13, b2) in zip(floats, quant):
+        assert torch.equal(b13[0], quantize_q4_1(w13[0])) and torch.equal(b2[1], quantize_q4_1(w2[1]))
+        assert (dequantize_q4_1(b2[1], n) - w2[1]).abs().max() < w2[1].abs().max() / 15  # within a step
+    err, scale = llm.engine.executor.collective_rpc(_expert_error)[0]
+    assert err <= 0.02 * scale, (err, scale)  # the kernel's 8-bit activation rounding, far below this
+    assert all(len(t) == 12 for t in _greedy_llm(llm, PROMPTS))
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        llm = LLM(tiny("qwen3_moe"), dtype="float32", quantization="int4", kv_cache_memory_bytes=2**22)
+    assert "MoE experts' sizes are not multiples of 32" in caplog.text
+    assert all(kind == "UnquantizedMoEMethod" for kind, *_ in llm.engine.executor.collective_rpc(_experts)[0])
+
+
+def _expert_error(worker):
+    """max |expert 0's output - the same expert over its dequantized blocks in float32|, and max |reference|."""
+    from tokenmill.layers.activation import silu_and_mul
+    from tokenmill.layers.fused_moe import FusedMoE
+    from tokenmill.layers.quantization.int4 import dequantize_q4_1
+
+    moe = next(m for m in worker.model.modules() if isinstance(m, FusedMoE))
+    x = torch.randn(3, moe.hidden_size, generator=torch.Generator().manual_seed(0))
+    w13 = dequantize_q4_1(moe.w13_weight.data[0], moe.hidden_size)
+    w2 = dequantize_q4_1(moe.w2_weight.data[0], moe.intermediate_size)
+    ref = silu_and_mul(x @ w13.t()) @ w2.t()
+    with torch.inference_mode():
+        got = moe.quant_method.apply(moe, 0, x)
+    return float((got - ref).abs().max()), float(ref.abs().max())
+
+
+def _greedy_llm(llm, prompts):
+    from tokenmill import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in out]

@@ -118,16 +118,27 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig, quantize_lm
 
 
 def _quantize_experts(model: nn.Module, config: QuantizationConfig) -> int:
-    """MoE experts (layers/fused_moe.py) take int8 weight-only under --quantization int8; another online
-    method leaves them in the model dtype, said once."""
+    """MoE experts (layers/fused_moe.py) take int8 weight-only under --quantization int8 and Q4_1 blocks under
+    int4 (where their sizes are whole groups); another online method leaves them in the model dtype, said
+    once."""
     from tokenmill.layers.fused_moe import FusedMoE, Int8MoEMethod
 
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not moes or not config.online:
         return 0
+    if getattr(config, "name", None) in ("int4", "int4-g128"):
+        from tokenmill.layers.quantization.int4 import Int4MoEMethod
+
+        if all(Int4MoEMethod.fits(m, config.group) for m in moes):
+            for moe in moes:
+                moe.quant_method = Int4MoEMethod(config.group)
+            return len(moes)
+        logger.warning("--quantization %s: the MoE experts' sizes are not multiples of %d (per tensor-parallel "
+                       "rank): they stay in the model dtype", config.name, config.group)
+        return 0
     if getattr(config, "name", None) != "int8":
         logger.warning("--quantization %s does not cover MoE experts yet: they stay in the model dtype (int8 "
-                       "does)", getattr(config, "name", config))
+                       "and int4 do)", getattr(config, "name", config))
         return 0
     for moe in moes:  # same float weights at load; quantized per expert in process_weights_after_loading
         moe.quant_method = Int8MoEMethod()

@@ -11,7 +11,9 @@ Online (`--quantization int4`, weight-only): per group of 32 (or 128 with `int4-
 in each of its four blocks) d = (max - min) / 15 and m = min, both rounded to fp16 first, then
 q = round((w - m) / d) clamped to 0..15 against those rounded values, so the blocks stand for the nearest
 grid point of the grid they store. Each rank quantizes its own slice: blocks never straddle ranks (the input
-split must fall on 32-value bounds), so tensor parallelism quantizes exactly as one process does.
+split must fall on 32-value bounds), so tensor parallelism quantizes exactly as one process does. MoE experts
+(Int4MoEMethod) are quantized the same way, each expert's gate|up and down one bound block linear, where the
+rank's expert sizes are multiples of the group; otherwise they stay in the model dtype, said once.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.fused_moe import UnquantizedMoEMethod
 from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization.base import QuantizationConfig, sharding_of
 
@@ -132,3 +136,31 @@ class Int4Config(QuantizationConfig):
 
     def describe(self) -> str:
         return f"{self.name} (weight-only, asymmetric, groups of {self.group}, as ggml Q4_1 blocks)"
+
+
+class Int4MoEMethod(UnquantizedMoEMethod):
+    """`--quantization int4` on MoE experts (layers/fused_moe.FusedMoE): the float expert weights load as usual;
+    afterwards each expert's gate|up [2n, H] and down [H, n] become Q4_1 blocks (stacked, [E, rows, bytes])
+    with one bound block linear each."""
+
+    def __init__(self, group: int = BLOCK) -> None:
+        self.group = group
+        self.w13: list[ggml.BlockLinear] = []
+        self.w2: list[ggml.BlockLinear] = []
+
+    @staticmethod
+    def fits(layer: nn.Module, group: int) -> bool:
+        """Whether the rank's expert sizes (hidden, and its part of the intermediate size) are whole groups."""
+        return layer.hidden_size % group == 0 and layer.intermediate_size % group == 0
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        runs = {}
+        for name in ("w13", "w2"):
+            w = getattr(layer, f"{name}_weight").data
+            blocks = torch.stack([quantize_q4_1(w[e], self.group) for e in range(w.shape[0])])
+            setattr(layer, f"{name}_weight", nn.Parameter(blocks, requires_grad=False))
+            runs[name] = [ggml.bind([ggml.Part(Q4_1, b)], w.shape[2]) for b in blocks]
+        self.w13, self.w2 = runs["w13"], runs["w2"]
+
+    def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.w2[expert](silu_and_mul(self.w13[expert](x, None)), None)
