@@ -1,0 +1,790 @@
+/* Matmuls directly on ggml's quantized blocks (the bytes of a GGUF file, as they are): y = x @ W^T.
+ *
+ * Types (ggml ids): F32, F16, BF16 and Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (32-value blocks), Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K, IQ4_XS (256-value super-blocks of eight 32-value sub-blocks). Block layouts are ggml's
+ * (ggml-common.h); gguf-py's gguf.quants.dequantize is the reference the tests hold them to.
+ *
+ * gg_linear, the decode kernel: like llama.cpp, the activations are quantized once per call to int8 with one
+ * float scale per 32 values (dx), and each 32-value weight sub-block is decoded in registers to 32 small
+ * integers u (unsigned, with a per-type offset, or signed for Q8_0/IQ4) whose dot product with the int8
+ * activations is exact in integers: vpdpbusd (AVX-512 VNNI), else vpmaddubsw + vpmaddwd (AVX2), else scalar.
+ * A sub-block then contributes
+ *     ws * dx * dot(u, xq)  +  sum over its 16-value groups g of  mc_g * (dx * sum_g(xq))
+ * where ws is its float scale and mc_g folds the offset and the min (Q4_1/K-quant) terms: the second part
+ * only needs the activations' per-16 sums, precomputed with the quantized activations. Types with a scale per
+ * 16 values (Q2_K, Q3_K, Q6_K) multiply the two halves' integer dots by their integer scales first.
+ *
+ * Decode is bound by the weight bytes it reads, so each weight row is read once per call (rows one after the
+ * other: short rows read as interleaved streams defeat the hardware prefetcher) and each decoded sub-block is
+ * used for up to RMAX rows of x at once (batched decode reuses the weights from registers/L1). OpenMP threads
+ * split the output columns into ranges of equal weight bytes. The quantized activations live in a
+ * thread-local buffer that grows and is reused: no allocation per call in steady state.
+ *
+ * gg_dequant_rows: rows of a weight as float32 or bfloat16, bit for bit gguf-py's arithmetic (no FMA
+ * contraction): the token embedding's lookups and the weight tiles of the prefill route (ggml.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__F16C__))
+#include <immintrin.h>
+#endif
+#include "../cpu_vec.h"
+
+#define AI static inline __attribute__((always_inline))
+
+enum {
+    T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30
+};
+
+typedef struct {
+    int32_t type;
+    int32_t pad;
+    int64_t rows;
+    int64_t row_stride;
+    const uint8_t *w;
+} gg_part_t;
+
+#if defined(__AVX512F__)
+#define RMAX 8 /* rows of x per pass over a weight row: accumulators fit the 32 vector registers */
+#else
+#define RMAX 4
+#endif
+
+static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        const float f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* values and bytes per (super-)block */
+AI int tvalues(const int t) {
+    switch (t) {
+    case T_F32: case T_F16: case T_BF16: return 1;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    default: return 32;
+    }
+}
+
+AI int tbytes(const int t) {
+    switch (t) {
+    case T_F32: return 4;
+    case T_F16: case T_BF16: return 2;
+    case T_Q4_0: return 18;
+    case T_Q4_1: return 20;
+    case T_Q5_0: return 22;
+    case T_Q5_1: return 24;
+    case T_Q8_0: return 34;
+    case T_IQ4_NL: return 18;
+    case T_Q2_K: return 84;
+    case T_Q3_K: return 110;
+    case T_Q4_K: return 144;
+    case T_Q5_K: return 176;
+    case T_Q6_K: return 210;
+    case T_IQ4_XS: return 136;
+    default: return 0;
+    }
+}
+
+AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
+AI int has_sc16(const int t) { return t == T_Q2_K || t == T_Q3_K || t == T_Q6_K; }       /* scale per 16 */
+
+/* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
+AI int toffset(const int t) {
+    switch (t) {
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q3_K: return 4;
+    case T_Q6_K: return 32;
+    default: return 0;
+    }
+}
+
+static inline uint32_t le32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
+AI void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) {
+        *d = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Q3_K's 16 six-bit scales, minus 32 */
+AI int q3k_scale(const uint8_t *sc, int k) {
+    return (((sc[k % 8] >> (4 * (k / 8))) & 0xF) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+}
+
+/* Dequantization parameters of a (super-)block: value i of 16-group g is a[g] * (u_i - off) + b[g]. */
+typedef struct {
+    float a[16], b[16];
+} deq_t;
+
+AI void deq_params(const int t, const uint8_t *blk, deq_t *p) {
+    switch (t) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
+        p->a[0] = p->a[1] = f16(blk);
+        p->b[0] = p->b[1] = 0.0f;
+        break;
+    case T_Q4_1: case T_Q5_1:
+        p->a[0] = p->a[1] = f16(blk);
+        p->b[0] = p->b[1] = f16(blk + 2);
+        break;
+    case T_Q2_K: {
+        const float d = f16(blk + 80), dmin = f16(blk + 82);
+        for (int g = 0; g < 16; g++) {
+            p->a[g] = d * (float)(blk[g] & 0xF);
+            p->b[g] = -(dmin * (float)(blk[g] >> 4));
+        }
+        break;
+    }
+    case T_Q3_K: {
+        const float d = f16(blk + 108);
+        for (int g = 0; g < 16; g++) {
+            p->a[g] = d * (float)q3k_scale(blk + 96, g);
+            p->b[g] = 0.0f;
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const float d = f16(blk), dmin = f16(blk + 2);
+        for (int s = 0; s < 8; s++) {
+            int sc, m;
+            scale_min_k4(s, blk + 4, &sc, &m);
+            p->a[2 * s] = p->a[2 * s + 1] = d * (float)sc;
+            p->b[2 * s] = p->b[2 * s + 1] = -(dmin * (float)m);
+        }
+        break;
+    }
+    case T_Q6_K: {
+        const float d = f16(blk + 208);
+        for (int g = 0; g < 16; g++) {
+            p->a[g] = d * (float)(int8_t)blk[192 + g];
+            p->b[g] = 0.0f;
+        }
+        break;
+    }
+    case T_IQ4_XS: {
+        const float d = f16(blk);
+        const uint32_t sh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8);
+        for (int s = 0; s < 8; s++) {
+            const int ls = ((blk[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
+            p->a[2 * s] = p->a[2 * s + 1] = d * (float)(ls - 32);
+            p->b[2 * s] = p->b[2 * s + 1] = 0.0f;
+        }
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* The 32 integers u of sub-block s (scalar reference decoder; the SIMD one below must agree). */
+AI void dec_sub_scalar(const int t, const uint8_t *b, int s, uint8_t *u) {
+    switch (t) {
+    case T_Q4_0: case T_Q4_1: {
+        const uint8_t *qs = b + (t == T_Q4_0 ? 2 : 4);
+        for (int i = 0; i < 16; i++) {
+            u[i] = qs[i] & 15;
+            u[i + 16] = qs[i] >> 4;
+        }
+        break;
+    }
+    case T_Q5_0: case T_Q5_1: {
+        const int o = t == T_Q5_0 ? 2 : 4;
+        const uint32_t qh = le32(b + o);
+        const uint8_t *qs = b + o + 4;
+        for (int i = 0; i < 16; i++) {
+            u[i] = (qs[i] & 15) | (((qh >> i) & 1) << 4);
+            u[i + 16] = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        }
+        break;
+    }
+    case T_Q8_0:
+        memcpy(u, b + 2, 32);
+        break;
+    case T_IQ4_NL: case T_IQ4_XS: {
+        const uint8_t *qs = t == T_IQ4_NL ? b + 2 : b + 8 + 16 * s;
+        for (int i = 0; i < 16; i++) {
+            u[i] = (uint8_t)KV_IQ4[qs[i] & 15];
+            u[i + 16] = (uint8_t)KV_IQ4[qs[i] >> 4];
+        }
+        break;
+    }
+    case T_Q2_K: {
+        const uint8_t *q = b + 16 + (s / 4) * 32;
+        for (int l = 0; l < 32; l++) u[l] = (q[l] >> (2 * (s % 4))) & 3;
+        break;
+    }
+    case T_Q3_K: {
+        const uint8_t *q = b + 32 + (s / 4) * 32;
+        for (int l = 0; l < 32; l++) u[l] = ((q[l] >> (2 * (s % 4))) & 3) | (((b[l] >> s) & 1) << 2);
+        break;
+    }
+    case T_Q4_K: {
+        const uint8_t *q = b + 16 + (s / 2) * 32;
+        for (int l = 0; l < 32; l++) u[l] = (s & 1) ? q[l] >> 4 : q[l] & 15;
+        break;
+    }
+    case T_Q5_K: {
+        const uint8_t *q = b + 48 + (s / 2) * 32;
+        for (int l = 0; l < 32; l++) u[l] = ((s & 1) ? q[l] >> 4 : q[l] & 15) | (((b[16 + l] >> s) & 1) << 4);
+        break;
+    }
+    case T_Q6_K: {
+        const int h = s / 4, sp = s % 4;
+        const uint8_t *ql = b + h * 64 + (sp & 1) * 32, *qh = b + 128 + h * 32;
+        for (int l = 0; l < 32; l++)
+            u[l] = ((sp >> 1) ? ql[l] >> 4 : ql[l] & 15) | (((qh[l] >> (2 * sp)) & 3) << 4);
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+#if defined(__AVX2__)
+/* 16 bytes' low nibbles in bytes 0-15, high nibbles in bytes 16-31 (ggml's order) */
+AI __m256i nib32(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+/* byte i = 0xFF where bit i of `bits` is set */
+AI __m256i bits32(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_movm_epi8(bits);
+#else
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+    v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1));
+#endif
+}
+
+AI __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+
+/* The same 32 integers as dec_sub_scalar, in a register */
+AI __m256i dec_sub(const int t, const uint8_t *b, int s) {
+    const __m256i m1 = _mm256_set1_epi8(1), m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    switch (t) {
+    case T_Q4_0: return nib32(b + 2);
+    case T_Q4_1: return nib32(b + 4);
+    case T_Q5_0: case T_Q5_1: {
+        const int o = t == T_Q5_0 ? 2 : 4;
+        return _mm256_or_si256(nib32(b + o + 4), _mm256_and_si256(bits32(le32(b + o)), _mm256_set1_epi8(16)));
+    }
+    case T_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case T_IQ4_NL: case T_IQ4_XS: {
+        const __m128i kv = _mm_loadu_si128((const __m128i *)KV_IQ4);
+        return _mm256_shuffle_epi8(_mm256_set_m128i(kv, kv), nib32(t == T_IQ4_NL ? b + 2 : b + 8 + 16 * s));
+    }
+    case T_Q2_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + (s / 4) * 32));
+        return _mm256_and_si256(srl16(q, 2 * (s % 4)), m3);
+    }
+    case T_Q3_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 32 + (s / 4) * 32));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(srl16(hm, s), m1), 2);
+        return _mm256_or_si256(_mm256_and_si256(srl16(q, 2 * (s % 4)), m3), hi);
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == T_Q4_K ? 16 : 48) + (s / 2) * 32));
+        const __m256i lo = _mm256_and_si256((s & 1) ? _mm256_srli_epi16(q, 4) : q, m15);
+        if (t == T_Q4_K) return lo;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(qh, s), m1), 4));
+    }
+    case T_Q6_K: {
+        const int h = s / 4, sp = s % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + h * 64 + (sp & 1) * 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
+        const __m256i lo = _mm256_and_si256((sp >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m15);
+        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(qh, 2 * sp), m3), 4));
+    }
+    default: return _mm256_setzero_si256();
+    }
+}
+
+/* 8 int32 lanes whose sum is dot(u, x): u unsigned bytes (each <= 63 on the AVX2 path, where vpmaddubsw
+ * saturates above 2 * 127 * 128), x int8 in [-127, 127] */
+AI __m256i dot_u(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* signed weight bytes: |w| * sign(x, w) (|-128| = 128 read as unsigned; 2 * 128 * 127 does not saturate) */
+AI __m256i dot_s(__m256i w, __m256i x) { return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+
+/* two 16-value halves with integer scales: lanes 0-7 of sc16 hold the first half's, 8-15 the second's */
+AI __m256i dot_sc16(__m256i u, __m256i x, __m256i sc16) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc16);
+}
+
+AI float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* Quantized activations of M rows (row r's values at q + r*K, scales at d + r*K/32, ...). */
+typedef struct {
+    const int8_t *q;   /* int8 [M, K] */
+    const float *d;    /* [M, K/32]: the 32-block scales dx */
+    const float *s32;  /* [M, K/32]: dx * sum of the block's q */
+    const float *s16;  /* [M, K/16]: dx * sum of each 16-value half's q */
+    const float *xf;   /* the float activations [M, K] (float weight types) */
+    int64_t K;
+} act_t;
+
+/* Per-sub-block terms of a (super-)block for the integer dot: ws[s] (times dx times the integer dot), the
+ * per-16 integer scales sc[g] (Q2_K/Q3_K/Q6_K) and mc[g] (times dx * sum of the 16 activations); 32-scale
+ * types fill mc[s] per sub-block instead. */
+typedef struct {
+    float ws[8], mc[16];
+    int16_t sc[16];
+} hdr_t;
+
+AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
+    switch (t) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
+        h->ws[0] = f16(b);
+        h->mc[0] = -(float)toffset(t) * h->ws[0];
+        break;
+    case T_Q4_1: case T_Q5_1:
+        h->ws[0] = f16(b);
+        h->mc[0] = f16(b + 2);
+        break;
+    case T_Q2_K: {
+        const float d = f16(b + 80), dmin = f16(b + 82);
+        for (int s = 0; s < 8; s++) h->ws[s] = d;
+        for (int g = 0; g < 16; g++) {
+            h->sc[g] = b[g] & 0xF;
+            h->mc[g] = -dmin * (float)(b[g] >> 4);
+        }
+        break;
+    }
+    case T_Q3_K: case T_Q6_K: {
+        const float d = f16(b + (t == T_Q3_K ? 108 : 208));
+        for (int s = 0; s < 8; s++) h->ws[s] = d;
+        for (int g = 0; g < 16; g++) {
+            h->sc[g] = t == T_Q3_K ? q3k_scale(b + 96, g) : (int8_t)b[192 + g];
+            h->mc[g] = -(float)toffset(t) * d * (float)h->sc[g];
+        }
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        const float d = f16(b), dmin = f16(b + 2);
+        for (int s = 0; s < 8; s++) {
+            int sc, m;
+            scale_min_k4(s, b + 4, &sc, &m);
+            h->ws[s] = d * (float)sc;
+            h->mc[s] = -dmin * (float)m;
+        }
+        break;
+    }
+    case T_IQ4_XS: {
+        deq_t p;
+        deq_params(t, b, &p);
+        for (int s = 0; s < 8; s++) h->ws[s] = p.a[2 * s];
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+#if defined(__AVX2__)
+/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type */
+AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int V = tvalues(t), B = tbytes(t), NS = V / 32;
+    const int64_t K = a->K, nsb = K / V, nb = K / 32;
+    __m256 acc[R], accm[R];
+    float accs[R];
+    for (int r = 0; r < R; r++) {
+        acc[r] = accm[r] = _mm256_setzero_ps();
+        accs[r] = 0.0f;
+    }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = w + sb * B;
+        hdr_t h;
+        dec_hdr(t, b, &h);
+        for (int s = 0; s < NS; s++) {
+            const int64_t j = sb * NS + s;
+            const __m256i u = dec_sub(t, b, s);
+            __m256i sc16 = _mm256_setzero_si256();
+            if (has_sc16(t)) sc16 = _mm256_set_m128i(_mm_set1_epi16(h.sc[2 * s + 1]), _mm_set1_epi16(h.sc[2 * s]));
+            for (int r = 0; r < R; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * K + j * 32));
+                const __m256i p = is_signed(t) ? dot_s(u, x) : has_sc16(t) ? dot_sc16(u, x, sc16) : dot_u(u, x);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(h.ws[s] * a->d[r * nb + j]), acc[r]);
+            }
+        }
+        if (is_signed(t)) continue;
+        for (int r = 0; r < R; r++) {
+            if (NS == 1) {
+                accs[r] += h.mc[0] * a->s32[r * nb + sb];
+            } else if (has_sc16(t)) {
+                const float *s16 = a->s16 + r * 2 * nb + sb * 16;
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(s16), accm[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc + 8), _mm256_loadu_ps(s16 + 8), accm[r]);
+            } else {
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(a->s32 + r * nb + sb * 8), accm[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = hsum256(_mm256_add_ps(acc[r], accm[r])) + accs[r];
+}
+#else
+AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int V = tvalues(t), B = tbytes(t), NS = V / 32;
+    const int64_t K = a->K, nsb = K / V, nb = K / 32;
+    float acc[RMAX] = {0};
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *b = w + sb * B;
+        hdr_t h;
+        dec_hdr(t, b, &h);
+        for (int s = 0; s < NS; s++) {
+            const int64_t j = sb * NS + s;
+            uint8_t u[32];
+            dec_sub_scalar(t, b, s, u);
+            for (int r = 0; r < R; r++) {
+                const int8_t *x = a->q + r * K + j * 32;
+                int32_t p0 = 0, p1 = 0;
+                for (int i = 0; i < 16; i++) {
+                    p0 += (is_signed(t) ? (int8_t)u[i] : u[i]) * x[i];
+                    p1 += (is_signed(t) ? (int8_t)u[i + 16] : u[i + 16]) * x[i + 16];
+                }
+                const int32_t p = has_sc16(t) ? p0 * h.sc[2 * s] + p1 * h.sc[2 * s + 1] : p0 + p1;
+                acc[r] += h.ws[s] * a->d[r * nb + j] * (float)p;
+                if (is_signed(t)) continue;
+                if (has_sc16(t)) {
+                    const float *s16 = a->s16 + r * 2 * nb + 2 * j;
+                    acc[r] += h.mc[2 * s] * s16[0] + h.mc[2 * s + 1] * s16[1];
+                } else {
+                    acc[r] += h.mc[NS == 1 ? 0 : s] * a->s32[r * nb + j];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = acc[r];
+}
+#endif
+
+/* float weight rows times the float activations */
+AI v8f load8_w(const int t, const uint8_t *w, int64_t k) {
+    if (t == T_F32) return load8((const float *)w + k);
+    if (t == T_BF16) return load8_bf16((const uint16_t *)w + k);
+#if defined(__F16C__)
+    return (v8f)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
+#else
+    v8f v;
+    for (int i = 0; i < 8; i++) v[i] = f16(w + 2 * (k + i));
+    return v;
+#endif
+}
+
+AI float load1_w(const int t, const uint8_t *w, int64_t k) {
+    if (t == T_F32) return ((const float *)w)[k];
+    if (t == T_BF16) return bf16_to_f32(((const uint16_t *)w)[k]);
+    return f16(w + 2 * k);
+}
+
+AI void dot_f(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int64_t K = a->K;
+    v8f acc[R];
+    for (int r = 0; r < R; r++) acc[r] = (v8f){0};
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        const v8f wv = load8_w(t, w, k);
+        for (int r = 0; r < R; r++) acc[r] += wv * load8(a->xf + r * K + k);
+    }
+    for (int r = 0; r < R; r++) {
+        float s = hsum8(acc[r]);
+        for (int64_t i = k; i < K; i++) s += load1_w(t, w, i) * a->xf[r * K + i];
+        res[r] = s;
+    }
+}
+
+typedef void (*dot_fn)(const uint8_t *w, const act_t *a, float *res);
+
+#define DOT_Q(T, NAME) \
+    static void NAME##_1(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 1, w, a, r); } \
+    static void NAME##_2(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 2, w, a, r); } \
+    static void NAME##_4(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 4, w, a, r); } \
+    static void NAME##_8(const uint8_t *w, const act_t *a, float *r) { dot_q(T, RMAX == 8 ? 8 : 1, w, a, r); }
+#define DOT_F(T, NAME) \
+    static void NAME##_1(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 1, w, a, r); } \
+    static void NAME##_2(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 2, w, a, r); } \
+    static void NAME##_4(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 4, w, a, r); } \
+    static void NAME##_8(const uint8_t *w, const act_t *a, float *r) { dot_f(T, RMAX == 8 ? 8 : 1, w, a, r); }
+
+DOT_F(T_F32, d_f32)
+DOT_F(T_F16, d_f16)
+DOT_F(T_BF16, d_bf16)
+DOT_Q(T_Q4_0, d_q4_0)
+DOT_Q(T_Q4_1, d_q4_1)
+DOT_Q(T_Q5_0, d_q5_0)
+DOT_Q(T_Q5_1, d_q5_1)
+DOT_Q(T_Q8_0, d_q8_0)
+DOT_Q(T_IQ4_NL, d_iq4_nl)
+DOT_Q(T_Q2_K, d_q2_k)
+DOT_Q(T_Q3_K, d_q3_k)
+DOT_Q(T_Q4_K, d_q4_k)
+DOT_Q(T_Q5_K, d_q5_k)
+DOT_Q(T_Q6_K, d_q6_k)
+DOT_Q(T_IQ4_XS, d_iq4_xs)
+
+#define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
+/* the kernel for `type` over R rows (R in 1, 2, 4, RMAX) */
+static dot_fn pick(int type, int R) {
+    switch (type) {
+    case T_F32: PICK(d_f32);
+    case T_F16: PICK(d_f16);
+    case T_BF16: PICK(d_bf16);
+    case T_Q4_0: PICK(d_q4_0);
+    case T_Q4_1: PICK(d_q4_1);
+    case T_Q5_0: PICK(d_q5_0);
+    case T_Q5_1: PICK(d_q5_1);
+    case T_Q8_0: PICK(d_q8_0);
+    case T_IQ4_NL: PICK(d_iq4_nl);
+    case T_Q2_K: PICK(d_q2_k);
+    case T_Q3_K: PICK(d_q3_k);
+    case T_Q4_K: PICK(d_q4_k);
+    case T_Q5_K: PICK(d_q5_k);
+    case T_Q6_K: PICK(d_q6_k);
+    case T_IQ4_XS: PICK(d_iq4_xs);
+    default: return NULL;
+    }
+}
+
+/* One row of x to int8 per 32 values (scale amax/127, round to nearest even), with the scaled sums. */
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32, float *s16) {
+    for (int64_t j = 0; j < K / 32; j++) {
+        const float *xb = x + j * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float dj = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum[2] = {0, 0};
+#if defined(__AVX2__)
+        for (int i = 0; i < 32; i += 8) {
+            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id));
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            int32_t tmp[8];
+            _mm256_storeu_si256((__m256i *)tmp, qi);
+            for (int l = 0; l < 8; l++) {
+                q[j * 32 + i + l] = (int8_t)tmp[l];
+                sum[i / 16] += tmp[l];
+            }
+        }
+#else
+        for (int i = 0; i < 32; i++) {
+            const int32_t v = (int32_t)nearbyintf(xb[i] * id);
+            q[j * 32 + i] = (int8_t)v;
+            sum[i / 16] += v;
+        }
+#endif
+        d[j] = dj;
+        s16[2 * j] = dj * (float)sum[0];
+        s16[2 * j + 1] = dj * (float)sum[1];
+        s32[j] = s16[2 * j] + s16[2 * j + 1];
+    }
+}
+
+/* the thread-local activation buffer (grown, never shrunk) */
+static __thread uint8_t *g_buf;
+static __thread size_t g_cap;
+
+static uint8_t *scratch(size_t n) {
+    if (n > g_cap) {
+        free(g_buf);
+        g_cap = (n + 4095) & ~(size_t)4095;
+        g_buf = aligned_alloc(64, g_cap);
+        if (g_buf == NULL) g_cap = 0;
+    }
+    return g_buf;
+}
+
+/* the first output column whose weight bytes start at or after `target` (columns weighted by their row bytes) */
+static int64_t column_at(const gg_part_t *parts, int nparts, int64_t K, double target) {
+    int64_t col = 0;
+    double before = 0.0;
+    for (int p = 0; p < nparts; p++) {
+        const double rb = (double)K / tvalues(parts[p].type) * tbytes(parts[p].type);
+        const double size = rb * (double)parts[p].rows;
+        if (target < before + size) {
+            int64_t c = (int64_t)ceil((target - before) / rb);
+            return col + (c < parts[p].rows ? c : parts[p].rows);
+        }
+        before += size;
+        col += parts[p].rows;
+    }
+    return col;
+}
+
+static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
+    double total = 0.0;
+    for (int p = 0; p < nparts; p++)
+        total += (double)K / tvalues(parts[p].type) * tbytes(parts[p].type) * (double)parts[p].rows;
+    return total;
+}
+
+/* output columns [n0, n1) for all M rows of x */
+static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t n1, const act_t *a, int64_t M,
+                        int64_t N, const float *bias, float *y) {
+    const int64_t K = a->K, nb = K / 32;
+    int64_t start = 0;
+    for (int p = 0; p < nparts; start += parts[p].rows, p++) {
+        const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
+        for (int64_t n = lo; n < hi; n++) {
+            const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
+            const float b = bias ? bias[n] : 0.0f;
+            for (int64_t m = 0; m < M;) {
+                const int64_t left = M - m;
+                const int R = left >= RMAX ? RMAX : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const act_t am = {a->q ? a->q + m * K : NULL, a->d ? a->d + m * nb : NULL,
+                                  a->s32 ? a->s32 + m * nb : NULL, a->s16 ? a->s16 + m * 2 * nb : NULL,
+                                  a->xf + m * K, K};
+                float res[RMAX];
+                pick(parts[p].type, R)(w, &am, res);
+                for (int r = 0; r < R; r++) y[(m + r) * N + n] = res[r] + b;
+                m += R;
+            }
+        }
+    }
+}
+
+void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
+               const float *bias, float *y, int num_threads) {
+    (void)N;
+    int quantized = 0;
+    for (int p = 0; p < nparts; p++) quantized |= !is_float(parts[p].type);
+    act_t a = {NULL, NULL, NULL, NULL, x, K};
+    const int64_t nb = K / 32;
+    if (quantized) {
+        uint8_t *buf = scratch((size_t)(M * K + 4 * M * nb * sizeof(float)) + 64);
+        if (buf == NULL) return;
+        float *f = (float *)buf;
+        a.d = f;
+        a.s32 = f + M * nb;
+        a.s16 = f + 2 * M * nb;
+        a.q = (const int8_t *)(f + 4 * M * nb);
+    }
+    const double total = total_bytes(parts, nparts, K);
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        if (quantized) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                quantize_row(x + m * K, K, (int8_t *)a.q + m * K, (float *)a.d + m * nb, (float *)a.s32 + m * nb,
+                             (float *)a.s16 + m * 2 * nb);
+        }
+        const int T = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t n0 = column_at(parts, nparts, K, total * t / T);
+        const int64_t n1 = t == T - 1 ? N : column_at(parts, nparts, K, total * (t + 1) / T);
+        run_columns(parts, nparts, n0, n1, &a, M, N, bias, y);
+    }
+}
+
+/* One row as float32 (out_bf16 = 0) or bfloat16, gguf-py's arithmetic exactly: a * (u - off), then + b
+ * where there is a min (no FMA contraction). */
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row(int t, const uint8_t *w, int64_t K, void *out, int out_bf16) {
+    float *of = out;
+    uint16_t *ob = out;
+    if (is_float(t)) {
+        for (int64_t k = 0; k < K; k++) {
+            const float v = load1_w(t, w, k);
+            if (out_bf16) ob[k] = f32_to_bf16(v); else of[k] = v;
+        }
+        return;
+    }
+    const int V = tvalues(t), B = tbytes(t), NS = V / 32, off = toffset(t);
+    for (int64_t sb = 0; sb < K / V; sb++) {
+        const uint8_t *b = w + sb * B;
+        deq_t p;
+        deq_params(t, b, &p);
+        for (int s = 0; s < NS; s++) {
+            uint8_t u[32];
+#if defined(__AVX2__)
+            _mm256_storeu_si256((__m256i *)u, dec_sub(t, b, s));
+#else
+            dec_sub_scalar(t, b, s, u);
+#endif
+            float f[32];
+            const int g0 = NS == 1 ? 0 : 2 * s;
+            for (int i = 0; i < 32; i++) {
+                const int g = g0 + i / 16, q = is_signed(t) ? (int8_t)u[i] : (int)u[i] - off;
+                const float v = p.a[g] * (float)q;
+                f[i] = v + p.b[g];
+            }
+            const int64_t o = sb * V + s * 32;
+            if (out_bf16) {
+                for (int i = 0; i < 32; i += 8) store8_bf16(ob + o + i, load8(f + i));
+            } else {
+                memcpy(of + o, f, sizeof f);
+            }
+        }
+    }
+}
+
+void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const int64_t *rows, int64_t R, int64_t K,
+                     void *out, int32_t out_bf16, int num_threads) {
+    const size_t esize = out_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (R * K > 65536)
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t src = rows ? rows[r] : r;
+        dequant_row(type, w + src * row_stride, K, (char *)out + (size_t)r * K * esize, out_bf16);
+    }
+}
+
+/* which integer path this build runs (the kernels report, tests) */
+const char *gg_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+    return "avx-vnni";
+#elif defined(__AVX2__)
+    return "avx2";
+#else
+    return "scalar";
+#endif
+}

@@ -1,0 +1,223 @@
+"""Linear layers on ggml's quantized blocks (a GGUF file's bytes as they are), through ggml.c.
+
+A weight [N, K] of one ggml type is a uint8 tensor [N, >= row_bytes] (rows possibly strided: a rank's slice of
+a memory-mapped file). A merged layer (q|k|v, gate|up) is a list of `Part`s, each in its own type; part i's
+outputs are the columns after those of parts < i. `bind(parts, K)` ties them to the kernels once per layer.
+
+Routing by rows of x (BlockLinear.__call__):
+- up to `max_rows` (decode, small batches): gg_linear, integer dot products on the blocks with the activations
+  quantized to int8 per 32 values (ggml.c says how). Its results for a row do not depend on the other rows,
+  so batch-invariant mode sends every row count here.
+- more (prefill): weight tiles of at most TILE_BYTES are dequantized (bfloat16 where the CPU has native bf16
+  dot products and x is 16-bit, else float32) into a reused buffer and multiplied with torch (oneDNN/MKL) into
+  the output's columns: no full-size float copy of the weight.
+MAX_ROWS is the measured crossover of the two (benchmarks/ggml_kernels.py --crossover; see its value).
+Without the C library (no compiler, TOKENMILL_CPU_KERNELS=0) the parts are dequantized with gguf-py and
+F.linear runs: correct, slow, logged once.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.config import cpu_has_native_bf16
+from tokenmill.layers import batch_invariant
+from tokenmill.layers.cpu_build import VEC_HEADER, load_library
+
+logger = logging.getLogger("tokenmill")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "ggml.c")
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = (
+    0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30)
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL",
+              IQ4_XS: "IQ4_XS", BF16: "BF16"}
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
+           Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18), Q2_K: (256, 84), Q3_K: (256, 110),
+           Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
+FLOAT_TYPES = (F32, F16, BF16)
+# Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM. Measured with
+# `python benchmarks/ggml_kernels.py --crossover` (2 threads, AMD EPYC with AVX512_VNNI/BF16, bf16 x for the
+# GEMM): see benchmarks/ggml_kernels.py's docstring for the numbers.
+MAX_ROWS = 32
+TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
+
+
+def block_size(type_id: int) -> tuple[int, int]:
+    """(values per block, bytes per block) of a ggml type."""
+    if type_id not in _BLOCKS:
+        raise ValueError(f"unsupported ggml type {type_id}")
+    return _BLOCKS[type_id]
+
+
+def row_bytes(type_id: int, K: int) -> int:
+    values, nbytes = block_size(type_id)
+    if K % values:
+        raise ValueError(f"K={K} is not a multiple of {TYPE_NAMES[type_id]}'s {values}-value blocks")
+    return K // values * nbytes
+
+
+class _CPart(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int32), ("pad", ctypes.c_int32), ("rows", ctypes.c_int64),
+                ("row_stride", ctypes.c_int64), ("w", ctypes.c_void_p)]
+
+
+def typed(lib):
+    """Declare the library's signatures (once per loaded library)."""
+    if lib is not None and not getattr(lib, "_typed", False):
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        lib.gg_linear.argtypes = [vp, i64, vp, i32, i64, i64, vp, vp, i32]
+        lib.gg_dequant_rows.argtypes = [i32, vp, i64, vp, i64, i64, vp, i32, i32]
+        lib.gg_linear.restype = lib.gg_dequant_rows.restype = None
+        lib.gg_isa.argtypes, lib.gg_isa.restype = [], ctypes.c_char_p
+        lib._typed = True
+    return lib
+
+
+def load():
+    """The ctypes library (or None where it cannot be built)."""
+    return typed(load_library("ggml", [SOURCE, VEC_HEADER]))
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def isa(lib=None) -> str:
+    """The integer path the library runs: avx512-vnni, avx-vnni, avx2 or scalar ("torch" without it)."""
+    lib = lib or load()
+    return lib.gg_isa().decode() if lib is not None else "torch"
+
+
+class Part(NamedTuple):
+    """One type's rows of a (merged) weight: data uint8 [rows, >= row_bytes], row stride data.stride(0)."""
+    type: int
+    data: torch.Tensor
+
+
+def _check(part: Part, K: int) -> None:
+    d = part.data
+    if d.dtype != torch.uint8 or d.dim() != 2 or (d.shape[0] > 1 and d.stride(1) != 1):
+        raise ValueError(f"a ggml part must be a uint8 [rows, bytes] tensor with contiguous rows, not "
+                         f"{d.dtype} {tuple(d.shape)} strides {d.stride()}")
+    if d.shape[1] < row_bytes(part.type, K):
+        raise ValueError(f"{TYPE_NAMES[part.type]} rows of {d.shape[1]} bytes are too short for K={K}")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+def _reference_dequantize(part: Part, K: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """gguf-py's dequantization (the torch path without the C library)."""
+    import gguf.quants
+
+    data = part.data if rows is None else part.data[rows.long()]
+    raw = data[:, :row_bytes(part.type, K)].contiguous().numpy()
+    out = gguf.quants.dequantize(raw, part.type)
+    return torch.from_numpy(out.reshape(data.shape[0], K).astype("float32"))
+
+
+def dequantize(part: Part, K: int, rows: Optional[torch.Tensor] = None, dtype=torch.float32,
+               lib=None) -> torch.Tensor:
+    """The rows (all, or those listed) of a part as float [R, K] in dtype."""
+    _check(part, K)
+    lib = lib or load()
+    if lib is None:
+        _warn_once("ggml kernels unavailable: dequantizing GGUF blocks with gguf-py (slow)")
+        return _reference_dequantize(part, K, rows).to(dtype)
+    idx = None if rows is None else rows.to(torch.int64).contiguous()
+    R = part.data.shape[0] if idx is None else idx.numel()
+    if idx is not None and R and (int(idx.min()) < 0 or int(idx.max()) >= part.data.shape[0]):
+        raise IndexError(f"row index out of range for a part of {part.data.shape[0]} rows")
+    bf16 = dtype == torch.bfloat16
+    out = torch.empty(R, K, dtype=torch.bfloat16 if bf16 else torch.float32)
+    lib.gg_dequant_rows(part.type, part.data.data_ptr(), part.data.stride(0),
+                        None if idx is None else idx.data_ptr(), R, K, out.data_ptr(), int(bf16),
+                        torch.get_num_threads())
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+_tiles = threading.local()  # the prefill route's dequantized-tile buffer, per thread, grown and reused
+
+
+def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_tiles, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        _tiles.buf = buf
+    return buf
+
+
+class BlockLinear:
+    """y = x @ W^T (+ bias) over ggml parts; built once per layer by `bind`. max_rows: the most rows of x the
+    integer kernel serves (the one-call decoder stack reads it); c_parts: the gg_part_t array it passes."""
+
+    def __init__(self, parts: list[Part], K: int, lib=None, max_rows: int = MAX_ROWS) -> None:
+        for p in parts:
+            _check(p, K)
+        self.parts, self.K = list(parts), K
+        self.N = sum(p.data.shape[0] for p in parts)
+        self.max_rows = max_rows
+        self.lib = lib or load()
+        self.c_parts = (_CPart * len(parts))(*[
+            _CPart(p.type, 0, p.data.shape[0], p.data.stride(0), p.data.data_ptr()) for p in parts])
+        self._addr = ctypes.addressof(self.c_parts)
+        self._tile_bf16 = cpu_has_native_bf16()
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        K, N = self.K, self.N
+        rows = x.numel() // K
+        if self.lib is None:
+            return self._torch(x, bias)
+        if rows > self.max_rows and not batch_invariant.enabled():
+            return self._tiled(x, bias)
+        x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        b = bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
+        y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+        self.lib.gg_linear(x2.data_ptr(), rows, self._addr, len(self.parts), N, K,
+                           None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _tiled(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Prefill rows: dequantized weight tiles times x with torch's GEMM, tile by tile into y's columns."""
+        K, N = self.K, self.N
+        bf16 = self._tile_bf16 and x.dtype in (torch.bfloat16, torch.float16)
+        dt = torch.bfloat16 if bf16 else torch.float32
+        x2 = x.reshape(-1, K).to(dt).contiguous()
+        y = torch.empty(x2.shape[0], N, dtype=dt)
+        step = max(1, TILE_BYTES // (K * x2.element_size()))
+        buf = _tile_buffer(min(step, max(p.data.shape[0] for p in self.parts)) * K, dt)
+        col, nt = 0, torch.get_num_threads()
+        for p in self.parts:
+            rows, stride, ptr = p.data.shape[0], p.data.stride(0), p.data.data_ptr()
+            for r0 in range(0, rows, step):
+                n = min(step, rows - r0)
+                w = buf[:n * K].view(n, K)
+                self.lib.gg_dequant_rows(p.type, ptr + r0 * stride, stride, None, n, K, w.data_ptr(), int(bf16), nt)
+                torch.mm(x2, w.t(), out=y[:, col + r0:col + r0 + n])
+            col += rows
+        if bias is not None:
+            y += bias.to(dt)
+        return y.reshape(*x.shape[:-1], N).to(x.dtype)
+
+    def _torch(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        _warn_once("ggml kernels unavailable: GGUF block layers run as dequantized float weights (slow)")
+        w = torch.cat([_reference_dequantize(p, self.K, None) for p in self.parts])
+        return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+
+def bind(parts: list[Part], K: int, lib=None) -> BlockLinear:
+    """The bound linear over these parts (their tensors must outlive it: it keeps them)."""
+    return BlockLinear(parts, K, lib)
