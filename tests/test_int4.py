@@ -4,11 +4,14 @@ checkpoints.
 Each checkpoint is built here from random int4 values packed with numpy in that format's layout (as AutoAWQ,
 AutoGPTQ and compressed-tensors write them), with the config.json quantization_config those tools write. A
 small independent unpacker reads the files back into the reference weights scale * (q - zero), which are also
-saved as a plain float checkpoint. Checked: (a) each layer's blocks dequantize to the reference within the
+saved as a plain float checkpoint (the int4 values are the float model's round-to-nearest ones, jittered, so
+the model stays a sensible one). Checked: (a) each layer's blocks dequantize to the reference within the
 bound the repacking allows (m = fp16(-scale * zero): 2^-11 of |scale * zero|, awq_gptq.py's docstring), and d
 is fp16(scale) exactly; (b) the quantized checkpoint's greedy tokens follow the float reference's on at least
-90% of positions and its teacher-forced top-1 agreement is >= 95% (decode rows run the integer kernel, whose
-activations are rounded to 8 bits per 32-block: equality is not guaranteed); (c) bad checkpoints are one-line
+90% of positions (4 prompts x 12 tokens; one early divergence may cost several), and teacher-forced over 256
+tokens in windows of 32 rows (so every matmul runs the integer kernel) top-1 agreement is >= 95%, KL < 1e-3
+nats and perplexity within 1% (the kernel rounds activations to 8 bits per 32 values, so equality is not
+guaranteed; measured here: top-1 96.8-100%, KL ~2.6e-5, perplexity within 0.05%); (c) bad checkpoints are one-line
 ValueErrors.
 """
 from __future__ import annotations
@@ -20,48 +23,6 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-
-
-def _ggml_stand_in():
-    """TEMPORARY, until tokenmill/layers/quantization/ggml.py lands: the API file's Part/bind/dequantize over
-    gguf.quants.dequantize and float matmuls (no 8-bit activation rounding)."""
-    import sys
-    import types
-    from typing import NamedTuple
-
-    import gguf.quants
-
-    import tokenmill.layers.quantization as pkg
-
-    class Part(NamedTuple):
-        type: int
-        data: torch.Tensor
-
-    def dequantize(part, K, rows=None, dtype=torch.float32):
-        data = part.data if rows is None else part.data[rows]
-        w = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(part.type))
-        return torch.from_numpy(np.ascontiguousarray(w.reshape(data.shape[0], K))).to(dtype)
-
-    class BlockLinear:
-        def __init__(self, parts, K):
-            self.parts, self.K = parts, K
-            self.w = torch.cat([dequantize(p, K) for p in parts])
-            self.N = self.w.shape[0]
-
-        def __call__(self, x, bias):
-            return torch.nn.functional.linear(x.float(), self.w, None if bias is None else bias.float()).to(x.dtype)
-
-    mod = types.ModuleType("tokenmill.layers.quantization.ggml")
-    mod.Part, mod.dequantize, mod.BlockLinear, mod.bind = Part, dequantize, BlockLinear, BlockLinear
-    mod.available = lambda: False
-    sys.modules[mod.__name__] = mod
-    pkg.ggml = mod
-
-
-try:
-    from tokenmill.layers.quantization import ggml  # noqa: F401
-except ImportError:
-    _ggml_stand_in()
 
 HIDDEN, INTER, LAYERS = 128, 256, 2  # every K (128, 256) divides by groups of 32, 64 and 128
 PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -167,6 +128,25 @@ WRITE = {"awq": _write_awq, "gptq": _write_gptq, "ct": _write_ct}
 READ = {"awq": _read_awq, "gptq": _read_gptq, "ct": _read_ct}
 
 
+def _rtn(w, g, sym, rng, zeros):
+    """Round-to-nearest int4 of a float weight [N, K] per group of g (so the model stays a sensible one), its
+    scales jittered by up to 10% and some q moved by one (so nothing depends on round-to-nearest): q uint8
+    [N, K], scale fp16 and zero uint8 [N, K/g]. zeros: the zero range the format can hold (GPTQ: 1..16)."""
+    N, K = w.shape
+    x = w.reshape(N, K // g, g)
+    if sym:
+        s = np.abs(x).max(-1) / 7.5
+        z = np.full(s.shape, 8.0)
+    else:
+        lo, hi = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+        s = (hi - lo) / 15
+        z = np.clip(np.round(-lo / s), *zeros)
+    s = (s * rng.uniform(0.9, 1.1, s.shape)).astype(np.float16)
+    q = np.round(x / s.astype(np.float32)[..., None] + z[..., None]) + rng.integers(-1, 2, x.shape) * (
+        rng.random(x.shape) < 0.1)
+    return np.clip(q, 0, 15).astype(np.uint8).reshape(N, K), s, z.astype(np.uint8)
+
+
 def _copy_dir(src, dst):
     import shutil
 
@@ -186,11 +166,7 @@ def _build(base, root, fmt, g, sym=False, seed=0, mutate=None):
         for p in PROJ:
             name = f"model.layers.{layer}.{p}"
             N, K = floats[f"{name}.weight"].shape
-            amax = float(floats[f"{name}.weight"].abs().max())
-            q = rng.integers(0, 16, (N, K), dtype=np.uint8)
-            s = (rng.uniform(0.5, 1.0, (N, K // g)) * amax / 8).astype(np.float16)
-            z = np.full((N, K // g), 8, np.uint8) if sym else rng.integers(0, 16, (N, K // g), dtype=np.uint8)
-            z = z + 1 if fmt == "gptq" and not sym else z  # GPTQ's format cannot hold zero 0, and can hold 16
+            q, s, z = _rtn(floats[f"{name}.weight"].numpy(), g, sym, rng, (1, 16) if fmt == "gptq" else (0, 15))
             t = {}
             WRITE[fmt](t, q, s, z, g, sym)
             rq, rs, rz = READ[fmt](t, g)  # the independent unpacker: what the files stand for
@@ -275,10 +251,11 @@ def test_greedy_tokens_follow_the_float_reference(base, tmp_path, fmt):
     qdir, fdir, _ = _build(base, str(tmp_path), fmt, 128 if fmt != "ct" else 32, seed=1)
     agree = _agreement(_greedy(qdir, PROMPTS), _greedy(fdir, PROMPTS))
     assert agree >= 0.9, agree
-    ref, quant = evaluate(fdir, [qdir], max_tokens=200, window=100, quantize_lm_head="no")
+    # teacher-forced, windows of 32 rows: every matmul runs the integer kernel (ggml.MAX_ROWS)
+    ref, quant = evaluate(fdir, [qdir], max_tokens=256, window=32, quantize_lm_head="no")
     d = quant.as_dict(ref)
     assert d["quantization"] == ("compressed-tensors" if fmt == "ct" else fmt)
-    assert d["top1_agreement"] >= 0.95 and abs(d["perplexity_change"]) < 0.01, d
+    assert d["top1_agreement"] >= 0.95 and d["kl_divergence"] < 1e-3 and abs(d["perplexity_change"]) < 0.01, d
 
 
 def test_online_int4_blocks_and_greedy_tokens(base):
