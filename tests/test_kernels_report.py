@@ -81,8 +81,8 @@ def test_disabled_kernels_fallback_is_logged_and_required(tiny, caplog, monkeypa
         k = _kernels(_engine(tiny))
     assert (k["attention"], k["linear"], k["norm_act_rope"]) == ("sdpa-gathered", "torch", "torch")
     assert k["decoder_stack"].startswith("off: C kernel libraries unavailable")
-    # every library is loaded up front at start-up (the ledger's "kernels" phase), qlinear included
-    assert k["fallbacks"][0] == ("C kernel libraries cpu_fused, decoder_stack, paged_attention, qlinear, "
+    # every library is loaded up front at start-up (the ledger's "kernels" phase), qlinear and ggml included
+    assert k["fallbacks"][0] == ("C kernel libraries cpu_fused, decoder_stack, ggml, paged_attention, qlinear, "
                                  "skinny_linear unavailable: disabled by TOKENMILL_CPU_KERNELS=0")
     assert len(_fallback_warnings(caplog)) == len(k["fallbacks"]) == 2
     monkeypatch.setenv("TOKENMILL_REQUIRE_KERNELS", "1")

@@ -123,7 +123,7 @@ def _eval_quality(args: argparse.Namespace) -> int:
 
     spec = args.quantization
     if spec is None and _is_quantized_gguf(args.model):  # measure what serving it would run
-        spec = "gguf"
+        spec = "gguf,gguf-decode"
     results = evaluate(args.model, list(iter_quantizations(spec)), args.dataset,
                        kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype, max_tokens=args.max_tokens,
                        window=args.window, device=args.device, quantize_lm_head=args.quantize_lm_head)

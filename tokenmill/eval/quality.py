@@ -8,7 +8,10 @@ KL divergence KL(reference || quantized) in nats per token. All compared models 
 
 For a GGUF model the reference is its dequantized float weights (`--gguf-weights dequantize`), the variant
 named `gguf` is the file's own blocks as the engine serves them by default (`--gguf-weights native`; measured
-by default when no --quantization is given), and online methods quantize the dequantized weights.
+by default when no --quantization is given), and online methods quantize the dequantized weights. A window is
+one prefill, and the blocks' prefill path multiplies dequantized weight tiles (exact in float32), so
+`gguf-decode` scores the same blocks with every position through the decode kernel (int8 activations per
+32 values: batch-invariant mode sends every row count there), which is what generated tokens go through.
 
 Online quantization leaves the LM head in the model dtype unless `--quantize-lm-head`; `quantize_lm_head`
 ("no", "yes" or "both"; the CLI defaults to both) picks which of the two each quantization is measured with.
@@ -29,9 +32,11 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from tokenmill.layers import batch_invariant
+
 logger = logging.getLogger("tokenmill")
 
-GGUF_VARIANT = "gguf"  # a GGUF's own blocks (--gguf-weights native), as a "quantization" to measure
+GGUF_VARIANT, GGUF_DECODE = "gguf", "gguf-decode"  # a GGUF's own blocks (--gguf-weights native) as variants
 LM_HEAD_CHOICES = ("no", "yes", "both")  # evaluate(quantize_lm_head=); spelled out in cli.py too (no torch there)
 
 
@@ -72,9 +77,10 @@ def _windows(ids: list[int], window: int) -> list[list[int]]:
 class _Scorer:
     """Runs whole sequences through a worker's model as single prefills and returns log-probs [L, V]."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, decode_kernels: bool = False) -> None:
         from tokenmill.worker.worker import Worker
 
+        self.decode_kernels = decode_kernels  # score through the decode kernels (see the module doc)
         self.worker = Worker(config)
         self.block_size = config.cache.block_size
         self.max_len = config.model.max_model_len
@@ -89,8 +95,12 @@ class _Scorer:
         input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), table,
                                         self.block_size, self.worker.model.embed_tokens.weight.device)
         model = self.worker.model
-        hidden = model(input_ids, meta, self.worker.runner.kv_caches)
-        return model.compute_logits(hidden).float().log_softmax(-1).cpu()
+        batch_invariant.enable(self.decode_kernels)
+        try:
+            hidden = model(input_ids, meta, self.worker.runner.kv_caches)
+            return model.compute_logits(hidden).float().log_softmax(-1).cpu()
+        finally:
+            batch_invariant.enable(False)
 
     def weight_bytes(self) -> int:
         from tokenmill.layers.quantization.gguf_blocks import block_bytes
@@ -107,7 +117,7 @@ def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: s
             device: str, quantize_lm_head: bool = False):
     from tokenmill.config import EngineConfig
 
-    native = quantization == GGUF_VARIANT  # any other variant of a GGUF starts from its float weights
+    native = quantization in (GGUF_VARIANT, GGUF_DECODE)  # other variants of a GGUF start from its floats
     return EngineConfig.from_kwargs(model=model, quantization=None if native else quantization,
                                     quantize_lm_head=quantize_lm_head, kv_cache_dtype=kv_cache_dtype,
                                     gguf_weights="native" if native else "dequantize",
@@ -152,7 +162,7 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
             cfg = _config(q, None, kv_cache_dtype, dtype, window, device)
             configs.append((f"{cfg.model.quantization or 'float'} ({os.path.basename(os.path.normpath(q))})", cfg))
             continue
-        for head in heads if q and q != GGUF_VARIANT else (False,):  # no head variant: none, or the file's own
+        for head in heads if q not in (None, GGUF_VARIANT, GGUF_DECODE) else (False,):  # none, or the file's own
             name = "+".join(x for x in (q, "lm_head" if head else None,
                                         None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
             configs.append((name or "reference (again)",
@@ -161,7 +171,7 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
     for i, (name, cfg) in enumerate(configs):
         logger.info("quality: loading model %d/%d: %s%s", i + 1, len(configs), name,
                     f" (quantizing the weights to {cfg.model.quantization})" if cfg.model.quantization else "")
-        scorer = _Scorer(cfg)
+        scorer = _Scorer(cfg, decode_kernels=name == GGUF_DECODE)
         scorers.append(scorer)
         results.append(QualityResult(name, cfg.model.quantization, cfg.cache.kv_cache_dtype,
                                      cfg.model.quantize_lm_head, weight_bytes=scorer.weight_bytes()))
@@ -206,7 +216,7 @@ def format_table(results: list[QualityResult]) -> str:
 
 def iter_quantizations(spec: Optional[str]) -> Iterator[Optional[str]]:
     """'int8,fp8' -> int8, fp8; 'none' stands for the unquantized weights (e.g. to measure a KV dtype alone),
-    'gguf' for a GGUF's own blocks."""
+    'gguf' / 'gguf-decode' for a GGUF's own blocks."""
     for part in (spec or "none").split(","):
         part = part.strip()
         yield None if part in ("", "none") else part

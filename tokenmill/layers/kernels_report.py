@@ -30,18 +30,19 @@ UNPACKED = "unpacked-skinny-c/torch"  # a panel kernel exists but the packing bu
 def load_all_libraries() -> dict[str, str]:
     """Build and load every C kernel library (what an install must be able to do): name -> status."""
     from tokenmill.layers.attention import cpu_kernels
-    from tokenmill.layers.quantization import kernels
+    from tokenmill.layers.quantization import ggml, kernels
     from tokenmill.models import cpu_stack
 
-    loaders = (cpu_fused.available, cpu_linear.available, cpu_kernels.load, kernels.load, cpu_stack.available)
+    loaders = (cpu_fused.available, cpu_linear.available, cpu_kernels.load, kernels.load, ggml.load,
+               cpu_stack.available)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one compiler process per library, side by side
         list(pool.map(lambda load: load(), loaders))
     return cpu_build.library_status()
 
 
 def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
-    """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "libraries", "fallbacks"} for
-    this engine."""
+    """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "block_types", "libraries",
+    "fallbacks"} for this engine (block_types: each ggml type of its block weights -> the kernel running it)."""
     from tokenmill.models import cpu_stack
 
     dtype = model.dtype  # (a later pipeline stage has no embedding)
@@ -53,7 +54,8 @@ def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
                else "sdpa-bidirectional",
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
-               "decoder_stack": stack, "libraries": libraries, "fallbacks": fallbacks}
+               "decoder_stack": stack, "block_types": _block_types(model, fallbacks), "libraries": libraries,
+               "fallbacks": fallbacks}
     if stack_fallback is not None:
         fallbacks.append(f"decoder stack off: {stack_fallback}")
     return kernels
@@ -108,8 +110,42 @@ def _matmul_plan(model) -> dict[str, str]:
     return matmul_plan.describe(plans) if plans else {}
 
 
+def _block_linears(model) -> list:
+    """The bound ggml.BlockLinears of the model's block layers (a GGUF's, int4) and MoE experts."""
+    found = []
+    for m in model.modules():
+        method = getattr(m, "quant_method", None)
+        found += [getattr(method, "block_linear", None)] + list(getattr(method, "w13", None) or []) + \
+            list(getattr(method, "w2", None) or [])
+    return [b for b in found if b is not None and hasattr(b, "parts")]
+
+
+def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
+    """ggml type name -> its kernel, e.g. "avx512-vnni int8 dot (1-32 rows); bf16 tiles + torch GEMM (more)"."""
+    from tokenmill.config import cpu_has_native_bf16
+    from tokenmill.layers.quantization import ggml
+
+    linears = _block_linears(model)
+    if not linears:
+        return {}
+    types = sorted({p.type for b in linears for p in b.parts})
+    isa, rows = ggml.isa(), min(b.max_rows for b in linears)
+    if isa == "torch":
+        fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
+        return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
+    tiles = "bf16" if cpu_has_native_bf16() else "f32"
+    return {ggml.TYPE_NAMES[t]: (f"float dot (1-{rows} rows)" if t in ggml.FLOAT_TYPES else
+                                 f"{isa} int8 dot (1-{rows} rows)") + f"; {tiles} tiles + torch GEMM (more)"
+            for t in types}
+
+
 def _linear_path(layer) -> str:
     method, weight = layer.quant_method, layer.weight
+    blocks = getattr(method, "block_linear", None)
+    if blocks is not None:  # ggml blocks: a GGUF's own, or int4
+        from tokenmill.layers.quantization import ggml
+
+        return "ggml-" + "+".join(sorted({ggml.TYPE_NAMES[p.type] for p in blocks.parts}))
     if hasattr(method, "fmt"):  # quantization/base.py PackedLinearMethod
         if getattr(method, "run", None) is None or weight.device.type != "cpu":
             return "torch-dequant"
@@ -152,6 +188,8 @@ def announce(kernels: dict) -> None:
                 kernels["linear"], kernels["norm_act_rope"], kernels["decoder_stack"])
     for rows, path in kernels.get("matmul_plan", {}).items():
         logger.info("matmul plan, %s: %s", rows, path)
+    for type_name, kernel in kernels.get("block_types", {}).items():
+        logger.info("ggml %s weights: %s", type_name, kernel)
     if fallbacks and require_kernels():
         raise RuntimeError(f"{REQUIRE_ENV}=1 but the engine would run slow paths: {'; '.join(fallbacks)}")
     for fallback in fallbacks:
