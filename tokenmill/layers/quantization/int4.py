@@ -94,6 +94,9 @@ class Q4BlockMethod:
         self.block_linear: Optional[ggml.BlockLinear] = None  # bound once the blocks are final
 
     def _install(self, layer: nn.Module, blocks: torch.Tensor) -> None:
+        if blocks.device.type != "cpu":
+            raise ValueError("int4 weights (ggml Q4_1 blocks) run on the CPU block kernels only; use --device cpu, "
+                             "or int8/fp8 on CUDA")
         layer.weight = nn.Parameter(blocks.contiguous(), requires_grad=False)
         if hasattr(layer, "packed_weight"):
             del layer.packed_weight
