@@ -365,15 +365,21 @@ AI float hsum256(__m256 v) {
 }
 #endif
 
-/* Quantized activations of M rows (row r's values at q + r*K, scales at d + r*K/32, ...). */
+/* Quantized activations of M rows, one record per row at base + r * stride: int8 q[K], then float d[K/32] (the
+ * 32-block scales dx), s32[K/32] (dx * sum of the block's q) and s16[K/16] (dx * sum of each 16-value half's
+ * q). The stride is padded off multiples of 4 KiB: rows 4 KiB apart share L1 sets and evict each other. */
 typedef struct {
-    const int8_t *q;   /* int8 [M, K] */
-    const float *d;    /* [M, K/32]: the 32-block scales dx */
-    const float *s32;  /* [M, K/32]: dx * sum of the block's q */
-    const float *s16;  /* [M, K/16]: dx * sum of each 16-value half's q */
-    const float *xf;   /* the float activations [M, K] (float weight types) */
+    const uint8_t *base;
+    int64_t stride;
+    const float *xf; /* the float activations [M, K] (float weight types) */
     int64_t K;
 } act_t;
+
+static inline int64_t act_stride(int64_t K) { return ((K + 16 * (K / 32) + 63) & ~(int64_t)63) + 64; }
+AI const int8_t *act_q(const act_t *a, int r) { return (const int8_t *)(a->base + r * a->stride); }
+AI const float *act_d(const act_t *a, int r) { return (const float *)(a->base + r * a->stride + a->K); }
+AI const float *act_s32(const act_t *a, int r) { return act_d(a, r) + a->K / 32; }
+AI const float *act_s16(const act_t *a, int r) { return act_d(a, r) + 2 * (a->K / 32); }
 
 /* Per-sub-block terms of a (super-)block for the integer dot: ws[s] (times dx times the integer dot), the
  * per-16 integer scales sc[g] (Q2_K/Q3_K/Q6_K) and mc[g] (times dx * sum of the 16 activations); 32-scale
@@ -433,50 +439,87 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
 }
 
 #if defined(__AVX2__)
-/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type */
-AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
-    const int V = tvalues(t), B = tbytes(t), NS = V / 32;
-    const int64_t K = a->K, nsb = K / V, nb = K / 32;
-    __m256 acc[R], accm[R];
-    float accs[R];
-    for (int r = 0; r < R; r++) {
-        acc[r] = accm[r] = _mm256_setzero_ps();
-        accs[r] = 0.0f;
+/* A 256-value step of a weight row: one K-quant super-block, or eight 32-value blocks (a "virtual" super-block,
+ * so that all types share one loop and the offset/min terms of 8 blocks take one vector FMA). */
+AI void step_hdr(const int t, const uint8_t *w, int64_t sb, hdr_t *h) {
+    if (tvalues(t) == 256) {
+        dec_hdr(t, w + sb * tbytes(t), h);
+        return;
     }
+    for (int g = 0; g < 8; g++) {
+        hdr_t one;
+        dec_hdr(t, w + (sb * 8 + g) * tbytes(t), &one);
+        h->ws[g] = one.ws[0];
+        h->mc[g] = one.mc[0];
+    }
+}
+
+AI __m256i step_sub(const int t, const uint8_t *w, int64_t sb, int s) {
+    return tvalues(t) == 256 ? dec_sub(t, w + sb * tbytes(t), s) : dec_sub(t, w + (sb * 8 + s) * tbytes(t), 0);
+}
+
+AI __m256i dot_any(const int t, __m256i u, __m256i x, const hdr_t *h, int s) {
+    if (is_signed(t)) return dot_s(u, x);
+    if (!has_sc16(t)) return dot_u(u, x);
+    return dot_sc16(u, x, _mm256_set_m128i(_mm_set1_epi16(h->sc[2 * s + 1]), _mm_set1_epi16(h->sc[2 * s])));
+}
+
+/* acc[r] += the integer dot of sub-block s with x rows r < R, times the scales */
+AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, const hdr_t *h, const act_t *a,
+                __m256 *acc) {
+    const int64_t j = sb * 8 + s;
+    const __m256i u = step_sub(t, w, sb, s);
+    for (int r = 0; r < R; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
+        const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, h, s));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(h->ws[s] * act_d(a, r)[j]), acc[r]);
+    }
+}
+
+/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type. Two accumulators per row (even and
+ * odd sub-blocks; the loop is unrolled so that they stay in registers): one FMA chain would wait its 4-cycle
+ * latency at every sub-block. */
+AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int64_t K = a->K, nsb = K / 256;
+    __m256 acc0[RMAX], acc1[RMAX], accm[RMAX]; /* fixed sizes: a [R] array would be a VLA, kept in memory */
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = accm[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = w + sb * B;
         hdr_t h;
-        dec_hdr(t, b, &h);
-        for (int s = 0; s < NS; s++) {
-            const int64_t j = sb * NS + s;
-            const __m256i u = dec_sub(t, b, s);
-            __m256i sc16 = _mm256_setzero_si256();
-            if (has_sc16(t)) sc16 = _mm256_set_m128i(_mm_set1_epi16(h.sc[2 * s + 1]), _mm_set1_epi16(h.sc[2 * s]));
-            for (int r = 0; r < R; r++) {
-                const __m256i x = _mm256_loadu_si256((const __m256i *)(a->q + r * K + j * 32));
-                const __m256i p = is_signed(t) ? dot_s(u, x) : has_sc16(t) ? dot_sc16(u, x, sc16) : dot_u(u, x);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(h.ws[s] * a->d[r * nb + j]), acc[r]);
-            }
+        step_hdr(t, w, sb, &h);
+        for (int s = 0; s < 8; s += 2) {
+            sub_dot(t, R, w, sb, s, &h, a, acc0);
+            sub_dot(t, R, w, sb, s + 1, &h, a, acc1);
         }
         if (is_signed(t)) continue;
         for (int r = 0; r < R; r++) {
-            if (NS == 1) {
-                accs[r] += h.mc[0] * a->s32[r * nb + sb];
-            } else if (has_sc16(t)) {
-                const float *s16 = a->s16 + r * 2 * nb + sb * 16;
+            if (has_sc16(t)) {
+                const float *s16 = act_s16(a, r) + sb * 16;
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(s16), accm[r]);
                 accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc + 8), _mm256_loadu_ps(s16 + 8), accm[r]);
             } else {
-                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(a->s32 + r * nb + sb * 8), accm[r]);
+                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(act_s32(a, r) + sb * 8), accm[r]);
             }
         }
     }
-    for (int r = 0; r < R; r++) res[r] = hsum256(_mm256_add_ps(acc[r], accm[r])) + accs[r];
+    float tail[RMAX] = {0};
+    for (int64_t j = nsb * 8; j < K / 32; j++) { /* 32-value blocks past the last 256 (K % 256 != 0) */
+        hdr_t h;
+        dec_hdr(t, w + j * tbytes(t), &h);
+        const __m256i u = dec_sub(t, w + j * tbytes(t), 0);
+        for (int r = 0; r < R; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
+            const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, &h, 0));
+            acc0[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(h.ws[0] * act_d(a, r)[j]), acc0[r]);
+            if (!is_signed(t)) tail[r] += h.mc[0] * act_s32(a, r)[j];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        res[r] = hsum256(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), accm[r])) + tail[r];
 }
 #else
 AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
     const int V = tvalues(t), B = tbytes(t), NS = V / 32;
-    const int64_t K = a->K, nsb = K / V, nb = K / 32;
+    const int64_t K = a->K, nsb = K / V;
     float acc[RMAX] = {0};
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * B;
@@ -487,20 +530,20 @@ AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float 
             uint8_t u[32];
             dec_sub_scalar(t, b, s, u);
             for (int r = 0; r < R; r++) {
-                const int8_t *x = a->q + r * K + j * 32;
+                const int8_t *x = act_q(a, r) + j * 32;
                 int32_t p0 = 0, p1 = 0;
                 for (int i = 0; i < 16; i++) {
                     p0 += (is_signed(t) ? (int8_t)u[i] : u[i]) * x[i];
                     p1 += (is_signed(t) ? (int8_t)u[i + 16] : u[i + 16]) * x[i + 16];
                 }
                 const int32_t p = has_sc16(t) ? p0 * h.sc[2 * s] + p1 * h.sc[2 * s + 1] : p0 + p1;
-                acc[r] += h.ws[s] * a->d[r * nb + j] * (float)p;
+                acc[r] += h.ws[s] * act_d(a, r)[j] * (float)p;
                 if (is_signed(t)) continue;
                 if (has_sc16(t)) {
-                    const float *s16 = a->s16 + r * 2 * nb + 2 * j;
+                    const float *s16 = act_s16(a, r) + 2 * j;
                     acc[r] += h.mc[2 * s] * s16[0] + h.mc[2 * s + 1] * s16[1];
                 } else {
-                    acc[r] += h.mc[NS == 1 ? 0 : s] * a->s32[r * nb + j];
+                    acc[r] += h.mc[NS == 1 ? 0 : s] * act_s32(a, r)[j];
                 }
             }
         }
@@ -528,18 +571,36 @@ AI float load1_w(const int t, const uint8_t *w, int64_t k) {
     return f16(w + 2 * k);
 }
 
+/* explicit FMA or none: left to -ffp-contract, GCC fuses a*b+c in some instantiations (row counts) and not
+ * others, and a row's result would depend on how many rows share the call */
+AI v8f fma8(v8f a, v8f b, v8f c) {
+#if defined(__FMA__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c; /* no FMA instruction: nothing to contract into */
+#endif
+}
+
+AI float fma1(float a, float b, float c) {
+#if defined(__FMA__)
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
 AI void dot_f(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
     const int64_t K = a->K;
-    v8f acc[R];
+    v8f acc[RMAX];
     for (int r = 0; r < R; r++) acc[r] = (v8f){0};
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         const v8f wv = load8_w(t, w, k);
-        for (int r = 0; r < R; r++) acc[r] += wv * load8(a->xf + r * K + k);
+        for (int r = 0; r < R; r++) acc[r] = fma8(wv, load8(a->xf + r * K + k), acc[r]);
     }
     for (int r = 0; r < R; r++) {
         float s = hsum8(acc[r]);
-        for (int64_t i = k; i < K; i++) s += load1_w(t, w, i) * a->xf[r * K + i];
+        for (int64_t i = k; i < K; i++) s = fma1(load1_w(t, w, i), a->xf[r * K + i], s);
         res[r] = s;
     }
 }
@@ -596,32 +657,53 @@ static dot_fn pick(int type, int R) {
     }
 }
 
+#if defined(__AVX2__)
+AI int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
 /* One row of x to int8 per 32 values (scale amax/127, round to nearest even), with the scaled sums. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32, float *s16) {
     for (int64_t j = 0; j < K / 32; j++) {
         const float *xb = x + j * 32;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xb[i]));
-        const float dj = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum[2] = {0, 0};
+        float amax = 0.0f;
 #if defined(__AVX2__)
-        for (int i = 0; i < 32; i += 8) {
-            const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(id));
-            const __m256i qi = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            int32_t tmp[8];
-            _mm256_storeu_si256((__m256i *)tmp, qi);
-            for (int l = 0; l < 8; l++) {
-                q[j * 32 + i + l] = (int8_t)tmp[l];
-                sum[i / 16] += tmp[l];
-            }
+        __m256 v[4], m = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
         }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        sum[0] = hsum_i32(_mm256_add_epi32(qi[0], qi[1]));
+        sum[1] = hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
+        const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(q + j * 32), p8);
 #else
+        for (int i = 0; i < 32; i++) {
+            const float ax = fabsf(xb[i]);
+            amax = ax > amax ? ax : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int i = 0; i < 32; i++) {
             const int32_t v = (int32_t)nearbyintf(xb[i] * id);
             q[j * 32 + i] = (int8_t)v;
             sum[i / 16] += v;
         }
 #endif
+        const float dj = amax / 127.0f;
         d[j] = dj;
         s16[2 * j] = dj * (float)sum[0];
         s16[2 * j + 1] = dj * (float)sum[1];
@@ -670,7 +752,7 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
 /* output columns [n0, n1) for all M rows of x */
 static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t n1, const act_t *a, int64_t M,
                         int64_t N, const float *bias, float *y) {
-    const int64_t K = a->K, nb = K / 32;
+    const int64_t K = a->K;
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
         const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
@@ -680,9 +762,7 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
             for (int64_t m = 0; m < M;) {
                 const int64_t left = M - m;
                 const int R = left >= RMAX ? RMAX : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                const act_t am = {a->q ? a->q + m * K : NULL, a->d ? a->d + m * nb : NULL,
-                                  a->s32 ? a->s32 + m * nb : NULL, a->s16 ? a->s16 + m * 2 * nb : NULL,
-                                  a->xf + m * K, K};
+                const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K};
                 float res[RMAX];
                 pick(parts[p].type, R)(w, &am, res);
                 for (int r = 0; r < R; r++) y[(m + r) * N + n] = res[r] + b;
@@ -697,16 +777,10 @@ void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts
     (void)N;
     int quantized = 0;
     for (int p = 0; p < nparts; p++) quantized |= !is_float(parts[p].type);
-    act_t a = {NULL, NULL, NULL, NULL, x, K};
-    const int64_t nb = K / 32;
+    act_t a = {NULL, act_stride(K), x, K};
     if (quantized) {
-        uint8_t *buf = scratch((size_t)(M * K + 4 * M * nb * sizeof(float)) + 64);
-        if (buf == NULL) return;
-        float *f = (float *)buf;
-        a.d = f;
-        a.s32 = f + M * nb;
-        a.s16 = f + 2 * M * nb;
-        a.q = (const int8_t *)(f + 4 * M * nb);
+        a.base = scratch((size_t)(M * a.stride));
+        if (a.base == NULL) return;
     }
     const double total = total_bytes(parts, nparts, K);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
@@ -714,8 +788,8 @@ void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts
         if (quantized) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
-                quantize_row(x + m * K, K, (int8_t *)a.q + m * K, (float *)a.d + m * nb, (float *)a.s32 + m * nb,
-                             (float *)a.s16 + m * 2 * nb);
+                quantize_row(x + m * K, K, (int8_t *)act_q(&a, m), (float *)act_d(&a, m), (float *)act_s32(&a, m),
+                             (float *)act_s16(&a, m));
         }
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t n0 = column_at(parts, nparts, K, total * t / T);

@@ -1,0 +1,125 @@
+"""Micro-benchmark of the ggml block kernels (tokenmill/layers/quantization/ggml.c) against memory bandwidth.
+
+Decode on a CPU is bound by the weight bytes each token reads. For each ggml type this times BlockLinear over
+a model-sized set of [N, K] matrices (--mb MB of blocks, well beyond the caches) at M = 1, 8 and 32 rows of x
+and prints the weight bytes read per second and their fraction of the measured copy bandwidth (torch copy of
+a 512 MB tensor into a touched one: read + write bytes / s). The prefill route (M = 512: dequantized tiles + torch GEMM) is
+reported in GFLOP/s over a few of the matrices. --crossover times the integer kernel against the tiled route
+at growing M, to place ggml.MAX_ROWS.
+
+    python benchmarks/ggml_kernels.py [--threads 2] [--mb 384] [--types Q4_0,Q4_K] [--crossover]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.layers.quantization import ggml
+
+SCALE_OFFSETS = {ggml.Q4_0: [0], ggml.Q4_1: [0, 2], ggml.Q5_0: [0], ggml.Q5_1: [0, 2], ggml.Q8_0: [0],
+                 ggml.IQ4_NL: [0], ggml.Q2_K: [80, 82], ggml.Q3_K: [108], ggml.Q4_K: [0, 2], ggml.Q5_K: [0, 2],
+                 ggml.Q6_K: [208], ggml.IQ4_XS: [0]}
+FLOAT_DTYPES = {ggml.F32: torch.float32, ggml.F16: torch.float16, ggml.BF16: torch.bfloat16}
+
+
+def random_blocks(type_id: int, N: int, K: int, rng: np.random.Generator) -> torch.Tensor:
+    """uint8 [N, row_bytes]: random block bytes with small finite fp16 scales (valid blocks of any type)."""
+    if type_id in FLOAT_DTYPES:
+        return (torch.randn(N, K) * 0.05).to(FLOAT_DTYPES[type_id]).view(torch.uint8).reshape(N, -1)
+    values, nbytes = ggml.block_size(type_id)
+    raw = rng.integers(0, 256, size=(N, K // values, nbytes), dtype=np.uint8)
+    for o in SCALE_OFFSETS[type_id]:
+        scales = (rng.uniform(-1, 1, size=(N, K // values)) * 0.01).astype(np.float16)
+        raw[..., o:o + 2] = scales.view(np.uint8).reshape(N, K // values, 2)
+    return torch.from_numpy(raw.reshape(N, -1))
+
+
+def best_seconds(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(mb: int = 512) -> float:
+    """GB/s of copying a 512 MB tensor into another, both already touched (bytes read + bytes written)."""
+    src = torch.ones(mb << 18, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), 5) / 1e9
+
+
+def layers_for(type_id: int, mb: int, N: int, K: int, rng) -> list[ggml.BlockLinear]:
+    count = max(1, round((mb << 20) / (N * ggml.row_bytes(type_id, K))))
+    block = random_blocks(type_id, N, K, rng)
+    # distinct copies (not views of one): every matrix's bytes come from memory, not a cache
+    return [ggml.bind([ggml.Part(type_id, block.clone())], K) for _ in range(count)]
+
+
+def run_type(type_id: int, args, bandwidth: float, rng) -> None:
+    N, K = args.n, args.k
+    layers = layers_for(type_id, args.mb, N, K, rng)
+    weight_bytes = sum(ly.N * ggml.row_bytes(type_id, K) for ly in layers)
+    cells = []
+    for M in (1, 8, 32):
+        x = torch.randn(M, K)
+        sec = best_seconds(lambda: [ly(x, None) for ly in layers], args.reps)
+        gbs = weight_bytes / sec / 1e9
+        cells.append(f"M={M:<3d} {gbs:6.1f} GB/s {gbs / bandwidth:5.0%}")
+    prefill = layers[:args.prefill_layers]
+    x = torch.randn(512, K).to(torch.bfloat16 if args.bf16 else torch.float32)
+    sec = best_seconds(lambda: [ly(x, None) for ly in prefill], max(2, args.reps // 3))
+    gflops = 2 * 512 * N * K * len(prefill) / sec / 1e9
+    mb = weight_bytes / 2**20
+    print(f"{ggml.TYPE_NAMES[type_id]:7s} {mb:5.0f} MB  " + "  ".join(cells) + f"  M=512 {gflops:6.1f} GFLOP/s",
+          flush=True)
+
+
+def crossover(type_id: int, args, rng) -> None:
+    """Integer kernel vs dequantized tiles + GEMM at growing row counts, for one layer shape."""
+    N, K = args.n, args.k
+    layer = ggml.BlockLinear([ggml.Part(type_id, random_blocks(type_id, N, K, rng))], K, max_rows=1 << 30)
+    tiled = ggml.BlockLinear(layer.parts, K, max_rows=0)
+    cells = []
+    for M in (8, 16, 24, 32, 48, 64, 96, 128):
+        x = torch.randn(M, K).to(torch.bfloat16 if args.bf16 else torch.float32)
+        t_int = best_seconds(lambda: layer(x, None), args.reps)
+        t_tile = best_seconds(lambda: tiled(x, None), args.reps)
+        cells.append(f"M={M} {t_int * 1e3:.2f}/{t_tile * 1e3:.2f}")
+    print(f"{ggml.TYPE_NAMES[type_id]:7s} int/tiled ms: " + "  ".join(cells), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--mb", type=int, default=384, help="MB of weight blocks per type (beyond the caches)")
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prefill-layers", type=int, default=2)
+    p.add_argument("--f32-prefill", dest="bf16", action="store_false", help="float32 x at M=512 (default bf16)")
+    p.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_NL,IQ4_XS,F16,BF16")
+    p.add_argument("--crossover", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    names = {v: k for k, v in ggml.TYPE_NAMES.items()}
+    types = [names[t.strip()] for t in args.types.split(",")]
+    rng = np.random.default_rng(0)
+    print(f"ggml kernels: {ggml.isa()}, {args.threads} threads, N={args.n} K={args.k}")
+    if args.crossover:
+        for t in types:
+            crossover(t, args, rng)
+        return
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth (torch clone of 512 MB, read + write): {bandwidth:.1f} GB/s")
+    for t in types:
+        run_type(t, args, bandwidth, rng)
+
+
+if __name__ == "__main__":
+    main()

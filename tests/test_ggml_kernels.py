@@ -1,0 +1,229 @@
+"""The ggml block kernels (layers/quantization/ggml.c via ggml.py) against gguf-py's reference dequantization.
+
+Each C path is tested on this machine: the library as the engine builds it (-march=native: AVX-512 VNNI here,
+AVX2 on AVX2-only CI machines), and two more builds of the same source with -march=x86-64-v3 (AVX2/FMA/F16C,
+no AVX-512: vpmaddubsw + vpmaddwd, the byte-shuffle bit expansion) and -march=x86-64 (SSE2 only: the scalar
+decoders and dot products, fp16 converted in software).
+
+Tolerance (derived, not fitted). gg_linear quantizes each 32-value block j of a row of x to int8 with scale
+dx_j = max|x|/127, rounding to nearest, so each activation moves by at most dx_j / 2; the integer dot products
+are exact, so the activation rounding contributes at most
+    E_act = sum_j (dx_j / 2) * sum_{i in block j} |W_i|
+to an output (W the reference dequantized weight row). The rest is float rounding: the per-block scale products
+and the sums over K/32 blocks, of terms that the offset/min decomposition can make as large as the row's
+largest weight times |x_i| each: at most a few dozen roundings of relative 2^-24 on
+sum_i |x_i| (|W_i| + max|W|), which E_float = 2^-16 * sum_i |x_i| (|W_i| + max|W|) bounds with ample room.
+Assert |y - x @ W^T| <= E_act + E_float elementwise (the kernel's error is typically 10-30% of E_act).
+Rows above max_rows take dequantized tiles + torch's GEMM: with float32 x exact weights in float32, so only
+E_float applies; with bf16 x (bf16 tiles where the CPU has native bf16) the inputs, the weights and the
+output each round to bf16 (relative 2^-9): E_bf16 = 2^-7 * |x| @ |W|^T + 2^-8 |y| bounds it.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+gguf_quants = pytest.importorskip("gguf.quants")
+
+from tokenmill.layers.quantization import ggml  # noqa: E402
+
+QUANTIZED = [ggml.Q4_0, ggml.Q4_1, ggml.Q5_0, ggml.Q5_1, ggml.Q8_0, ggml.Q2_K, ggml.Q3_K, ggml.Q4_K, ggml.Q5_K,
+             ggml.Q6_K, ggml.IQ4_NL, ggml.IQ4_XS]
+ALL_TYPES = QUANTIZED + [ggml.F32, ggml.F16, ggml.BF16]
+QUANTIZABLE = {ggml.Q4_0, ggml.Q4_1, ggml.Q5_0, ggml.Q5_1, ggml.Q8_0}  # gguf-py can make these from floats
+SCALES = {ggml.Q4_0: [0], ggml.Q4_1: [0, 2], ggml.Q5_0: [0], ggml.Q5_1: [0, 2], ggml.Q8_0: [0],
+          ggml.IQ4_NL: [0], ggml.Q2_K: [80, 82], ggml.Q3_K: [108], ggml.Q4_K: [0, 2], ggml.Q5_K: [0, 2],
+          ggml.Q6_K: [208], ggml.IQ4_XS: [0]}  # byte offsets of each block's fp16 scales
+FLOATS = {ggml.F32: torch.float32, ggml.F16: torch.float16, ggml.BF16: torch.bfloat16}
+MAX_ROWS = 32  # the tests' BlockLinear routes M <= 32 to gg_linear, above to the tiles
+
+
+def blocks(type_id: int, N: int, K: int, seed: int = 0, pad: int = 0) -> torch.Tensor:
+    """uint8 [N, row_bytes] of valid blocks (a view with row stride row_bytes + pad when pad > 0)."""
+    rng = np.random.default_rng(seed + 1000 * type_id)
+    if type_id in FLOATS:
+        raw = torch.from_numpy(rng.standard_normal((N, K)).astype(np.float32)).to(FLOATS[type_id])
+        raw = raw.view(torch.uint8).reshape(N, -1)
+    elif type_id in QUANTIZABLE:
+        w = (rng.standard_normal((N, K)) * 0.1).astype(np.float32)
+        raw = torch.from_numpy(gguf_quants.quantize(w, type_id).reshape(N, -1))
+    else:
+        values, nbytes = ggml.block_size(type_id)
+        b = rng.integers(0, 256, size=(N, K // values, nbytes), dtype=np.uint8)
+        for o in SCALES[type_id]:
+            b[..., o:o + 2] = (rng.uniform(-0.05, 0.05, (N, K // values)).astype(np.float16)
+                               .view(np.uint8).reshape(N, K // values, 2))
+        raw = torch.from_numpy(b.reshape(N, -1))
+    if pad:
+        wide = torch.full((N, raw.shape[1] + pad), 0xA5, dtype=torch.uint8)  # junk the kernel must not read
+        wide[:, :raw.shape[1]] = raw
+        raw = wide[:, :raw.shape[1]]
+    return raw
+
+
+def reference(part: ggml.Part, K: int) -> torch.Tensor:
+    raw = part.data.contiguous().numpy()
+    return torch.from_numpy(gguf_quants.dequantize(raw, part.type).reshape(raw.shape[0], K).astype(np.float32))
+
+
+def act_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """E_act + E_float of the module docstring, [M, N]."""
+    x, w = x.double(), w.double()
+    M, K = x.shape
+    dx = x.reshape(M, K // 32, 32).abs().amax(-1) / 127                                  # [M, K/32]
+    wabs = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)                                # [N, K/32]
+    e_act = (dx / 2) @ wabs.t()
+    e_float = 2.0 ** -16 * (x.abs() @ (w.abs() + w.abs().amax(1, keepdim=True)).t())
+    return e_act + e_float
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, route: str = "int") -> None:
+    ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    xa, wa = x.double().abs(), w.double().abs()
+    if route == "int":
+        bound = act_bound(x.float(), w)
+        if bias is not None:
+            bound = bound + 2.0 ** -23 * bias.double().abs()
+    elif x.dtype == torch.float32:
+        bound = 2.0 ** -16 * (xa @ (wa + wa.amax(1, keepdim=True)).t())
+    else:
+        bound = 2.0 ** -7 * (xa @ wa.t()) + 2.0 ** -8 * ref.abs()
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * ref.abs()
+    err = (y.double() - ref).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the derived bound ({route} route)"
+
+
+# -- the builds under test --------------------------------------------------------------------------------
+def _variant(march: str, tmp_dir) -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs an x86-64 C compiler")
+    out = tmp_dir / f"ggml-{march}.so"
+    cmd = [cc, "-O3", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-o", str(out), ggml.SOURCE,
+           "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ggml.typed(ctypes.CDLL(str(out)))
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
+def lib(request, tmp_path_factory):
+    if request.param == "native":
+        native = ggml.load()
+        if native is None:
+            pytest.skip("ggml library unavailable")
+        return native
+    built = _variant(request.param, tmp_path_factory.mktemp("ggml"))
+    assert ggml.isa(built) == {"x86-64-v3": "avx2", "x86-64": "scalar"}[request.param]
+    return built
+
+
+def test_native_build_uses_the_best_path():
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
+    expected = "avx512-vnni" if " avx512_vnni" in flags and " avx512vl" in flags else (
+        "avx-vnni" if " avx_vnni" in flags else "avx2" if " avx2" in flags else "scalar")
+    assert ggml.isa() == expected
+
+
+# -- correctness ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("type_id", ALL_TYPES, ids=lambda t: ggml.TYPE_NAMES[t])
+def test_linear_matches_reference(lib, type_id):
+    """Every type, both routes (M <= 32: integer kernel; 40 and 300: tiles), strided rows; K = 512 and, for
+    32-value blocks, K = 288 (a tail of blocks after the last 256 values)."""
+    Ks = [512] if ggml.block_size(type_id)[0] == 256 else [512, 288]
+    for K in Ks:
+        part = ggml.Part(type_id, blocks(type_id, 19, K, pad=5))
+        w = reference(part, K)
+        layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
+        for M in (1, 3, 8, 40, 300):
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+            check(layer(x, None), x, w, route="int" if M <= MAX_ROWS else "tiles")
+
+
+def test_merged_parts_bias_and_shapes(lib):
+    """q|k|v-like merged parts of different types, with a bias, x of shape [2, T, K]."""
+    K = 512
+    types = [ggml.Q4_K, ggml.Q6_K, ggml.Q8_0, ggml.F16, ggml.Q5_0]
+    parts = [ggml.Part(t, blocks(t, n, K, seed=n)) for t, n in zip(types, (7, 5, 3, 4, 9))]
+    w = torch.cat([reference(p, K) for p in parts])
+    layer = ggml.BlockLinear(parts, K, lib=lib, max_rows=MAX_ROWS)
+    assert layer.N == 28 and len(layer.c_parts) == 5
+    bias = torch.randn(layer.N)
+    for T in (1, 4, 150):
+        x = torch.randn(2, T, K)
+        y = layer(x, bias)
+        assert y.shape == (2, T, layer.N) and y.dtype == torch.float32
+        check(y.reshape(-1, layer.N), x.reshape(-1, K), w, bias, route="int" if 2 * T <= MAX_ROWS else "tiles")
+
+
+@pytest.mark.parametrize("type_id", [ggml.Q4_0, ggml.Q4_K, ggml.Q6_K], ids=lambda t: ggml.TYPE_NAMES[t])
+def test_bf16_activations(lib, type_id):
+    K = 512
+    part = ggml.Part(type_id, blocks(type_id, 16, K))
+    w = reference(part, K)
+    layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
+    for M in (3, 300):
+        x, bias = torch.randn(M, K).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
+        y = layer(x, bias)
+        assert y.dtype == torch.bfloat16
+        check(y, x, w, bias.float(), route="int" if M <= MAX_ROWS else "tiles")
+
+
+@pytest.mark.parametrize("type_id", ALL_TYPES, ids=lambda t: ggml.TYPE_NAMES[t])
+def test_dequantize_rows_equal_reference(lib, type_id):
+    """gg_dequant_rows is gguf-py's arithmetic bit for bit; listed rows (repeats, any order) and bf16 out."""
+    K = 512
+    part = ggml.Part(type_id, blocks(type_id, 11, K, pad=3))
+    w = reference(part, K)
+    assert torch.equal(ggml.dequantize(part, K, lib=lib), w)
+    rows = torch.tensor([7, 0, 10, 7, 3])
+    assert torch.equal(ggml.dequantize(part, K, rows, lib=lib), w[rows])
+    assert torch.equal(ggml.dequantize(part, K, rows, torch.bfloat16, lib=lib), w[rows].to(torch.bfloat16))
+    with pytest.raises(IndexError):
+        ggml.dequantize(part, K, torch.tensor([11]), lib=lib)
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads(lib):
+    """A row's output is the same bits whatever other rows share the call (the kernels over 8, 4, 2, 1 rows
+    at once) and however many threads split the columns: batch-invariant mode relies on it."""
+    K = 512
+    parts = [ggml.Part(t, blocks(t, 13, K)) for t in (ggml.Q4_K, ggml.Q8_0, ggml.Q6_K, ggml.BF16)]
+    layer = ggml.BlockLinear(parts, K, lib=lib, max_rows=64)
+    x = torch.randn(15, K)
+    y = layer(x, None)
+    for i in (0, 9, 14):
+        assert torch.equal(layer(x[i:i + 1], None), y[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x, None), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torch_fallback_without_the_library(monkeypatch):
+    K = 256
+    part = ggml.Part(ggml.Q4_K, blocks(ggml.Q4_K, 6, K))
+    monkeypatch.setattr(ggml, "load", lambda: None)
+    layer = ggml.bind([part], K)
+    x = torch.randn(3, K)
+    w = reference(part, K)
+    torch.testing.assert_close(layer(x, None), x @ w.t())
+    assert torch.equal(ggml.dequantize(part, K, torch.tensor([2, 1])), w[[2, 1]])
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple"):
+        ggml.row_bytes(ggml.Q4_K, 300)
+    with pytest.raises(ValueError, match="too short"):
+        ggml.bind([ggml.Part(ggml.Q4_0, torch.zeros(4, 17, dtype=torch.uint8))], 32)
+    with pytest.raises(ValueError, match="unsupported"):
+        ggml.block_size(99)
