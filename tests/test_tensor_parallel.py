@@ -125,7 +125,10 @@ def paths(tiny, tmp_path_factory):
         "odd_heads": _odd_heads_model(str(root / "odd")),
         # GGUFs served in their blocks: every ggml type (tied head), and a Q4_K_M-like mix (untied, biases)
         "gguf_all_types": gguf_to_hf_dir(quantized_gguf("llama", ALL_TYPES), "native"),
-        "gguf_kmix": gguf_to_hf_dir(quantized_gguf("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0")), "native"),
+        # (hidden 512: every row-parallel split lands on whole 256-value blocks, so the ranks run the same
+        # integer kernels as one process)
+        "gguf_kmix": gguf_to_hf_dir(quantized_gguf("qwen2", ("Q4_K", "Q6_K", "Q5_0", "Q8_0"), hidden=512,
+                                                   intermediate=1024), "native"),
     }
 
 
@@ -140,7 +143,7 @@ TP_JOBS = {
     "int8+lm_head": ("mistral", "int8+lm_head"),     # a quantized, vocab-sharded head
     "fp8_channel_ckpt": ("fp8_channel_ckpt", None), "fp8_block_ckpt": ("fp8_block_ckpt", None),
     "int8_ckpt": ("int8_ckpt", None),
-    # a row-parallel split of 256 columns cuts 256-value K-quant blocks: those shards run float32
+    # GGUFs served in their blocks: every ggml type, tied head (hidden 256); a Q4_K_M-like mix (hidden 512)
     "gguf_all_types": ("gguf_all_types", None), "gguf_kmix": ("gguf_kmix", None),
 }
 PP_JOBS = ("llama", "mistral", "int8", "gguf_all_types")  # tied head on the last stage only; untied; quantized
