@@ -88,6 +88,15 @@ def _write_gptq(t, q, s, z, g, sym):
     t["g_idx"] = (np.arange(q.shape[1]) // g).astype(np.int32)
 
 
+def _write_gptq2(t, q, s, z, g, sym):  # checkpoint_format gptq_v2 (GPTQModel): the zeros themselves
+    _write_gptq(t, q, s, z + 1, g, sym)
+
+
+def _read_gptq2(t, g):
+    q, s, z = _read_gptq(t, g)
+    return q, s, z - 1
+
+
 def _read_gptq(t, g):
     assert np.array_equal(t["g_idx"], np.arange(len(t["g_idx"])) // g)
     z = _unpack8(t["qzeros"], 1).T.astype(np.float32) + 1
@@ -113,9 +122,10 @@ def _qc(fmt, g, sym=False):
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": g, "version": "gemm", "zero_point": True,
                 "modules_to_not_convert": None}
-    if fmt == "gptq":
+    if fmt in ("gptq", "gptq2"):
         return {"quant_method": "gptq", "bits": 4, "group_size": g, "desc_act": False, "sym": sym,
-                "damp_percent": 0.01, "true_sequential": True, "static_groups": False, "checkpoint_format": "gptq"}
+                "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
+                "checkpoint_format": "gptq_v2" if fmt == "gptq2" else "gptq"}
     weights = {"num_bits": 4, "type": "int", "symmetric": sym, "group_size": g, "strategy": "group",
                "actorder": None, "dynamic": False, "observer": "minmax"}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -124,8 +134,8 @@ def _qc(fmt, g, sym=False):
                                           "output_activations": None}}}
 
 
-WRITE = {"awq": _write_awq, "gptq": _write_gptq, "ct": _write_ct}
-READ = {"awq": _read_awq, "gptq": _read_gptq, "ct": _read_ct}
+WRITE = {"awq": _write_awq, "gptq": _write_gptq, "gptq2": _write_gptq2, "ct": _write_ct}
+READ = {"awq": _read_awq, "gptq": _read_gptq, "gptq2": _read_gptq2, "ct": _read_ct}
 
 
 def _rtn(w, g, sym, rng, zeros):
@@ -197,7 +207,8 @@ def _load(model_dir):
 
 # -- (a) the blocks stand for the checkpoint's weights ------------------------------------------------------
 @pytest.mark.parametrize("fmt,g,sym", [("awq", 128, False), ("awq", 32, False), ("gptq", 128, False),
-                                       ("gptq", 64, True), ("ct", 128, False), ("ct", 32, True)])
+                                       ("gptq", 64, True), ("gptq2", 32, False), ("ct", 128, False),
+                                       ("ct", 32, True)])
 def test_blocks_match_the_checkpoint_dequantization(base, tmp_path, fmt, g, sym):
     from tokenmill.layers.quantization.awq_gptq import CheckpointInt4Method
     from tokenmill.layers.quantization.int4 import unpack_q4_1
@@ -470,3 +481,22 @@ def _greedy_llm(llm, prompts):
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in out]
+
+
+def test_layers_the_checkpoint_leaves_float_stay_float():
+    """AWQ's modules_to_not_convert and the LM head (GPTQ quantizes it only with lm_head: true) keep the float
+    linear method."""
+    from tokenmill.layers.quantization.awq_gptq import AwqConfig, CheckpointInt4Method, GptqConfig
+
+    awq = AwqConfig.from_checkpoint({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+                                     "modules_to_not_convert": ["mlp.down_proj"]})
+    assert awq.get_linear_method(None, "layers.0.mlp.down_proj", ["model.layers.0.mlp.down_proj"]) is None
+    assert awq.get_linear_method(None, "lm_head", ["lm_head"]) is None
+    assert isinstance(awq.get_linear_method(None, "layers.0.o_proj", ["model.layers.0.self_attn.o_proj"]),
+                      CheckpointInt4Method)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert GptqConfig.from_checkpoint(qc).get_linear_method(None, "lm_head", ["lm_head"]) is None
+    head = GptqConfig.from_checkpoint({**qc, "lm_head": True}).get_linear_method(None, "lm_head", ["lm_head"])
+    assert isinstance(head, CheckpointInt4Method)
+    with pytest.raises(ValueError, match="awq version 'gemv' is not supported"):
+        AwqConfig.from_checkpoint({"quant_method": "awq", "bits": 4, "version": "gemv"})
