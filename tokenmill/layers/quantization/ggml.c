@@ -411,6 +411,16 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     case T_Q3_K: case T_Q6_K: {
         const float d = f16(b + (t == T_Q3_K ? 108 : 208));
         for (int s = 0; s < 8; s++) h->ws[s] = d;
+#if defined(__AVX2__)
+        if (t == T_Q6_K) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 192));
+            const __m256 m = _mm256_set1_ps(-32.0f * d);
+            _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepi8_epi16(v));
+            _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
+            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m));
+            break;
+        }
+#endif
         for (int g = 0; g < 16; g++) {
             h->sc[g] = t == T_Q3_K ? q3k_scale(b + 96, g) : (int8_t)b[192 + g];
             h->mc[g] = -(float)toffset(t) * d * (float)h->sc[g];
@@ -419,12 +429,27 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     }
     case T_Q4_K: case T_Q5_K: {
         const float d = f16(b), dmin = f16(b + 2);
+#if defined(__AVX2__)
+        /* the 6-bit scales to bytes 0-7 and mins to bytes 8-15 at once (llama.cpp's utmp shuffle) */
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = m03;
+        u[0] &= 0x3f3f3f3fu;
+        const __m128i v = _mm_loadu_si128((const __m128i *)u);
+        _mm256_storeu_ps(h->ws, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
+        _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+                                              _mm256_set1_ps(-dmin)));
+#else
         for (int s = 0; s < 8; s++) {
             int sc, m;
             scale_min_k4(s, b + 4, &sc, &m);
             h->ws[s] = d * (float)sc;
             h->mc[s] = -dmin * (float)m;
         }
+#endif
         break;
     }
     case T_IQ4_XS: {
@@ -469,10 +494,12 @@ AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, c
                 __m256 *acc) {
     const int64_t j = sb * 8 + s;
     const __m256i u = step_sub(t, w, sb, s);
+    const __m256 ws = _mm256_set1_ps(h->ws[s]); /* the scale products as vectors: a broadcast from memory is a
+                                                 * load, one from a register takes a vector ALU slot per row */
     for (int r = 0; r < R; r++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
         const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, h, s));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(h->ws[s] * act_d(a, r)[j]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws, _mm256_broadcast_ss(act_d(a, r) + j)), acc[r]);
     }
 }
 
@@ -798,10 +825,21 @@ void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts
     }
 }
 
+#if defined(__AVX2__)
+/* 8 floats to bfloat16, rounded to nearest even as torch does. The AVX512_BF16 instruction treats subnormal
+ * floats as zero, which no dequantized value is (an fp16 scale times a small integer is >= 2^-24 or 0). */
+AI void store_bf16(uint16_t *p, __m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    _mm_storeu_si128((__m128i *)p, (__m128i)_mm256_cvtneps_pbh(v));
+#else
+    store8_bf16(p, (v8f)v);
+#endif
+}
+#endif
+
 /* One row as float32 (out_bf16 = 0) or bfloat16, gguf-py's arithmetic exactly: a * (u - off), then + b
- * where there is a min (no FMA contraction). */
-__attribute__((optimize("fp-contract=off")))
-static void dequant_row(int t, const uint8_t *w, int64_t K, void *out, int out_bf16) {
+ * where there is a min (the caller is compiled without FMA contraction). */
+AI void dequant_row(const int t, const uint8_t *w, int64_t K, void *out, int out_bf16) {
     float *of = out;
     uint16_t *ob = out;
     if (is_float(t)) {
@@ -817,26 +855,45 @@ static void dequant_row(int t, const uint8_t *w, int64_t K, void *out, int out_b
         deq_t p;
         deq_params(t, b, &p);
         for (int s = 0; s < NS; s++) {
-            uint8_t u[32];
-#if defined(__AVX2__)
-            _mm256_storeu_si256((__m256i *)u, dec_sub(t, b, s));
-#else
-            dec_sub_scalar(t, b, s, u);
-#endif
-            float f[32];
             const int g0 = NS == 1 ? 0 : 2 * s;
+            const int64_t o = sb * V + s * 32;
+#if defined(__AVX2__)
+            const __m256i u = dec_sub(t, b, s);
+            for (int c = 0; c < 4; c++) { /* 8 values at a time; values 0-15 take group g0, 16-31 g0 + 1 */
+                const __m128i half = c < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+                const __m128i b8 = (c & 1) ? _mm_srli_si128(half, 8) : half;
+                const __m256i q = is_signed(t) ? _mm256_cvtepi8_epi32(b8)
+                                               : _mm256_sub_epi32(_mm256_cvtepu8_epi32(b8), _mm256_set1_epi32(off));
+                const __m256 prod = _mm256_mul_ps(_mm256_set1_ps(p.a[g0 + c / 2]), _mm256_cvtepi32_ps(q));
+                const __m256 v = _mm256_add_ps(prod, _mm256_set1_ps(p.b[g0 + c / 2]));
+                if (out_bf16) store_bf16(ob + o + 8 * c, v); else _mm256_storeu_ps(of + o + 8 * c, v);
+            }
+#else
+            uint8_t u[32];
+            dec_sub_scalar(t, b, s, u);
+            float f[32];
             for (int i = 0; i < 32; i++) {
                 const int g = g0 + i / 16, q = is_signed(t) ? (int8_t)u[i] : (int)u[i] - off;
                 const float v = p.a[g] * (float)q;
                 f[i] = v + p.b[g];
             }
-            const int64_t o = sb * V + s * 32;
             if (out_bf16) {
                 for (int i = 0; i < 32; i += 8) store8_bf16(ob + o + i, load8(f + i));
             } else {
                 memcpy(of + o, f, sizeof f);
             }
+#endif
         }
+    }
+}
+
+#define DEQ(T) case T: dequant_row(T, w, K, out, out_bf16); break
+__attribute__((optimize("fp-contract=off")))
+static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int out_bf16) {
+    switch (t) {
+    DEQ(T_F32); DEQ(T_F16); DEQ(T_BF16); DEQ(T_Q4_0); DEQ(T_Q4_1); DEQ(T_Q5_0); DEQ(T_Q5_1); DEQ(T_Q8_0);
+    DEQ(T_IQ4_NL); DEQ(T_Q2_K); DEQ(T_Q3_K); DEQ(T_Q4_K); DEQ(T_Q5_K); DEQ(T_Q6_K); DEQ(T_IQ4_XS);
+    default: break;
     }
 }
 
@@ -846,7 +903,7 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (R * K > 65536)
     for (int64_t r = 0; r < R; r++) {
         const int64_t src = rows ? rows[r] : r;
-        dequant_row(type, w + src * row_stride, K, (char *)out + (size_t)r * K * esize, out_bf16);
+        dequant_row_any(type, w + src * row_stride, K, (char *)out + (size_t)r * K * esize, out_bf16);
     }
 }
 
