@@ -5,7 +5,7 @@ a model-sized set of [N, K] matrices (--mb MB of blocks, well beyond the caches)
 and prints the weight bytes read per second and their fraction of the measured copy bandwidth (torch copy of
 a 512 MB tensor into a touched one: read + write bytes / s). The prefill route (M = 512: dequantized tiles + torch GEMM) is
 reported in GFLOP/s over a few of the matrices. --crossover times the integer kernel against the tiled route
-at growing M, to place ggml.MAX_ROWS.
+at growing M, to place ggml.MAX_ROWS_BF16 and MAX_ROWS_F32 (bf16 x, or float32 x with --f32-prefill).
 
     python benchmarks/ggml_kernels.py [--threads 2] [--mb 384] [--types Q4_0,Q4_K] [--crossover]
 """

@@ -11,7 +11,7 @@ Routing by rows of x (BlockLinear.__call__):
 - more (prefill): weight tiles of at most TILE_BYTES are dequantized (bfloat16 where the CPU has native bf16
   dot products and x is 16-bit, else float32) into a reused buffer and multiplied with torch (oneDNN/MKL) into
   the output's columns: no full-size float copy of the weight.
-MAX_ROWS is the measured crossover of the two (benchmarks/ggml_kernels.py --crossover; see its value).
+MAX_ROWS_BF16 / MAX_ROWS_F32 are the measured crossovers of the two (see their comment).
 Without the C library (no compiler, TOKENMILL_CPU_KERNELS=0) the parts are dequantized with gguf-py and
 F.linear runs: correct, slow, logged once.
 """
@@ -42,10 +42,16 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
            Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18), Q2_K: (256, 84), Q3_K: (256, 110),
            Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
 FLOAT_TYPES = (F32, F16, BF16)
-# Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM. Measured with
-# `python benchmarks/ggml_kernels.py --crossover` (2 threads, AMD EPYC with AVX512_VNNI/BF16, bf16 x for the
-# GEMM): see benchmarks/ggml_kernels.py's docstring for the numbers.
-MAX_ROWS = 32
+# Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM (the crossover), measured with
+# `python benchmarks/ggml_kernels.py --crossover` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI and
+# AVX512_BF16; ms integer / tiled for Q4_0, Q4_K, Q6_K, Q8_0):
+# - bf16 x, bf16 tiles: M=8 2.6/3.1 1.7/2.9 2.6/3.0 4.1/4.4; M=16 5.1/3.7 3.2/3.3 4.9/3.6 3.8/3.0;
+#   M=32 6.1/4.4 6.5/4.6 8.3/4.7 7.0/4.7: the tiles win from 16 rows;
+# - float32 x, float32 tiles (half the GEMM rate): M=64 11.9/17.0 12.3/17.5 15.7/17.4; M=96 18.7/22.6
+#   18.8/23.1 23.8/22.9; M=128 25.5/27.8 25.7/28.2 32.2/28.2: they win from about 96-128 rows.
+# AVX2-only CPUs (no native bf16) use the float32 figure, not measured there.
+MAX_ROWS_BF16 = 16
+MAX_ROWS_F32 = 96
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
@@ -164,24 +170,27 @@ class BlockLinear:
     """y = x @ W^T (+ bias) over ggml parts; built once per layer by `bind`. max_rows: the most rows of x the
     integer kernel serves (the one-call decoder stack reads it); c_parts: the gg_part_t array it passes."""
 
-    def __init__(self, parts: list[Part], K: int, lib=None, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, parts: list[Part], K: int, lib=None, max_rows: Optional[int] = None) -> None:
         for p in parts:
             _check(p, K)
         self.parts, self.K = list(parts), K
         self.N = sum(p.data.shape[0] for p in parts)
-        self.max_rows = max_rows
+        self._tile_bf16 = cpu_has_native_bf16()
+        # max_rows: for 16-bit x (bf16 tiles where the CPU has native bf16); float32 x has its own crossover
+        self.max_rows = max_rows if max_rows is not None else MAX_ROWS_BF16 if self._tile_bf16 else MAX_ROWS_F32
+        self._max_rows_f32 = max_rows if max_rows is not None else MAX_ROWS_F32
         self.lib = lib or load()
         self.c_parts = (_CPart * len(parts))(*[
             _CPart(p.type, 0, p.data.shape[0], p.data.stride(0), p.data.data_ptr()) for p in parts])
         self._addr = ctypes.addressof(self.c_parts)
-        self._tile_bf16 = cpu_has_native_bf16()
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         K, N = self.K, self.N
         rows = x.numel() // K
         if self.lib is None:
             return self._torch(x, bias)
-        if rows > self.max_rows and not batch_invariant.enabled():
+        limit = self._max_rows_f32 if x.dtype == torch.float32 else self.max_rows
+        if rows > limit and not batch_invariant.enabled():
             return self._tiled(x, bias)
         x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         b = bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
