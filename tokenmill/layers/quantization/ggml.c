@@ -389,6 +389,15 @@ typedef struct {
     int16_t sc[16];
 } hdr_t;
 
+/* one vector store where the kernel reads the 8 back as a vector (8 scalar stores would not forward to it) */
+AI void fill8(float *p, float v) {
+#if defined(__AVX2__)
+    _mm256_storeu_ps(p, _mm256_set1_ps(v));
+#else
+    for (int i = 0; i < 8; i++) p[i] = v;
+#endif
+}
+
 AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     switch (t) {
     case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
@@ -401,7 +410,18 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
         break;
     case T_Q2_K: {
         const float d = f16(b + 80), dmin = f16(b + 82);
-        for (int s = 0; s < 8; s++) h->ws[s] = d;
+        fill8(h->ws, d);
+#if defined(__AVX2__)
+        {
+            const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
+            const __m128i mins = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+            const __m256 m = _mm256_set1_ps(-dmin);
+            _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
+            _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)), m));
+            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))), m));
+            break;
+        }
+#endif
         for (int g = 0; g < 16; g++) {
             h->sc[g] = b[g] & 0xF;
             h->mc[g] = -dmin * (float)(b[g] >> 4);
@@ -410,11 +430,23 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     }
     case T_Q3_K: case T_Q6_K: {
         const float d = f16(b + (t == T_Q3_K ? 108 : 208));
-        for (int s = 0; s < 8; s++) h->ws[s] = d;
+        fill8(h->ws, d);
 #if defined(__AVX2__)
-        if (t == T_Q6_K) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(b + 192));
-            const __m256 m = _mm256_set1_ps(-32.0f * d);
+        {
+            __m128i v;
+            if (t == T_Q6_K) {
+                v = _mm_loadu_si128((const __m128i *)(b + 192));
+            } else { /* Q3_K's 6-bit scales to bytes (ggml's kmask shuffle), minus 32 */
+                uint32_t aux[4];
+                memcpy(aux, b + 96, 12);
+                const uint32_t tmp = aux[2], k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
+                aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+                aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+                aux[0] = (aux[0] & k2) | ((tmp & k1) << 4);
+                aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+                v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
+            }
+            const __m256 m = _mm256_set1_ps(-(float)toffset(t) * d);
             _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepi8_epi16(v));
             _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
             _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m));
@@ -466,46 +498,75 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
 #if defined(__AVX2__)
 /* A 256-value step of a weight row: one K-quant super-block, or eight 32-value blocks (a "virtual" super-block,
  * so that all types share one loop and the offset/min terms of 8 blocks take one vector FMA). */
+/* eight fp16 values `stride` bytes apart as floats: gathered with integer loads and shifts (scalar ports) and
+ * converted at once, instead of a vector insert and conversion per block */
+AI __m256 f16x8(const uint8_t *p, int stride) {
+    uint64_t lo = 0, hi = 0;
+    for (int g = 0; g < 4; g++) {
+        uint16_t a, b;
+        memcpy(&a, p + g * stride, 2);
+        memcpy(&b, p + (g + 4) * stride, 2);
+        lo |= (uint64_t)a << (16 * g);
+        hi |= (uint64_t)b << (16 * g);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+}
+
 AI void step_hdr(const int t, const uint8_t *w, int64_t sb, hdr_t *h) {
     if (tvalues(t) == 256) {
         dec_hdr(t, w + sb * tbytes(t), h);
         return;
     }
-    for (int g = 0; g < 8; g++) {
-        hdr_t one;
-        dec_hdr(t, w + (sb * 8 + g) * tbytes(t), &one);
-        h->ws[g] = one.ws[0];
-        h->mc[g] = one.mc[0];
-    }
+    const uint8_t *b = w + sb * 8 * tbytes(t);
+    const __m256 d = f16x8(b, tbytes(t));
+    _mm256_storeu_ps(h->ws, d);
+    if (t == T_Q4_1 || t == T_Q5_1)
+        _mm256_storeu_ps(h->mc, f16x8(b + 2, tbytes(t)));
+    else
+        _mm256_storeu_ps(h->mc, _mm256_mul_ps(d, _mm256_set1_ps(-(float)toffset(t))));
 }
 
 AI __m256i step_sub(const int t, const uint8_t *w, int64_t sb, int s) {
     return tvalues(t) == 256 ? dec_sub(t, w + sb * tbytes(t), s) : dec_sub(t, w + (sb * 8 + s) * tbytes(t), 0);
 }
 
-AI __m256i dot_any(const int t, __m256i u, __m256i x, const hdr_t *h, int s) {
-    if (is_signed(t)) return dot_s(u, x);
-    if (!has_sc16(t)) return dot_u(u, x);
-    return dot_sc16(u, x, _mm256_set_m128i(_mm_set1_epi16(h->sc[2 * s + 1]), _mm_set1_epi16(h->sc[2 * s])));
-}
-
-/* acc[r] += the integer dot of sub-block s with x rows r < R, times the scales */
-AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, const hdr_t *h, const act_t *a,
-                __m256 *acc) {
-    const int64_t j = sb * 8 + s;
-    const __m256i u = step_sub(t, w, sb, s);
-    const __m256 ws = _mm256_set1_ps(h->ws[s]); /* the scale products as vectors: a broadcast from memory is a
-                                                 * load, one from a register takes a vector ALU slot per row */
-    for (int r = 0; r < R; r++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
-        const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, h, s));
-        acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(ws, _mm256_broadcast_ss(act_d(a, r) + j)), acc[r]);
+/* The 16 integer scales of a super-block, each twice in a 32-bit lane (scales 0-7, then 8-15), so that one
+ * lane permutation gives a sub-block's two int16 scale vectors for vpmaddwd. */
+AI void sc16_lanes(const hdr_t *h, __m256i *T) {
+    for (int i = 0; i < 2; i++) {
+        const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(h->sc + 8 * i)));
+        T[i] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
     }
 }
 
-/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type. Two accumulators per row (even and
- * odd sub-blocks; the loop is unrolled so that they stay in registers): one FMA chain would wait its 4-cycle
- * latency at every sub-block. */
+AI __m256i dot_any(const int t, __m256i u, __m256i x, const __m256i *T, int s) {
+    if (is_signed(t)) return dot_s(u, x);
+    if (!has_sc16(t)) return dot_u(u, x);
+    const int a = (2 * s) % 8, b = (2 * s + 1) % 8;
+    return dot_sc16(u, x, _mm256_permutevar8x32_epi32(T[s / 4], _mm256_setr_epi32(a, a, a, a, b, b, b, b)));
+}
+
+/* acc[r] += the integer dot of sub-block s with x rows r < R times its scale, lane s of sc[r] (the weight's
+ * sub-block scales times the row's activation scales, one vector product per 8 sub-blocks) */
+AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, const __m256i *T, const act_t *a,
+                const __m256 *sc, __m256 *acc) {
+    const int64_t j = sb * 8 + s;
+    const __m256i u = step_sub(t, w, sb, s);
+    const __m256i lane = _mm256_set1_epi32(s);
+    for (int r = 0; r < R; r++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
+        const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, T, s));
+        /* Q2_K/Q3_K/Q6_K: one float scale d for all sub-blocks (sc[0] holds it in every lane): no per-row
+         * scale vectors to hold in registers */
+        const __m256 scale = has_sc16(t) ? _mm256_mul_ps(sc[0], _mm256_broadcast_ss(act_d(a, r) + j))
+                                         : _mm256_permutevar8x32_ps(sc[r], lane);
+        acc[r] = _mm256_fmadd_ps(p, scale, acc[r]);
+    }
+}
+
+/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type. Under 4 rows, two accumulators per
+ * row (even and odd sub-blocks; the loop is unrolled so that they stay in registers): one FMA chain would wait
+ * its 4-cycle latency at every sub-block. */
 AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
     const int64_t K = a->K, nsb = K / 256;
     __m256 acc0[RMAX], acc1[RMAX], accm[RMAX]; /* fixed sizes: a [R] array would be a VLA, kept in memory */
@@ -513,9 +574,16 @@ AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float 
     for (int64_t sb = 0; sb < nsb; sb++) {
         hdr_t h;
         step_hdr(t, w, sb, &h);
+        __m256 sc[RMAX];
+        const __m256 ws = _mm256_loadu_ps(h.ws);
+        sc[0] = ws;
+        if (!has_sc16(t))
+            for (int r = 0; r < R; r++) sc[r] = _mm256_mul_ps(ws, _mm256_loadu_ps(act_d(a, r) + sb * 8));
+        __m256i T[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if (has_sc16(t)) sc16_lanes(&h, T);
         for (int s = 0; s < 8; s += 2) {
-            sub_dot(t, R, w, sb, s, &h, a, acc0);
-            sub_dot(t, R, w, sb, s + 1, &h, a, acc1);
+            sub_dot(t, R, w, sb, s, T, a, sc, acc0);
+            sub_dot(t, R, w, sb, s + 1, T, a, sc, acc1);
         }
         if (is_signed(t)) continue;
         for (int r = 0; r < R; r++) {
@@ -535,7 +603,7 @@ AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float 
         const __m256i u = dec_sub(t, w + j * tbytes(t), 0);
         for (int r = 0; r < R; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
-            const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, &h, 0));
+            const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, NULL, 0)); /* 32-value types only */
             acc0[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(h.ws[0] * act_d(a, r)[j]), acc0[r]);
             if (!is_signed(t)) tail[r] += h.mc[0] * act_s32(a, r)[j];
         }
