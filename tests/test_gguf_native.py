@@ -99,9 +99,13 @@ def test_native_writes_no_float_copy(files):
     assert size < 0.1 * os.path.getsize(files["qwen2_kmix"]) + 200_000, size
 
 
-def test_online_quantization_of_native_blocks_is_refused(files):
+def test_online_quantization_starts_from_float_weights(files):
+    """--quantization on a GGUF quantizes its dequantized float weights (auto picks dequantize); asked for
+    together with --gguf-weights native it is refused."""
     from tokenmill import LLM
 
+    llm = LLM(model=files["llama"], dtype="float32", quantization="int8", kv_cache_memory_bytes=64 << 20)
+    assert llm.engine.executor.kernels()["linear"].startswith("qlinear-c-int8")
     with pytest.raises(ValueError, match="--gguf-weights dequantize"):
         LLM(model=files["llama"], dtype="float32", gguf_weights="native", quantization="int8",
             kv_cache_memory_bytes=64 << 20)

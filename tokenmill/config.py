@@ -140,6 +140,14 @@ def model_not_found_message(model: str) -> str:
     return f"model {model!r} does not exist: pass {MODEL_FORMS}; nothing is downloaded at run time"
 
 
+def gguf_weights_for(requested: str, quantization: Optional[str]) -> str:
+    """--gguf-weights with --quantization in view: auto means dequantize when asked to quantize on load (the
+    online methods start from float weights), else native for a quantized GGUF (models/gguf.py)."""
+    if requested == "auto" and quantization not in (None, "", "none"):
+        return "dequantize"
+    return requested
+
+
 def resolve_model_path(model: Optional[str], install_default: bool = False, gguf_weights: str = "auto") -> str:
     """A local HF directory, a .gguf file, or None for the built-in default model.
     Returns a Hugging Face directory (a GGUF file's is made once and cached: models/gguf.py; gguf_weights is
@@ -304,7 +312,8 @@ class ModelConfig:
         from tokenmill.startup import timed
 
         with timed(ledger, "model resolution"):
-            self.model_dir = resolve_model_path(self.model, install_default, self.gguf_weights)
+            self.model_dir = resolve_model_path(self.model, install_default,
+                                                gguf_weights_for(self.gguf_weights, self.quantization))
             if self.tokenizer is None:
                 self.tokenizer = self.model_dir
             key = resolution_cache.key(self.model_dir, self.tokenizer, self.dtype, device)
@@ -605,7 +614,7 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config method {self.method!r} needs \"model\": a local directory")
         from transformers import AutoConfig
 
-        self.draft_model_dir = resolve_model_path(self.model)
+        self.draft_model_dir = resolve_model_path(self.model, gguf_weights=gguf_weights_for("auto", self.quantization))
         try:
             self.draft_hf_config = AutoConfig.from_pretrained(self.draft_model_dir)
         except Exception as e:  # noqa: BLE001

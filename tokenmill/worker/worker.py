@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.config import EngineConfig, kv_cache_torch_dtype, resolve_model_path, usable_cpus
+from tokenmill.config import EngineConfig, gguf_weights_for, kv_cache_torch_dtype, resolve_model_path, usable_cpus
 from tokenmill.distributed import init_distributed, stage_layers
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear, kernels_report
@@ -44,9 +44,11 @@ def init_worker_process(config: EngineConfig, rank: int, init_method: str, local
                      "nccl" if config.device == "cuda" else "gloo", collective_timeout_s(), pc.enable_expert_parallel)
     # The head resolved the model to a directory on its own disk (a GGUF file becomes a cache folder there).
     # Resolve it again from the user's argument, so another node converts / finds its own copy.
-    config.model.model_dir = resolve_model_path(config.model.model, gguf_weights=config.model.gguf_weights)
-    if config.speculative is not None and config.speculative.draft_model_dir:
-        config.speculative.draft_model_dir = resolve_model_path(config.speculative.model)
+    mc = config.model
+    mc.model_dir = resolve_model_path(mc.model, gguf_weights=gguf_weights_for(mc.gguf_weights, mc.quantization))
+    spec = config.speculative
+    if spec is not None and spec.draft_model_dir:
+        spec.draft_model_dir = resolve_model_path(spec.model, gguf_weights=gguf_weights_for("auto", spec.quantization))
 
 
 class Worker:
