@@ -418,7 +418,8 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
             const __m256 m = _mm256_set1_ps(-dmin);
             _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
             _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)), m));
-            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mins, 8))), m));
+            const __m128i mins_hi = _mm_srli_si128(mins, 8);
+            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins_hi)), m));
             break;
         }
 #endif
@@ -449,7 +450,8 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
             const __m256 m = _mm256_set1_ps(-(float)toffset(t) * d);
             _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepi8_epi16(v));
             _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
-            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), m));
+            const __m128i v_hi = _mm_srli_si128(v, 8);
+            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_hi)), m));
             break;
         }
 #endif
@@ -780,7 +782,8 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i qi[4];
         for (int i = 0; i < 4; i++)
-            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            qi[i] = _mm256_cvtps_epi32(
+                _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         sum[0] = hsum_i32(_mm256_add_epi32(qi[0], qi[1]));
         sum[1] = hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
