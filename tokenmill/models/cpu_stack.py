@@ -99,7 +99,7 @@ class CpuStack:
             method = layer.quant_method
             blocks = _block_linear(layer)
             if blocks is not None:  # w: the gg_part_t array, qmax: its length
-                return _Linear(_addr(ggml.load().gg_linear), ctypes.addressof(blocks.c_parts), bias, None,
+                return _Linear(_addr(blocks.kernel(dtype)), ctypes.addressof(blocks.c_parts), bias, None,
                                blocks.N, blocks.K, LINEAR_BLOCKS, len(blocks.c_parts))
             if isinstance(method, Int8LinearMethod):
                 return _Linear(_addr(qkernels.load().int8_linear_iq), layer.weight.data_ptr(), bias,
@@ -132,7 +132,7 @@ class CpuStack:
         # (matmul_plan.py), or an int8 layer widens its weight for MKL there; the stack only knows the kernels.
         lins = [lin for layer in model.layers for lin in _linears(layer)]
         int8 = [lin.quant_method.kernel_rows for lin in lins if isinstance(lin.quant_method, Int8LinearMethod)]
-        blocks = [_block_linear(lin).max_rows for lin in lins if _block_linear(lin) is not None]
+        blocks = [_block_linear(lin).row_limit(dtype) for lin in lins if _block_linear(lin) is not None]
         plans = [lin.packed_weight.plan for lin in lins
                  if type(lin.quant_method) is UnquantizedLinearMethod]
         self.max_rows = min([matmul_plan.panel_row_limit(plans)] + int8 + blocks)

@@ -847,9 +847,10 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
     return total;
 }
 
-/* output columns [n0, n1) for all M rows of x */
+/* output columns [n0, n1) for all M rows of activations; pairs: rows 2i and 2i + 1 are the two halves of
+ * output row i (gg_linear_precise), summed */
 static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t n1, const act_t *a, int64_t M,
-                        int64_t N, const float *bias, float *y) {
+                        int64_t N, const float *bias, float *y, int pairs) {
     const int64_t K = a->K;
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
@@ -863,37 +864,75 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
                 const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K};
                 float res[RMAX];
                 pick(parts[p].type, R)(w, &am, res);
-                for (int r = 0; r < R; r++) y[(m + r) * N + n] = res[r] + b;
+                if (pairs) /* M and every R are even here: a pair never straddles two passes */
+                    for (int r = 0; r < R; r += 2) y[(m + r) / 2 * N + n] = (res[r] + res[r + 1]) + b;
+                else
+                    for (int r = 0; r < R; r++) y[(m + r) * N + n] = res[r] + b;
                 m += R;
             }
         }
     }
 }
 
-void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
-               const float *bias, float *y, int num_threads) {
-    (void)N;
+/* Row m of x as activation rows 2m and 2m + 1: x quantized, then the residual x - dx * q quantized the same
+ * way; xf rows 2m and 2m + 1 are x and zeros (float weight types see x once). */
+static void quantize_pair(const float *x, int64_t K, const act_t *a, int64_t m, float *xf) {
+    int8_t *q = (int8_t *)act_q(a, 2 * m);
+    const float *d = act_d(a, 2 * m);
+    quantize_row(x, K, q, (float *)d, (float *)act_s32(a, 2 * m), (float *)act_s16(a, 2 * m));
+    float *res = xf + (2 * m + 1) * K;
+    for (int64_t k = 0; k < K; k++) res[k] = x[k] - d[k / 32] * (float)q[k];
+    quantize_row(res, K, (int8_t *)act_q(a, 2 * m + 1), (float *)act_d(a, 2 * m + 1),
+                 (float *)act_s32(a, 2 * m + 1), (float *)act_s16(a, 2 * m + 1));
+    memcpy(xf + 2 * m * K, x, (size_t)K * sizeof(float));
+    memset(res, 0, (size_t)K * sizeof(float));
+}
+
+static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
+                   const float *bias, float *y, int num_threads, int precise) {
     int quantized = 0;
     for (int p = 0; p < nparts; p++) quantized |= !is_float(parts[p].type);
+    precise &= quantized;
+    const int64_t rows = precise ? 2 * M : M;
     act_t a = {NULL, act_stride(K), x, K};
     if (quantized) {
-        a.base = scratch((size_t)(M * a.stride));
+        const size_t act_bytes = (size_t)(rows * a.stride);
+        a.base = scratch(act_bytes + (precise ? (size_t)(rows * K) * sizeof(float) : 0));
         if (a.base == NULL) return;
+        if (precise) a.xf = (const float *)(a.base + act_bytes);
     }
     const double total = total_bytes(parts, nparts, K);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         if (quantized) {
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                quantize_row(x + m * K, K, (int8_t *)act_q(&a, m), (float *)act_d(&a, m), (float *)act_s32(&a, m),
-                             (float *)act_s16(&a, m));
+            for (int64_t m = 0; m < M; m++) {
+                if (precise)
+                    quantize_pair(x + m * K, K, &a, m, (float *)a.xf);
+                else
+                    quantize_row(x + m * K, K, (int8_t *)act_q(&a, m), (float *)act_d(&a, m),
+                                 (float *)act_s32(&a, m), (float *)act_s16(&a, m));
+            }
         }
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t n0 = column_at(parts, nparts, K, total * t / T);
         const int64_t n1 = t == T - 1 ? N : column_at(parts, nparts, K, total * (t + 1) / T);
-        run_columns(parts, nparts, n0, n1, &a, M, N, bias, y);
+        run_columns(parts, nparts, n0, n1, &a, rows, N, bias, y, precise);
     }
+}
+
+/* The decode kernel: int8 activations per 32 values (bfloat16 models: as fine as their activations). */
+void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
+               const float *bias, float *y, int num_threads) {
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 0);
+}
+
+/* The same for float32 models, with the activations at about 16-bit precision: x ~ dx * q + dr * qr, qr the
+ * int8 quantization of the residual, both run as rows of one pass over the weights (each decoded weight
+ * block serves both; the integer dots are exact) and summed. Twice the integer work, the same weight bytes. */
+void gg_linear_precise(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
+                       const float *bias, float *y, int num_threads) {
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 1);
 }
 
 #if defined(__AVX2__)

@@ -78,9 +78,9 @@ def typed(lib):
     """Declare the library's signatures (once per loaded library)."""
     if lib is not None and not getattr(lib, "_typed", False):
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        lib.gg_linear.argtypes = [vp, i64, vp, i32, i64, i64, vp, vp, i32]
+        lib.gg_linear.argtypes = lib.gg_linear_precise.argtypes = [vp, i64, vp, i32, i64, i64, vp, vp, i32]
         lib.gg_dequant_rows.argtypes = [i32, vp, i64, vp, i64, i64, vp, i32, i32]
-        lib.gg_linear.restype = lib.gg_dequant_rows.restype = None
+        lib.gg_linear.restype = lib.gg_linear_precise.restype = lib.gg_dequant_rows.restype = None
         lib.gg_isa.argtypes, lib.gg_isa.restype = [], ctypes.c_char_p
         lib._typed = True
     return lib
@@ -184,19 +184,26 @@ class BlockLinear:
             _CPart(p.type, 0, p.data.shape[0], p.data.stride(0), p.data.data_ptr()) for p in parts])
         self._addr = ctypes.addressof(self.c_parts)
 
+    def row_limit(self, dtype: torch.dtype) -> int:
+        """The most rows of x in `dtype` the integer kernel serves (more go to the tiles)."""
+        return self._max_rows_f32 if dtype == torch.float32 else self.max_rows
+
+    def kernel(self, dtype: torch.dtype):
+        """The C kernel for x in `dtype`: float32 models take the ~16-bit activations of gg_linear_precise."""
+        return self.lib.gg_linear_precise if dtype == torch.float32 else self.lib.gg_linear
+
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         K, N = self.K, self.N
         rows = x.numel() // K
         if self.lib is None:
             return self._torch(x, bias)
-        limit = self._max_rows_f32 if x.dtype == torch.float32 else self.max_rows
-        if rows > limit and not batch_invariant.enabled():
+        if rows > self.row_limit(x.dtype) and not batch_invariant.enabled():
             return self._tiled(x, bias)
         x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         b = bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
         y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
-        self.lib.gg_linear(x2.data_ptr(), rows, self._addr, len(self.parts), N, K,
-                           None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        self.kernel(x.dtype)(x2.data_ptr(), rows, self._addr, len(self.parts), N, K, None if b is None else b.data_ptr(),
+               y.data_ptr(), torch.get_num_threads())
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def _tiled(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
