@@ -7,11 +7,12 @@ small independent unpacker reads the files back into the reference weights scale
 saved as a plain float checkpoint (the int4 values are the float model's round-to-nearest ones, jittered, so
 the model stays a sensible one). Checked: (a) each layer's blocks dequantize to the reference within the
 bound the repacking allows (m = fp16(-scale * zero): 2^-11 of |scale * zero|, awq_gptq.py's docstring), and d
-is fp16(scale) exactly; (b) the quantized checkpoint's greedy tokens follow the float reference's on at least
-90% of positions (4 prompts x 12 tokens; one early divergence may cost several), and teacher-forced over 256
-tokens in windows of 32 rows (so every matmul runs the integer kernel) top-1 agreement is >= 95%, KL < 1e-3
-nats and perplexity within 1% (the kernel rounds activations to 8 bits per 32 values, so equality is not
-guaranteed; measured here: top-1 96.8-100%, KL ~2.6e-5, perplexity within 0.05%); (c) bad checkpoints are one-line
+is fp16(scale) exactly; (b) the quantized checkpoint's greedy tokens (4 prompts x 12) equal the float
+reference's up to each sequence's first difference, which may only come at a near-tie of the reference (top
+two within 0.05 nats: the kernel's activation rounding -- 8 bits per 32 values for bf16, about 16 for float32
+models -- may flip those, so equality is not guaranteed), and teacher-forced over 256 tokens in windows of 32
+rows (every matmul on the integer kernel) top-1 agreement is >= 95%, KL < 1e-3 nats and perplexity within 1%
+(measured: top-1 96.8-100%, KL ~2.6e-5, perplexity within 0.05%); (c) bad checkpoints are one-line
 ValueErrors.
 """
 from __future__ import annotations
@@ -239,17 +240,31 @@ def test_blocks_match_the_checkpoint_dequantization(base, tmp_path, fmt, g, sym)
 
 # -- (b) whole model against the float reference ------------------------------------------------------------
 def _greedy(model_dir, prompts, **kw):
+    """Each prompt's 12 greedy tokens and, at each, the margin in nats between the top two candidates."""
     from tokenmill import LLM, SamplingParams
 
     llm = LLM(model_dir, kv_cache_memory_bytes=2**22, block_size=16, max_num_seqs=4, **kw)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in out]
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2), use_tqdm=False)
+    margins = []
+    for o in out:
+        top = [sorted((v.logprob for v in step.values()), reverse=True) for step in o.outputs[0].logprobs]
+        margins.append([t[0] - t[1] for t in top])
+    return [o.outputs[0].token_ids for o in out], margins
 
 
-def _agreement(a, b):
-    pairs = [(x, y) for ta, tb in zip(a, b) for x, y in zip(ta, tb)]
-    return sum(x == y for x, y in pairs) / len(pairs)
+def _assert_follows(quant, ref, tie=0.05):
+    """The quantized model's greedy tokens equal the reference's up to each sequence's first difference, which
+    may only come where the reference's own top two are within `tie` nats (a near-tie that the kernel's
+    activation rounding may flip; past it the contexts differ and nothing more is compared). Returns the
+    fraction of positions that agree."""
+    (qt, _), (rt, rm) = quant, ref
+    agree = 0
+    for a, b, margin in zip(qt, rt, rm):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+        assert first == len(b) or margin[first] < tie, (a, b, first, margin[first])
+        agree += first
+    return agree / sum(len(b) for b in rt)
 
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 11, 17)] + [[40, 41, 40, 41, 7, 9, 300]]
@@ -260,8 +275,7 @@ def test_greedy_tokens_follow_the_float_reference(base, tmp_path, fmt):
     from tokenmill.eval.quality import evaluate
 
     qdir, fdir, _ = _build(base, str(tmp_path), fmt, 128 if fmt != "ct" else 32, seed=1)
-    agree = _agreement(_greedy(qdir, PROMPTS), _greedy(fdir, PROMPTS))
-    assert agree >= 0.9, agree
+    _assert_follows(_greedy(qdir, PROMPTS), _greedy(fdir, PROMPTS))
     # teacher-forced, windows of 32 rows: every matmul runs the integer kernel (ggml.MAX_ROWS)
     ref, quant = evaluate(fdir, [qdir], max_tokens=256, window=32, quantize_lm_head="no")
     d = quant.as_dict(ref)
@@ -271,7 +285,7 @@ def test_greedy_tokens_follow_the_float_reference(base, tmp_path, fmt):
 
 def test_online_int4_blocks_and_greedy_tokens(base):
     """--quantization int4: every 32-block's d and m are fp16 of its (max - min) / 15 and min, and q the nearest
-    grid point of those; greedy tokens follow the float model on most positions."""
+    grid point of those; teacher-forced, its next-token distributions stay close to the float model's."""
     from tokenmill.layers.quantization.int4 import Int4LinearMethod, unpack_q4_1
 
     path, floats = base
@@ -287,8 +301,14 @@ def test_online_int4_blocks_and_greedy_tokens(base):
     assert ((grid - blocks).abs() <= d.float()[..., None] / 2 * (1 + 1e-3) + 1e-7).all()  # nearest point
     assert torch.allclose(m.quant_method.dequantized_weight(m), grid.reshape(w.shape))
     assert model.lm_head.quant_method.__class__.__name__ == "UnquantizedLinearMethod"
-    agree = _agreement(_greedy(path, PROMPTS, quantization="int4"), _greedy(path, PROMPTS))
-    assert agree >= 0.9, agree
+    # against the float model itself: the random model's next-token distributions are nearly flat (perplexity
+    # ~480 over 400 tokens), so top-1 flips easily (66% agree here) while the distributions stay close:
+    # measured KL 0.007 nats, perplexity +0.26%
+    from tokenmill.eval.quality import evaluate
+
+    ref, quant = evaluate(path, ["int4"], max_tokens=256, window=32, quantize_lm_head="no")
+    d = quant.as_dict(ref)
+    assert d["kl_divergence"] < 0.02 and abs(d["perplexity_change"]) < 0.02, d
 
 
 def test_online_int4_g128_repeats_the_group_in_its_blocks(base):
@@ -452,7 +472,7 @@ def test_online_int4_reaches_the_experts(tiny, caplog):
         assert (dequantize_q4_1(b2[1], n) - w2[1]).abs().max() < w2[1].abs().max() / 15  # within a step
     err, scale = llm.engine.executor.collective_rpc(_expert_error)[0]
     assert err <= 0.02 * scale, (err, scale)  # the kernel's 8-bit activation rounding, far below this
-    assert all(len(t) == 12 for t in _greedy_llm(llm, PROMPTS))
+    assert all(len(t) == 12 for t in _greedy_llm(llm, PROMPTS))  # the experts run in the engine
     with caplog.at_level("WARNING", logger="tokenmill"):
         llm = LLM(tiny("qwen3_moe"), dtype="float32", quantization="int4", kv_cache_memory_bytes=2**22)
     assert "MoE experts' sizes are not multiples of 32" in caplog.text
