@@ -1,7 +1,7 @@
 """Tiny random models written as quantized GGUF files, every tensor in a chosen ggml type.
 
 The legacy types (Q4_0 ... Q8_0) are quantized from the tiny model's float weights with gguf-py; gguf-py cannot
-quantize K-quants, so those tensors are random blocks whose fp16 scales are set to small finite values (any
+quantize K-quants or IQ4, so those tensors are random blocks whose fp16 scales are set to small finite values (any
 such bytes are a valid block; the scales are picked so the weights have roughly the float model's size).
 The GGUF's tokenizer is the tiny models' BPE, written as llama.cpp's converter writes a gpt2 tokenizer.
 """
@@ -15,10 +15,11 @@ import numpy as np
 
 from models import ARCHS, build_tokenizer
 
-ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "F32")
+ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+             "F16", "BF16", "F32")
 # K-quant block: (byte offsets of the fp16 d / dmin fields, d giving weights of ~0.05)
 _K_SCALES = {"Q2_K": ((80, 82), 1e-3), "Q3_K": ((108,), 4e-4), "Q4_K": ((0, 2), 5e-5), "Q5_K": ((0, 2), 2.5e-5),
-             "Q6_K": ((208,), 1.2e-5)}
+             "Q6_K": ((208,), 1.2e-5), "IQ4_NL": ((0,), 4e-4), "IQ4_XS": ((0,), 1.5e-5)}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",

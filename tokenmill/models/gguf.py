@@ -47,7 +47,7 @@ _EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # -
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
                  "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
 GGUF_WEIGHTS = ("auto", "native", "dequantize")  # --gguf-weights
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
