@@ -129,20 +129,28 @@ static inline uint32_t le32(const uint8_t *p) {
     return v;
 }
 
-/* Q4_K/Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
-AI void scale_min_k4(int j, const uint8_t *q, int *d, int *m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* Q3_K's sixteen 6-bit scales as bytes 0-63 (ggml's kmask shuffle) */
+AI void q3k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
+    uint32_t aux[4];
+    memcpy(aux, sc12, 12);
+    const uint32_t tmp = aux[2], k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
+    aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
+    aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
+    aux[0] = (aux[0] & k2) | ((tmp & k1) << 4);
+    aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+    memcpy(out, aux, 16);
 }
 
-/* Q3_K's 16 six-bit scales, minus 32 */
-AI int q3k_scale(const uint8_t *sc, int k) {
-    return (((sc[k % 8] >> (4 * (k / 8))) & 0xF) | (((sc[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+/* Q4_K/Q5_K's eight 6-bit scales to bytes 0-7 and mins to bytes 8-15 (llama.cpp's utmp shuffle) */
+AI void q4k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
+    uint32_t u[4];
+    memcpy(u, sc12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t m03 = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = m03;
+    u[0] &= 0x3f3f3f3fu;
+    memcpy(out, u, 16);
 }
 
 /* Dequantization parameters of a (super-)block: value i of 16-group g is a[g] * (u_i - off) + b[g]. */
@@ -170,19 +178,21 @@ AI void deq_params(const int t, const uint8_t *blk, deq_t *p) {
     }
     case T_Q3_K: {
         const float d = f16(blk + 108);
+        uint8_t sc[16];
+        q3k_scale_bytes(blk + 96, sc);
         for (int g = 0; g < 16; g++) {
-            p->a[g] = d * (float)q3k_scale(blk + 96, g);
+            p->a[g] = d * (float)((int)sc[g] - 32);
             p->b[g] = 0.0f;
         }
         break;
     }
     case T_Q4_K: case T_Q5_K: {
         const float d = f16(blk), dmin = f16(blk + 2);
+        uint8_t sm[16];
+        q4k_scale_bytes(blk + 4, sm);
         for (int s = 0; s < 8; s++) {
-            int sc, m;
-            scale_min_k4(s, blk + 4, &sc, &m);
-            p->a[2 * s] = p->a[2 * s + 1] = d * (float)sc;
-            p->b[2 * s] = p->b[2 * s + 1] = -(dmin * (float)m);
+            p->a[2 * s] = p->a[2 * s + 1] = d * (float)sm[s];
+            p->b[2 * s] = p->b[2 * s + 1] = -(dmin * (float)sm[8 + s]);
         }
         break;
     }
@@ -398,7 +408,31 @@ AI void fill8(float *p, float v) {
 #endif
 }
 
+/* n floats out[i] = (float)in[i] * m, from signed (sgn) or unsigned bytes; n = 8 or 16 */
+AI void bytes_times(const uint8_t *in, int n, int sgn, float m, float *out) {
+#if defined(__AVX2__)
+    for (int i = 0; i < n; i += 8) {
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(in + i));
+        const __m256i w = sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(m)));
+    }
+#else
+    for (int i = 0; i < n; i++) out[i] = (float)(sgn ? (int8_t)in[i] : in[i]) * m;
+#endif
+}
+
+/* Q2_K/Q3_K/Q6_K: one scale d, integer scales per 16 values (sc), and the offset/min terms mc[g] */
+AI void hdr_sc16(hdr_t *h, const int8_t *sc, float d, float mc_per_sc, const float *mins) {
+    fill8(h->ws, d);
+    for (int g = 0; g < 16; g++) h->sc[g] = sc[g];
+    if (mins != NULL)
+        memcpy(h->mc, mins, 16 * sizeof(float));
+    else
+        bytes_times((const uint8_t *)sc, 16, 1, mc_per_sc, h->mc);
+}
+
 AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
+    uint8_t v[16];
     switch (t) {
     case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
         h->ws[0] = f16(b);
@@ -409,83 +443,32 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
         h->mc[0] = f16(b + 2);
         break;
     case T_Q2_K: {
-        const float d = f16(b + 80), dmin = f16(b + 82);
-        fill8(h->ws, d);
-#if defined(__AVX2__)
-        {
-            const __m128i v = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
-            const __m128i mins = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-            const __m256 m = _mm256_set1_ps(-dmin);
-            _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepu8_epi16(_mm_and_si128(v, m4)));
-            _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)), m));
-            const __m128i mins_hi = _mm_srli_si128(mins, 8);
-            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins_hi)), m));
-            break;
-        }
-#endif
+        uint8_t mins[16];
+        float mc[16];
         for (int g = 0; g < 16; g++) {
-            h->sc[g] = b[g] & 0xF;
-            h->mc[g] = -dmin * (float)(b[g] >> 4);
+            v[g] = b[g] & 0xF;
+            mins[g] = b[g] >> 4;
         }
+        bytes_times(mins, 16, 0, -f16(b + 82), mc);
+        hdr_sc16(h, (const int8_t *)v, f16(b + 80), 0.0f, mc);
         break;
     }
     case T_Q3_K: case T_Q6_K: {
         const float d = f16(b + (t == T_Q3_K ? 108 : 208));
-        fill8(h->ws, d);
-#if defined(__AVX2__)
-        {
-            __m128i v;
-            if (t == T_Q6_K) {
-                v = _mm_loadu_si128((const __m128i *)(b + 192));
-            } else { /* Q3_K's 6-bit scales to bytes (ggml's kmask shuffle), minus 32 */
-                uint32_t aux[4];
-                memcpy(aux, b + 96, 12);
-                const uint32_t tmp = aux[2], k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
-                aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
-                aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
-                aux[0] = (aux[0] & k2) | ((tmp & k1) << 4);
-                aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
-                v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32));
-            }
-            const __m256 m = _mm256_set1_ps(-(float)toffset(t) * d);
-            _mm256_storeu_si256((__m256i *)h->sc, _mm256_cvtepi8_epi16(v));
-            _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), m));
-            const __m128i v_hi = _mm_srli_si128(v, 8);
-            _mm256_storeu_ps(h->mc + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v_hi)), m));
-            break;
+        if (t == T_Q3_K) {
+            q3k_scale_bytes(b + 96, v);
+            for (int g = 0; g < 16; g++) v[g] -= 32;
+        } else {
+            memcpy(v, b + 192, 16);
         }
-#endif
-        for (int g = 0; g < 16; g++) {
-            h->sc[g] = t == T_Q3_K ? q3k_scale(b + 96, g) : (int8_t)b[192 + g];
-            h->mc[g] = -(float)toffset(t) * d * (float)h->sc[g];
-        }
+        hdr_sc16(h, (const int8_t *)v, d, -(float)toffset(t) * d, NULL);
         break;
     }
-    case T_Q4_K: case T_Q5_K: {
-        const float d = f16(b), dmin = f16(b + 2);
-#if defined(__AVX2__)
-        /* the 6-bit scales to bytes 0-7 and mins to bytes 8-15 at once (llama.cpp's utmp shuffle) */
-        uint32_t u[4];
-        memcpy(u, b + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-        const uint32_t m03 = u[1] & 0x3f3f3f3fu;
-        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-        u[2] = m03;
-        u[0] &= 0x3f3f3f3fu;
-        const __m128i v = _mm_loadu_si128((const __m128i *)u);
-        _mm256_storeu_ps(h->ws, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(d)));
-        _mm256_storeu_ps(h->mc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
-                                              _mm256_set1_ps(-dmin)));
-#else
-        for (int s = 0; s < 8; s++) {
-            int sc, m;
-            scale_min_k4(s, b + 4, &sc, &m);
-            h->ws[s] = d * (float)sc;
-            h->mc[s] = -dmin * (float)m;
-        }
-#endif
+    case T_Q4_K: case T_Q5_K:
+        q4k_scale_bytes(b + 4, v);
+        bytes_times(v, 8, 0, f16(b), h->ws);
+        bytes_times(v + 8, 8, 0, -f16(b + 2), h->mc);
         break;
-    }
     case T_IQ4_XS: {
         deq_t p;
         deq_params(t, b, &p);
