@@ -135,3 +135,24 @@ def test_moe_experts_stay_in_blocks(tiny, tmp_path, monkeypatch):
     ref, _ = _generate(path, "dequantize", PROMPTS, 16)
     agree = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(native, ref))
     assert agree >= 0.75 * sum(len(b) for b in ref), (native, ref)
+
+
+def test_float32_activations_are_quantized_twice():
+    """gg_linear_precise (float32 x): the residual of the int8 activations is quantized and run too, so the
+    error is about 1/254 of the int8 kernel's (bf16 x); checked against the exact float product."""
+    import gguf as gguf_py
+    import numpy as np
+
+    from tokenmill.layers.quantization import ggml
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 512)).astype(np.float32)
+    blocks = gguf_py.quants.quantize(w, gguf_py.GGMLQuantizationType.Q8_0)
+    part = ggml.Part(int(gguf_py.GGMLQuantizationType.Q8_0), torch.from_numpy(np.ascontiguousarray(blocks)))
+    exact_w = ggml.dequantize(part, 512).double()
+    x = torch.from_numpy(rng.standard_normal((3, 512)).astype(np.float32))
+    exact = x.double() @ exact_w.T
+    bl = ggml.bind([part], 512)
+    err_precise = (bl(x, None).double() - exact).abs().max().item()
+    err_int8 = (bl(x.bfloat16(), None).double() - x.bfloat16().double() @ exact_w.T).abs().max().item()
+    assert err_precise < err_int8 / 20, (err_precise, err_int8)
