@@ -669,17 +669,26 @@ AI float fma1(float a, float b, float c) {
 #endif
 }
 
+/* Two accumulators per row (even and odd 8-value steps) at every row count: one FMA chain per row would wait
+ * its latency at every 8 values, and the same order for any R keeps a row's result independent of the batch */
 AI void dot_f(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
     const int64_t K = a->K;
-    v8f acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = (v8f){0};
+    v8f acc0[RMAX], acc1[RMAX];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = (v8f){0};
     int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const v8f w0 = load8_w(t, w, k), w1 = load8_w(t, w, k + 8);
+        for (int r = 0; r < R; r++) {
+            acc0[r] = fma8(w0, load8(a->xf + r * K + k), acc0[r]);
+            acc1[r] = fma8(w1, load8(a->xf + r * K + k + 8), acc1[r]);
+        }
+    }
     for (; k + 8 <= K; k += 8) {
         const v8f wv = load8_w(t, w, k);
-        for (int r = 0; r < R; r++) acc[r] = fma8(wv, load8(a->xf + r * K + k), acc[r]);
+        for (int r = 0; r < R; r++) acc0[r] = fma8(wv, load8(a->xf + r * K + k), acc0[r]);
     }
     for (int r = 0; r < R; r++) {
-        float s = hsum8(acc[r]);
+        float s = hsum8(acc0[r] + acc1[r]);
         for (int64_t i = k; i < K; i++) s = fma1(load1_w(t, w, i), a->xf[r * K + i], s);
         res[r] = s;
     }
