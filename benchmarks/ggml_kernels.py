@@ -131,9 +131,8 @@ def main() -> None:
     names = {v: k for k, v in ggml.TYPE_NAMES.items()}
     types = [names[t.strip()] for t in args.types.split(",")]
     rng = np.random.default_rng(0)
-    limit = ggml.BlockLinear([], args.k).max_rows if args.bf16 else ggml.MAX_ROWS_F32
     print(f"ggml kernels: {ggml.isa()}, {args.threads} threads, N={args.n} K={args.k}, x "
-          f"{'bf16' if args.bf16 else 'float32'} (integer kernel up to {limit} rows, tiles above)")
+          f"{'bf16' if args.bf16 else 'float32'} (the integer kernel up to each type's row limit, tiles above)")
     if args.crossover:
         for t in types:
             crossover(t, args, rng)

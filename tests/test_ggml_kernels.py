@@ -227,3 +227,18 @@ def test_bad_shapes_are_refused():
         ggml.bind([ggml.Part(ggml.Q4_0, torch.zeros(4, 17, dtype=torch.uint8))], 32)
     with pytest.raises(ValueError, match="unsupported"):
         ggml.block_size(99)
+
+
+def test_row_limits_follow_the_measured_crossovers():
+    """A merged layer routes by the smallest row limit of its parts' types (ggml.MAX_ROWS_BF16's table)."""
+    from tokenmill.config import cpu_has_native_bf16
+
+    def part(type_id):
+        return ggml.Part(type_id, torch.zeros(2, ggml.row_bytes(type_id, 256), dtype=torch.uint8))
+
+    q4k, mixed = ggml.bind([part(ggml.Q4_K)], 256), ggml.bind([part(ggml.Q4_K), part(ggml.Q6_K)], 256)
+    if cpu_has_native_bf16():
+        assert (q4k.max_rows, mixed.max_rows) == (24, 16)
+    else:
+        assert (q4k.max_rows, mixed.max_rows) == (96, 64)
+    assert ggml.BlockLinear([part(ggml.Q8_0)], 256, max_rows=5).max_rows == 5

@@ -11,7 +11,7 @@ Routing by rows of x (BlockLinear.__call__):
 - more (prefill): weight tiles of at most TILE_BYTES are dequantized (bfloat16 where the CPU has native bf16
   dot products and x is 16-bit, else float32) into a reused buffer and multiplied with torch (oneDNN/MKL) into
   the output's columns: no full-size float copy of the weight.
-MAX_ROWS_BF16 / MAX_ROWS_F32 are the measured crossovers of the two (see their comment).
+The row limits are the measured crossovers of the two (see MAX_ROWS_BF16's comment).
 Without the C library (no compiler, TOKENMILL_CPU_KERNELS=0) the parts are dequantized with gguf-py and
 F.linear runs: correct, slow, logged once.
 """
@@ -43,15 +43,23 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
            Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
 FLOAT_TYPES = (F32, F16, BF16)
 # Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM (the crossover), measured with
-# `python benchmarks/ggml_kernels.py --crossover` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI and
-# AVX512_BF16; ms integer / tiled for Q4_0, Q4_K, Q6_K, Q8_0):
-# - bf16 x, bf16 tiles: M=8 2.6/3.1 1.7/2.9 2.6/3.0 4.1/4.4; M=16 5.1/3.7 3.2/3.3 4.9/3.6 3.8/3.0;
-#   M=32 6.1/4.4 6.5/4.6 8.3/4.7 7.0/4.7: the tiles win from 16 rows;
-# - float32 x, float32 tiles (half the GEMM rate): M=64 11.9/17.0 12.3/17.5 15.7/17.4; M=96 18.7/22.6
-#   18.8/23.1 23.8/22.9; M=128 25.5/27.8 25.7/28.2 32.2/28.2: they win from about 96-128 rows.
-# AVX2-only CPUs (no native bf16) use the float32 figure, not measured there.
+# `python benchmarks/ggml_kernels.py --crossover [--f32]` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI
+# and AVX512_BF16, quiet machine; ms integer / tiled):
+#   bf16 x, bf16 tiles  M=8        M=16       M=24       M=32       M=48
+#     Q4_0              1.21/2.89  2.40/3.55  3.71/4.17  4.98/4.86  7.49/6.00
+#     Q4_K              1.21/3.20  2.41/3.84  3.66/4.46  4.99/5.05  9.29/6.37
+#     Q6_K              2.03/3.30  4.01/3.92  5.79/4.52  8.13/5.13
+#     Q8_0              1.47/2.67  2.89/3.32  4.37/3.93  5.88/4.54
+#   float32 x, float32 tiles (half the GEMM rate)  M=64  M=96  M=128
+#     Q4_0              20.4/32.8  34.2/39.8  47.9/45.5
+#     Q4_K              20.9/34.1  34.2/40.5  48.1/46.5
+#     Q6_K              33.4/34.1  53.4/40.6  70.9/46.4
+# A merged layer takes the smallest limit of its parts' types; the types not listed were not measured and take
+# the default. AVX2-only CPUs (no native bf16) use the float32 figures, not measured there.
 MAX_ROWS_BF16 = 16
 MAX_ROWS_F32 = 96
+_MAX_ROWS_BF16 = {Q4_0: 24, Q4_K: 24}
+_MAX_ROWS_F32 = {Q6_K: 64}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
@@ -177,8 +185,10 @@ class BlockLinear:
         self.N = sum(p.data.shape[0] for p in parts)
         self._tile_bf16 = cpu_has_native_bf16()
         # max_rows: for 16-bit x (bf16 tiles where the CPU has native bf16); float32 x has its own crossover
-        self.max_rows = max_rows if max_rows is not None else MAX_ROWS_BF16 if self._tile_bf16 else MAX_ROWS_F32
-        self._max_rows_f32 = max_rows if max_rows is not None else MAX_ROWS_F32
+        f32 = min([_MAX_ROWS_F32.get(p.type, MAX_ROWS_F32) for p in parts], default=MAX_ROWS_F32)
+        bf16 = min([_MAX_ROWS_BF16.get(p.type, MAX_ROWS_BF16) for p in parts], default=MAX_ROWS_BF16)
+        self.max_rows = max_rows if max_rows is not None else bf16 if self._tile_bf16 else f32
+        self._max_rows_f32 = max_rows if max_rows is not None else f32
         self.lib = lib or load()
         self.c_parts = (_CPart * len(parts))(*[
             _CPart(p.type, 0, p.data.shape[0], p.data.stride(0), p.data.data_ptr()) for p in parts])
