@@ -14,6 +14,8 @@ and the sums over K/32 blocks, of terms that the offset/min decomposition can ma
 largest weight times |x_i| each: at most a few dozen roundings of relative 2^-24 on
 sum_i |x_i| (|W_i| + max|W|), which E_float = 2^-16 * sum_i |x_i| (|W_i| + max|W|) bounds with ample room.
 Assert |y - x @ W^T| <= E_act + E_float elementwise (the kernel's error is typically 5-15% of E_act).
+gg_linear_precise (float32 x) also quantizes each block's residual r = x - dx q (|r| <= dx/2, so its scale
+dr <= dx/254, up to the float rounding of r) and adds its exact integer dot: E_precise = E_act / 254 (1 + 2^-10).
 Rows above max_rows take dequantized tiles + torch's GEMM: with float32 x exact weights in float32, so only
 E_float applies; with bf16 x (bf16 tiles where the CPU has native bf16) the inputs, the weights and the
 output each round to bf16 (relative 2^-9): E_bf16 = 2^-7 * |x| @ |W|^T + 2^-8 |y| bounds it.
@@ -72,22 +74,32 @@ def reference(part: ggml.Part, K: int) -> torch.Tensor:
     return torch.from_numpy(gguf_quants.dequantize(raw, part.type).reshape(raw.shape[0], K).astype(np.float32))
 
 
-def act_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """E_act + E_float of the module docstring, [M, N]."""
+def act_bound(x: torch.Tensor, w: torch.Tensor, precise: bool = False) -> torch.Tensor:
+    """E_act (or E_precise) + E_float of the module docstring, [M, N]."""
     x, w = x.double(), w.double()
     M, K = x.shape
     dx = x.reshape(M, K // 32, 32).abs().amax(-1) / 127                                  # [M, K/32]
+    if precise:
+        dx = dx / 254 * (1 + 2.0 ** -10)
     wabs = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)                                # [N, K/32]
     e_act = (dx / 2) @ wabs.t()
     e_float = 2.0 ** -16 * (x.abs() @ (w.abs() + w.abs().amax(1, keepdim=True)).t())
     return e_act + e_float
 
 
+def kernel_call(layer: ggml.BlockLinear, fn, x: torch.Tensor) -> torch.Tensor:
+    """y from one of the C kernels (gg_linear, gg_linear_precise) called directly on float32 x."""
+    y = torch.empty(x.shape[0], layer.N)
+    fn(x.data_ptr(), x.shape[0], ctypes.addressof(layer.c_parts), len(layer.parts), layer.N, layer.K, None,
+       y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, route: str = "int") -> None:
     ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     xa, wa = x.double().abs(), w.double().abs()
-    if route == "int":
-        bound = act_bound(x.float(), w)
+    if route in ("int", "precise"):
+        bound = act_bound(x.float(), w, precise=route == "precise")
         if bias is not None:
             bound = bound + 2.0 ** -23 * bias.double().abs()
     elif x.dtype == torch.float32:
@@ -145,7 +157,12 @@ def test_linear_matches_reference(lib, type_id):
         layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
         for M in (1, 3, 8, 40, 300):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-            check(layer(x, None), x, w, route="int" if M <= MAX_ROWS else "tiles")
+            if M > MAX_ROWS:
+                check(layer(x, None), x, w, route="tiles")
+                continue
+            check(kernel_call(layer, lib.gg_linear, x), x, w, route="int")
+            check(kernel_call(layer, lib.gg_linear_precise, x), x, w, route="precise")
+            check(layer(x, None), x, w, route="precise")  # float32 x: BlockLinear takes the precise kernel
 
 
 def test_merged_parts_bias_and_shapes(lib):
@@ -201,6 +218,9 @@ def test_rows_do_not_depend_on_the_batch_or_threads(lib):
     y = layer(x, None)
     for i in (0, 9, 14):
         assert torch.equal(layer(x[i:i + 1], None), y[i:i + 1])
+    y8 = kernel_call(layer, lib.gg_linear, x)  # the int8 kernel too (float32 x above took the precise one)
+    for i in (0, 9, 14):
+        assert torch.equal(kernel_call(layer, lib.gg_linear, x[i:i + 1].contiguous()), y8[i:i + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
