@@ -276,7 +276,10 @@ def test_greedy_tokens_follow_the_float_reference(base, tmp_path, fmt):
 
     qdir, fdir, _ = _build(base, str(tmp_path), fmt, 128 if fmt != "ct" else 32, seed=1)
     _assert_follows(_greedy(qdir, PROMPTS), _greedy(fdir, PROMPTS))
-    # teacher-forced, windows of 32 rows: every matmul runs the integer kernel (ggml.MAX_ROWS)
+    # teacher-forced, windows of 32 rows: every matmul runs the integer kernel (float32 x: ggml.MAX_ROWS_F32)
+    from tokenmill.layers.quantization import ggml
+
+    assert ggml.MAX_ROWS_F32 >= 32
     ref, quant = evaluate(fdir, [qdir], max_tokens=256, window=32, quantize_lm_head="no")
     d = quant.as_dict(ref)
     assert d["quantization"] == ("compressed-tensors" if fmt == "ct" else fmt)
