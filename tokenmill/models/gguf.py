@@ -111,16 +111,13 @@ def _cache_dir(gguf_path: str, weights: str) -> Path:
 
 
 def _read(path: str):
-    """Parse the GGUF header, turning any parse failure into a one-line ValueError. The file is mapped
-    copy-on-write: tensors are writable numpy views (torch takes them without a warning), never written."""
-    import gguf
-
+    """(the file's tensors, its scalar metadata), turning any parse failure into a one-line ValueError."""
     try:
-        reader = gguf.GGUFReader(path, mode="c")
-        meta = {key: _scalar(field) for key, field in reader.fields.items()}
-    except Exception as e:  # truncated or corrupt files fail deep inside numpy with assorted errors
+        reader = _Scan(path)
+    except Exception as e:  # truncated or corrupt files fail in assorted ways
         msg = " ".join(str(e).split())
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {msg})") from e
+    meta = reader.meta
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
@@ -130,19 +127,90 @@ def _read(path: str):
     return reader, meta
 
 
-def _scalar(field):
-    """Value of a scalar metadata field; arrays (token lists) are left to the tokenizer converter."""
-    from gguf import GGUFValueType
+class _Tensor(NamedTuple):
+    """A tensor of the file, as gguf-py's reader describes it: dims in GGUF order (innermost first), data a
+    numpy view of the mapped file (float types as float arrays, block types as bytes [..., row bytes])."""
+    name: str
+    shape: tuple
+    tensor_type: Any
+    data: np.ndarray
+    n_bytes: int
 
-    kind = field.types[0] if field.types else None
-    if kind == GGUFValueType.ARRAY or not field.data:
-        return None
-    part = field.parts[field.data[0]]
-    if kind == GGUFValueType.STRING:
-        return bytes(part).decode("utf-8")
-    if kind == GGUFValueType.FLOAT32:  # shortest float32 repr: 1e-05, not 9.999999747378752e-06
-        return float(str(part[0]))
-    return part[0].item()
+
+# GGUF metadata value types -> struct format (8: string, 9: array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+class _Scan:
+    """The GGUF header without its arrays: scalar metadata (`meta`; arrays such as the vocabulary are skipped,
+    the tokenizer converter reads them) and the tensor table, over a copy-on-write map of the file. gguf-py's
+    GGUFReader materializes every array element as a numpy object: ~360 MB of Python heap for a 152k-token
+    vocabulary, which outlived nothing but made the peak."""
+
+    def __init__(self, path: str) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.mm = np.memmap(path, mode="c")
+        buf, self.pos = self.mm, 4
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError("bad magic")
+        version, n_tensors, n_kv = self._unpack("<IQQ")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.meta = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.meta[key] = self._value(self._unpack("<I")[0])
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = self._unpack(f"<{self._unpack('<I')[0]}Q")
+            kind, offset = self._unpack("<IQ")
+            infos.append((name, dims, GGMLQuantizationType(kind), offset))
+        align = int(self.meta.get("general.alignment") or 32)
+        start = -(-self.pos // align) * align
+        self.tensors = []
+        for name, dims, kind, offset in infos:
+            values, nbytes = GGML_QUANT_SIZES[kind]
+            count = int(np.prod(dims))
+            size = count * nbytes // values
+            if start + offset + size > len(buf):
+                raise ValueError(f"tensor {name} runs past the end of the file")
+            raw = buf[start + offset:start + offset + size]
+            np_dims = tuple(int(d) for d in reversed(dims))
+            if kind.name in ("F32", "F16"):
+                data = raw.view(np.float32 if kind.name == "F32" else np.float16).reshape(np_dims)
+            else:  # bytes, rows of blocks (gguf-py's quant_shape_to_byte_shape)
+                data = raw.reshape(*np_dims[:-1], np_dims[-1] // values * nbytes)
+            self.tensors.append(_Tensor(name, dims, kind, data, size))
+
+    def _unpack(self, fmt: str) -> tuple:
+        out = struct.unpack_from(fmt, self.mm, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return out
+
+    def _string(self) -> str:
+        (n,) = self._unpack("<Q")
+        out = self.mm[self.pos:self.pos + n].tobytes().decode("utf-8")
+        self.pos += n
+        return out
+
+    def _value(self, kind: int):
+        if kind == 8:
+            return self._string()
+        if kind == 9:  # an array: skipped
+            elem, count = self._unpack("<IQ")
+            if elem == 8:  # each string: its uint64 length, then its bytes
+                length, mm = struct.Struct("<Q").unpack_from, self.mm
+                for _ in range(count):
+                    self.pos += 8 + length(mm, self.pos)[0]
+            elif elem == 9:
+                raise ValueError("nested metadata arrays are not supported")
+            else:
+                self.pos += count * struct.calcsize(_SCALARS[elem])
+            return None
+        value = self._unpack(_SCALARS[kind])[0]
+        return float(str(np.float32(value))) if kind == 6 else value  # shortest float32 repr: 1e-05
 
 
 def _convert(path: str, reader, meta: dict, out: Path, native: bool) -> None:
