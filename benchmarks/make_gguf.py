@@ -1,0 +1,175 @@
+"""Qwen2-shaped GGUF files with random weights, for benchmarks/gguf_native.py (issue 30).
+
+Shapes (Qwen2.5's): "0.5b" = hidden 896, 24 layers, 14 heads / 2 KV heads (head_dim 64), intermediate 4864;
+"1.5b" = hidden 1536, 28 layers, 12 / 2 heads (head_dim 128), intermediate 8960. Both: vocabulary 151936, tied
+embeddings, q/k/v biases, rope_theta 1e6, rms eps 1e-6.
+
+Types: "q4_0" and "q8_0" (every matrix, the tied embedding too, in that one type: as `llama-quantize --pure`),
+and "q4_k_m", laid out as llama.cpp's `llama-quantize Q4_K_M` does (src/llama-quant.cpp of the vendored
+llama.cpp): Q4_K for most matrices; Q6_K for the tied embedding (it is the output) and for attn_v / ffn_down in
+the layers `use_more_bits` picks (the first and last eighth and every third between); a matrix whose rows are not
+a multiple of 256 falls back to Q5_0 (for Q4_K) or Q8_0 (for Q6_K). For the 0.5B (896-wide rows) this leaves
+Q5_0 for q/k/o/gate/up, Q8_0 for the embedding and the more-bits attn_v, and Q4_K/Q6_K only for ffn_down (4864
+= 19 x 256), which is what real Qwen2.5-0.5B Q4_K_M files hold.
+
+Weights are random block bytes with a small, finite fp16 scale per block (any such bytes are a valid block:
+weights of about +-0.05), seeded, so the same file comes out every time. The tokenizer is the default model's
+(gpt2 BPE, 49152 tokens, pre-tokenizer "smollm") padded with unused tokens up to 151936, because llama.cpp
+requires the token list to match the embedding's rows.
+
+    python benchmarks/make_gguf.py [--dir /tmp/gguf-bench] [0.5b-q4_0 1.5b-q4_k_m ...]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import numpy as np
+
+logger = logging.getLogger("tokenmill")
+
+SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate)
+    "0.5b": (896, 24, 14, 2, 4864),
+    "1.5b": (1536, 28, 12, 2, 8960),
+}
+VOCAB = 151936
+QUANTS = ("q4_0", "q8_0", "q4_k_m")
+NAMES = tuple(f"{s}-{q}" for s in SHAPES for q in QUANTS)
+# (byte offsets of the block's fp16 scales, their value): weights of roughly +-0.05 whatever the other bytes
+SCALES = {"Q4_0": ((0,), 7e-3), "Q8_0": ((0,), 4e-4), "Q5_0": ((0,), 3e-3), "Q4_K": ((0, 2), 5e-5),
+          "Q6_K": ((208,), 1.2e-5)}
+FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama-quant.cpp, rows not a multiple of 256
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def default_dir() -> str:
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), "gguf-bench")
+
+
+def path_for(directory: str, name: str) -> str:
+    return os.path.join(directory, f"random-qwen2-{name}.gguf")
+
+
+def q4_k_m_type(name: str, layer: int, layers: int, cols: int) -> str:
+    """llama.cpp's Q4_K_M choice for one matrix (name without "blk.N." / ".weight"; "token_embd" is tied)."""
+    def more_bits(i: int, n: int) -> bool:
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+    if name == "token_embd":
+        kind = "Q6_K"
+    elif name in ("attn_v", "ffn_down") and more_bits(layer, layers):
+        kind = "Q6_K"
+    else:
+        kind = "Q4_K"
+    return FALLBACK[kind] if cols % 256 else kind
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, kind: str):
+    """Random bytes shaped as `kind` blocks, their fp16 scales overwritten with a small finite value."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType[kind]
+    values, nbytes = gguf.GGML_QUANT_SIZES[t]
+    data = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    offsets, scale = SCALES[kind]
+    fp16 = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    for off in offsets:
+        data[:, :, off:off + 2] = fp16
+    return data.reshape(rows, -1), t
+
+
+def _copy_tokenizer(w, vocab: int) -> None:
+    """Every tokenizer.* key of the default model's GGUF; the token list padded to `vocab` with unused tokens."""
+    import gguf
+
+    from tokenmill.models.default_model import default_model_path
+
+    src = gguf.GGUFReader(default_model_path())
+    for key, field in src.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key == "tokenizer.ggml.tokens":
+            value = value + [f"<unused_{i}>" for i in range(vocab - len(value))]
+        elif key == "tokenizer.ggml.token_type":
+            value = value + [int(gguf.TokenType.UNUSED)] * (vocab - len(value))
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, value, field.types[0], sub_type=sub)
+
+
+def _header(w, shape: str) -> None:
+    hidden, layers, heads, kv_heads, inter = SHAPES[shape]
+    w.add_block_count(layers)
+    w.add_context_length(32768)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+
+
+def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
+    import gguf
+
+    hidden, layers, heads, kv_heads, inter = SHAPES[shape]
+    head_dim = hidden // heads
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen2")
+    w.add_name(f"random-qwen2-{shape}-{quant}")
+    _header(w, shape)
+    _copy_tokenizer(w, VOCAB)
+
+    def kind(name: str, layer: int, cols: int) -> str:
+        return q4_k_m_type(name, layer, layers, cols) if quant == "q4_k_m" else quant.upper()
+
+    data, t = random_blocks(rng, VOCAB, hidden, kind("token_embd", 0, hidden))
+    w.add_tensor("token_embd.weight", data, raw_dtype=t)
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
+              "attn_v": (kv_heads * head_dim, hidden), "attn_output": (hidden, hidden),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        for name in LINEARS:
+            rows, cols = shapes[name]
+            data, t = random_blocks(rng, rows, cols, kind(name, i, cols))
+            w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=t)
+            if name in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def ensure(directory: str, name: str) -> str:
+    """The file for `name` ("0.5b-q4_k_m", ...), written once (a partial write never takes the final name)."""
+    path = path_for(directory, name)
+    if not os.path.isfile(path):
+        shape, quant = name.split("-")
+        if shape not in SHAPES or quant not in QUANTS:
+            raise ValueError(f"unknown benchmark file {name!r}; known: {', '.join(NAMES)}")
+        os.makedirs(directory, exist_ok=True)
+        logger.info("writing %s", path)
+        write_file(path + ".tmp", shape, quant)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("names", nargs="*", default=list(NAMES), help=f"files to write (default: all of {NAMES})")
+    p.add_argument("--dir", default=default_dir())
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in a.names:
+        print(ensure(a.dir, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
