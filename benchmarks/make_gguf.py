@@ -41,6 +41,7 @@ NAMES = tuple(f"{s}-{q}" for s in SHAPES for q in QUANTS)
 SCALES = {"Q4_0": ((0,), 7e-3), "Q8_0": ((0,), 4e-4), "Q5_0": ((0,), 3e-3), "Q4_K": ((0, 2), 5e-5),
           "Q6_K": ((208,), 1.2e-5)}
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama-quant.cpp, rows not a multiple of 256
+FILE_TYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*: what llama-bench names
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -120,6 +121,7 @@ def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
     w = gguf.GGUFWriter(path, "qwen2")
     w.add_name(f"random-qwen2-{shape}-{quant}")
     _header(w, shape)
+    w.add_file_type(FILE_TYPES[quant])
     _copy_tokenizer(w, VOCAB)
 
     def kind(name: str, layer: int, cols: int) -> str:
