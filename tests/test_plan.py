@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 
 import pytest
@@ -48,7 +49,7 @@ def test_presets_match_model_cards(name, total, active):
 
 def test_preset_lookup_is_forgiving():
     assert load_model_shape("meta-llama/llama-3.1-8b-instruct").name == "Llama-3.1-8B"
-    assert load_model_shape(None).name == "SmolLM2-135M"
+    assert load_model_shape(None).name in ("SmolLM2-135M", "SmolLM2-135M-Instruct.Q4_1")  # preset or its GGUF
     with pytest.raises(ValueError, match="does not exist.*or name a preset"):
         load_model_shape("no-such-model")
 
@@ -513,3 +514,37 @@ def test_cli_refuses_bad_disaggregate(capsys, args, message):
     assert main(["plan", "Llama-3.1-70B", "--hardware", "h100", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_gguf_plan_counts_the_real_block_bytes():
+    """A GGUF served in its own blocks: the plan's weight memory is the file's tensor bytes (Q4_K = 4.5 bits,
+    Q6_K 6.5625, Q8_0 8.5, norms F32), not 16 or 32 bits per weight."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from gguf_models import quantized_gguf
+    from tokenmill.models.gguf import _read
+    from tokenmill.plan.memory import dtype_bytes, gguf_weight_dtype, load_model_shape, memory_plan
+
+    path = quantized_gguf("qwen2", ("Q4_K", "Q6_K", "Q8_0"), hidden=512, intermediate=1024)
+    reader, _ = _read(path)
+    file_bytes = sum(t.n_bytes for t in reader.tensors)
+    dtype = gguf_weight_dtype(path)
+    shape = load_model_shape(path)
+    assert dtype.startswith("gguf:") and 4.5 < dtype_bytes(dtype) * 8 < 8.5, dtype
+    weights = memory_plan(shape, dtype, "bf16", 1024, 2**34).weight_bytes
+    assert abs(weights - file_bytes) < 0.01 * file_bytes, (weights, file_bytes)
+    with pytest.raises(ValueError, match="gguf:<bits per weight>"):
+        dtype_bytes("gguf:lots")
+
+
+def test_default_model_plan_is_its_q4_1_blocks():
+    from tokenmill.plan.memory import dtype_bytes, gguf_weight_dtype
+
+    try:
+        dtype = gguf_weight_dtype(None)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    if dtype is None:
+        pytest.skip("default model not installed")
+    assert 5.0 <= dtype_bytes(dtype) * 8 < 6.0, dtype  # Q4_1 layers (5 bits), a Q8_0 embedding, F32 norms

@@ -72,6 +72,26 @@ def weights_mode(gguf_path: str, requested: str = "auto") -> str:
     return "native" if quantized else "dequantize"
 
 
+def read_config(gguf_path: str) -> dict:
+    """The Hugging Face config.json fields of a GGUF file (nothing written)."""
+    path = os.path.abspath(gguf_path)
+    reader, meta = _read(path)
+    return _hf_config(path, meta["general.architecture"], meta, _shapes(reader))
+
+
+def weight_bits(gguf_path: str) -> tuple[float, dict[str, float]]:
+    """(bits per weight over all of the file's tensors, as served natively: their real block bytes, scales
+    included; e.g. Q4_K 4.5, Q6_K 6.5625) and each type's share of the weights."""
+    reader, _ = _read(os.path.abspath(gguf_path))
+    elements: dict[str, int] = {}
+    nbytes = 0
+    for t in reader.tensors:
+        elements[t.tensor_type.name] = elements.get(t.tensor_type.name, 0) + int(np.prod(t.shape))
+        nbytes += t.n_bytes
+    total = sum(elements.values())
+    return 8 * nbytes / total, {k: v / total for k, v in sorted(elements.items(), key=lambda kv: -kv[1])}
+
+
 def gguf_to_hf_dir(gguf_path: str, weights: str = "dequantize") -> str:
     """Return the HF-style model directory for `gguf_path` (weights: native or dequantize, see the module
     docstring), making it on first use."""

@@ -27,14 +27,16 @@ __all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Spl
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help=f"local HF directory (config.json alone suffices), a config.json, or a preset: "
-                        f"{', '.join(PRESETS)} (default: SmolLM2-135M, the built-in default model)")
+                   help=f"local HF directory (config.json alone suffices), a config.json, a .gguf file, or a "
+                        f"preset: {', '.join(PRESETS)} (default: the built-in default model, SmolLM2-135M's "
+                        f"Q4_1 GGUF)")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     p.add_argument("--hardware", default="local-cpu",
                    help=f"one of {', '.join(hardware_names())} (local-cpu is measured now; default)")
     p.add_argument("--weight-dtype", default="auto",
-                   help="fp32, bf16, fp16, fp8, int8, int4, fp4 (default auto: bf16; on local-cpu what the engine "
-                        "picks, bf16 with AVX512-BF16, else fp32)")
+                   help="fp32, bf16, fp16, fp8, int8, int4 (Q4_1 blocks, 5 bits), fp4, or gguf:<bits> (default "
+                        "auto: a quantized GGUF's real bits per weight, its blocks as served; else bf16, on "
+                        "local-cpu what the engine picks, bf16 with AVX512-BF16, else fp32)")
     p.add_argument("--kv-dtype", default="auto", help="KV cache dtype (default: bf16, fp32 for fp32 weights)")
     p.add_argument("--compute-dtype", default=None,
                    help="dtype of the matmuls (default: from the weights; 4-bit weight-only runs in bf16)")
@@ -95,11 +97,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.disaggregate is not None:
         return run_disagg(args, shape)
     local = args.hardware.lower() in ("local-cpu", "local", "cpu")
-    weight_dtype = args.weight_dtype
-    if weight_dtype == "auto":
-        from tokenmill.config import cpu_has_avx512_bf16
-
-        weight_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
+    weight_dtype = _weight_dtype(args, local)
     compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)
     hw = get_hardware(args.hardware, measure_dtypes=(compute,))
     choice, (tp, pp, ep) = resolve_split(args, shape, hw, weight_dtype)
@@ -115,6 +113,18 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
     return 0
+
+
+def _weight_dtype(args: argparse.Namespace, local: bool) -> str:
+    """--weight-dtype; auto: a quantized GGUF's real bits per weight (gguf:<bits>, as the engine serves its
+    blocks), else bf16, or on local-cpu what the engine picks (bf16 with AVX512-BF16, else fp32)."""
+    if args.weight_dtype != "auto":
+        return args.weight_dtype
+    from tokenmill.config import cpu_has_avx512_bf16
+    from tokenmill.plan.memory import gguf_weight_dtype
+
+    gguf = gguf_weight_dtype(args.model_flag or args.model)
+    return gguf or ("fp32" if local and not cpu_has_avx512_bf16() else "bf16")
 
 
 def resolve_split(args: argparse.Namespace, shape: ModelShape, hw: Hardware,
@@ -151,12 +161,7 @@ def run_disagg(args: argparse.Namespace, shape: ModelShape) -> int:
     if args.tp is not None:
         check_split(shape, Split(args.tp))
     local = args.hardware.lower() in ("local-cpu", "local", "cpu")
-    weight_dtype = args.weight_dtype
-    if weight_dtype == "auto":
-        from tokenmill.config import cpu_has_avx512_bf16
-
-        weight_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
-    weight_dtype = normalize_dtype(weight_dtype)
+    weight_dtype = normalize_dtype(_weight_dtype(args, local))
     kv_dtype = normalize_dtype(args.kv_dtype) if args.kv_dtype != "auto" else \
         ("fp32" if weight_dtype == "fp32" else "bf16")
     compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)

@@ -12,21 +12,32 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-# Bytes per element. 4-bit formats ignore their per-group scales (a few percent at group size 128).
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5, "fp4": 0.5}
+# Bytes per element. fp4 ignores its per-group scales (a few percent); int4 is stored as ggml Q4_1 blocks (an
+# fp16 scale and min per 32 values: 5 bits). A GGUF served in its own blocks is "gguf:<bits per weight>", its
+# tensors' real bytes (models/gguf.weight_bits).
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.625, "fp4": 0.5}
+GGUF_DTYPE = "gguf:"
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
 
 
 def normalize_dtype(name: str) -> str:
     key = _DTYPE_ALIASES.get(str(name).lower().removeprefix("torch."), str(name).lower().removeprefix("torch."))
+    if key.startswith(GGUF_DTYPE):
+        try:
+            if 0 < float(key[len(GGUF_DTYPE):]) <= 32:
+                return key
+        except ValueError:
+            pass
+        raise ValueError(f"{name!r}: a GGUF weight dtype is gguf:<bits per weight>, e.g. gguf:4.85")
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_BYTES)}")
     return key
 
 
 def dtype_bytes(name: str) -> float:
-    return DTYPE_BYTES[normalize_dtype(name)]
+    key = normalize_dtype(name)
+    return float(key[len(GGUF_DTYPE):]) / 8 if key.startswith(GGUF_DTYPE) else DTYPE_BYTES[key]
 
 
 @dataclass(frozen=True)
@@ -240,11 +251,38 @@ _PRESET_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M", "llama-3.1-8b-instru
                    "mixtral-8x7b-v0.1": "Mixtral-8x7B", "deepseek-v3-0324": "DeepSeek-V3", "deepseek-r1": "DeepSeek-V3"}
 
 
+def default_gguf() -> Optional[str]:
+    """The built-in default model's GGUF file, where its package is installed."""
+    from tokenmill.models.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except RuntimeError:
+        return None
+
+
+def gguf_weight_dtype(model: Optional[str]) -> Optional[str]:
+    """gguf:<bits> for a quantized GGUF served in its own blocks (the default model too), else None."""
+    path = default_gguf() if model in (None, "default") else model
+    if not path or not path.endswith(".gguf") or not os.path.isfile(path):
+        return None
+    from tokenmill.models.gguf import weight_bits, weights_mode
+
+    if weights_mode(path) != "native":
+        return None
+    bits, _ = weight_bits(path)
+    return f"{GGUF_DTYPE}{bits:.4g}"
+
+
 def load_model_shape(model: Optional[str]) -> ModelShape:
     """A preset name (case-insensitive, an `org/` prefix is ignored), a local HF directory (config.json
     alone suffices), a config.json path, or None for the built-in default model (SmolLM2-135M)."""
     if model is None or model == "default":
-        model = "SmolLM2-135M"
+        model = default_gguf() or "SmolLM2-135M"
+    if model.endswith(".gguf") and os.path.isfile(model):
+        from tokenmill.models.gguf import read_config
+
+        return ModelShape.from_hf_config(read_config(model), name=os.path.basename(model).removesuffix(".gguf"))
     if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if not os.path.isfile(path):
