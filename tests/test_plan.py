@@ -516,35 +516,117 @@ def test_cli_refuses_bad_disaggregate(capsys, args, message):
     assert message in err and len(err.splitlines()) == 1
 
 
-def test_gguf_plan_counts_the_real_block_bytes():
-    """A GGUF served in its own blocks: the plan's weight memory is the file's tensor bytes (Q4_K = 4.5 bits,
-    Q6_K 6.5625, Q8_0 8.5, norms F32), not 16 or 32 bits per weight."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(__file__))
+@pytest.fixture(scope="module")
+def kmix_gguf():
+    """Tiny GGUFs whose 2-D weights take Q4_K, Q6_K, Q8_0 in turn (norms F32): qwen2 (untied LM head) and
+    llama (the LM head is the embedding's blocks)."""
     from gguf_models import quantized_gguf
-    from tokenmill.models.gguf import _read
-    from tokenmill.plan.memory import dtype_bytes, gguf_weight_dtype, load_model_shape, memory_plan
 
-    path = quantized_gguf("qwen2", ("Q4_K", "Q6_K", "Q8_0"), hidden=512, intermediate=1024)
-    reader, _ = _read(path)
-    file_bytes = sum(t.n_bytes for t in reader.tensors)
-    dtype = gguf_weight_dtype(path)
+    types = ("Q4_K", "Q6_K", "Q8_0")
+    return {"untied": quantized_gguf("qwen2", types, hidden=512, intermediate=1024),
+            "tied": quantized_gguf("llama", types, hidden=512, intermediate=1024)}
+
+
+def _file_tensors(path):
+    """{name: (ggml type, bytes)} straight from gguf-py's reader: the reference the plan must meet."""
+    import gguf
+
+    return {t.name: (t.tensor_type.name, int(t.n_bytes)) for t in gguf.GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_gguf_plan_weights_are_the_files_block_bytes(capsys, kmix_gguf, which):
+    """Served in its own blocks, a GGUF's planned weight memory is the sum of its tensors' bytes (Q4_K 4.5 bits
+    per weight, Q6_K 6.5625, Q8_0 8.5, norms F32), not 16 or 32 bits per weight; decode reads every tensor once
+    but only one row per token of an untied embedding (a tied head reads the embedding's blocks in full)."""
+    path = kmix_gguf[which]
+    tensors = _file_tensors(path)
+    total = sum(b for _, b in tensors.values())
+    assert {k for k, _ in tensors.values()} == {"Q4_K", "Q6_K", "Q8_0", "F32"}
+    assert main(["plan", path, "--hardware", "h100", "--batch-size", "1", "--input-len", "16",
+                 "--output-len", "0", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weight_dtype"] == "gguf" and plan["weight_bytes"] == total
+    assert plan["gguf"]["bytes"] == total and 4.5 < plan["gguf"]["bits_per_weight"] < 8.5
+    assert set(plan["gguf"]["types"]) == {"Q4_K", "Q6_K", "Q8_0", "F32"}
     shape = load_model_shape(path)
-    assert dtype.startswith("gguf:") and 4.5 < dtype_bytes(dtype) * 8 < 8.5, dtype
-    weights = memory_plan(shape, dtype, "bf16", 1024, 2**34).weight_bytes
-    assert abs(weights - file_bytes) < 0.01 * file_bytes, (weights, file_bytes)
+    embd = tensors["token_embd.weight"][1]
+    read = total if which == "tied" else total - embd + embd // shape.vocab_size
+    one_token = decode_cost(shape, 1, 0, "gguf", "bf16").bytes - shape.kv_bytes_per_token("bf16")
+    assert one_token == pytest.approx(read, rel=1e-9)
+    assert memory_plan(shape, "gguf", "bf16", 16, 2**34).weight_bytes == total
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_gguf_plan_weights_are_what_the_engine_loads(kmix_gguf, which):
+    """The engine's native load (blocks memory-mapped, norms float, a tied head = the embedding's blocks) takes
+    exactly the bytes the plan counts."""
+    import torch
+    from transformers import AutoConfig
+
+    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.models.gguf import gguf_to_hf_dir
+    from tokenmill.models.loader import load_model
+
+    path = kmix_gguf[which]
+    d = gguf_to_hf_dir(path, "native")
+    model = load_model(d, AutoConfig.from_pretrained(d), torch.float32, "cpu", get_attention_backend("cpu"), 256)
+    assert model.checkpoint_bytes_read == load_model_shape(path).weight_bytes("gguf")
+
+
+def test_log_step_stats_counts_a_native_gguf_blocks(kmix_gguf):
+    """--log-step-stats' MBU on a GGUF served in its own blocks counts the blocks' bytes, not float weights."""
+    from tokenmill import LLM
+    from tokenmill.plan.roofline import decode_cost
+
+    path = kmix_gguf["untied"]
+    llm = LLM(path, dtype="float32", log_step_stats=True, kv_cache_memory_bytes="16MiB")
+    try:
+        stats = llm.engine.step_stats
+        assert stats.weight_dtype == "gguf" and stats.shape.gguf.total == load_model_shape(path).gguf.total
+        float_bytes = decode_cost(stats.shape, 1, 0, "fp32", "fp32").bytes
+        assert decode_cost(stats.shape, 1, 0, stats.weight_dtype, "fp32").bytes < float_bytes / 3
+    finally:
+        llm.engine.shutdown()
+
+
+def test_gguf_plan_splits_block_bytes_and_prints_bits(capsys, kmix_gguf):
+    path = kmix_gguf["untied"]
+    total = sum(b for _, b in _file_tensors(path).values())
+    assert main(["plan", path, "--hardware", "h100", "-pp", "2", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["parallel"]["stages"]
+    assert sum(st["weight_bytes"] for st in stages) == pytest.approx(total, rel=1e-6)
+    assert main(["plan", path, "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"weights gguf,", out) and re.search(r"bits/weight \((Q\d_\w+ \d+%, ){2}", out), out
+
+
+def test_gguf_plan_dequantize_counts_float_weights(capsys, kmix_gguf):
+    path = kmix_gguf["untied"]
+    assert main(["plan", path, "--hardware", "h100", "--gguf-weights", "dequantize", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["weight_dtype"] == "bf16" and "gguf" not in plan
+    assert plan["weight_bytes"] == 2 * load_model_shape(path).params_total
+    with pytest.raises(SystemExit) as e:
+        main(["plan", path, "--gguf-weights", "packed"])
+    assert e.value.code == 2
+
+
+def test_default_model_plan_is_its_q4_1_blocks(capsys):
+    from tokenmill.plan.memory import default_gguf
+
+    if default_gguf() is None:
+        pytest.skip("default model not installed")
+    assert main(["plan", "--hardware", "h100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # Q4_1 layers (5 bits), a Q8_0 embedding (8.5 bits, a fifth of the weights), F32 norms
+    assert plan["weight_dtype"] == "gguf" and 5.0 <= plan["gguf"]["bits_per_weight"] < 6.0
+    assert plan["weight_bytes"] == sum(b for _, b in _file_tensors(default_gguf()).values())
+
+
+def test_int4_counts_its_q4_1_scales():
+    from tokenmill.plan.memory import dtype_bytes
+
+    assert dtype_bytes("int4") * 8 == 5.0  # 4-bit values + an fp16 scale and min per 32
     with pytest.raises(ValueError, match="gguf:<bits per weight>"):
         dtype_bytes("gguf:lots")
-
-
-def test_default_model_plan_is_its_q4_1_blocks():
-    from tokenmill.plan.memory import dtype_bytes, gguf_weight_dtype
-
-    try:
-        dtype = gguf_weight_dtype(None)
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    if dtype is None:
-        pytest.skip("default model not installed")
-    assert 5.0 <= dtype_bytes(dtype) * 8 < 6.0, dtype  # Q4_1 layers (5 bits), a Q8_0 embedding, F32 norms

@@ -34,12 +34,20 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="local-cpu",
                    help=f"one of {', '.join(hardware_names())} (local-cpu is measured now; default)")
     p.add_argument("--weight-dtype", default="auto",
-                   help="fp32, bf16, fp16, fp8, int8, int4 (Q4_1 blocks, 5 bits), fp4, or gguf:<bits> (default "
-                        "auto: a quantized GGUF's real bits per weight, its blocks as served; else bf16, on "
-                        "local-cpu what the engine picks, bf16 with AVX512-BF16, else fp32)")
-    p.add_argument("--kv-dtype", default="auto", help="KV cache dtype (default: bf16, fp32 for fp32 weights)")
+                   help="fp32, bf16, fp16, fp8, int8, int4 (Q4_1 blocks, 5 bits), fp4, gguf (a .gguf model's own "
+                        "blocks: each tensor's real bytes) or gguf:<bits per weight> (any model at that average, "
+                        "e.g. gguf:4.85 for Q4_K_M). Default auto: gguf for a quantized GGUF served natively "
+                        "(--gguf-weights); else bf16, on local-cpu what the engine picks, bf16 with AVX512-BF16, "
+                        "else fp32")
+    p.add_argument("--gguf-weights", default="auto", choices=["auto", "native", "dequantize"],
+                   help="as serve's flag: a GGUF's weights native (its own block types, counted at their real "
+                        "bytes) or dequantize (float at the serving dtype); auto = native for a quantized GGUF")
+    p.add_argument("--kv-dtype", default="auto",
+                   help="KV cache dtype (default: bf16, fp32 for fp32 weights; for a GGUF's blocks the engine's "
+                        "float dtype)")
     p.add_argument("--compute-dtype", default=None,
-                   help="dtype of the matmuls (default: from the weights; 4-bit weight-only runs in bf16)")
+                   help="dtype of the matmuls (default: from the weights; 4-bit weight-only and GGUF blocks run "
+                        "in bf16, or on local-cpu without AVX512-BF16 in fp32)")
     p.add_argument("--batch-size", type=int, default=1, help="concurrent sequences")
     p.add_argument("--input-len", type=int, default=2048, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence")
@@ -97,12 +105,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.disaggregate is not None:
         return run_disagg(args, shape)
     local = args.hardware.lower() in ("local-cpu", "local", "cpu")
-    weight_dtype = _weight_dtype(args, local)
-    compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)
+    weight_dtype, kv_dtype, compute = _dtypes(args, local)
     hw = get_hardware(args.hardware, measure_dtypes=(compute,))
     choice, (tp, pp, ep) = resolve_split(args, shape, hw, weight_dtype)
     links = {k: get_interconnect(v) for k, v in (("node_link", args.interconnect), ("net_link", args.network)) if v}
-    plan = make_plan(shape, hw, weight_dtype, args.kv_dtype, args.batch_size, args.input_len, args.output_len,
+    plan = make_plan(shape, hw, weight_dtype, kv_dtype, args.batch_size, args.input_len, args.output_len,
                      tp, compute, args.memory_utilization, pp, ep, devices_per_node=args.devices_per_node,
                      max_batched_tokens=args.max_num_batched_tokens, **links)
     if choice is not None:
@@ -115,16 +122,24 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _weight_dtype(args: argparse.Namespace, local: bool) -> str:
-    """--weight-dtype; auto: a quantized GGUF's real bits per weight (gguf:<bits>, as the engine serves its
-    blocks), else bf16, or on local-cpu what the engine picks (bf16 with AVX512-BF16, else fp32)."""
-    if args.weight_dtype != "auto":
-        return args.weight_dtype
+def _dtypes(args: argparse.Namespace, local: bool) -> tuple[str, str, str]:
+    """(weights, KV, matmuls). Weights: --weight-dtype; auto is gguf where the engine serves a GGUF in its own
+    blocks (--gguf-weights), else the engine's float dtype: bf16, on local-cpu bf16 with AVX512-BF16, else fp32.
+    Beside GGUF blocks, the KV cache and the matmuls (dequantized tiles) are in that float dtype too."""
     from tokenmill.config import cpu_has_avx512_bf16
-    from tokenmill.plan.memory import gguf_weight_dtype
+    from tokenmill.plan.memory import GGUF, gguf_weight_dtype
 
-    gguf = gguf_weight_dtype(args.model_flag or args.model)
-    return gguf or ("fp32" if local and not cpu_has_avx512_bf16() else "bf16")
+    float_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
+    weight = args.weight_dtype
+    if weight == "auto":
+        weight = gguf_weight_dtype(args.model_flag or args.model, args.gguf_weights) or float_dtype
+    weight = normalize_dtype(weight)
+    gguf = weight == GGUF
+    kv = normalize_dtype(args.kv_dtype) if args.kv_dtype != "auto" else \
+        (float_dtype if gguf else "fp32" if weight == "fp32" else "bf16")
+    compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else \
+        (float_dtype if gguf else default_compute_dtype(weight))
+    return weight, kv, compute
 
 
 def resolve_split(args: argparse.Namespace, shape: ModelShape, hw: Hardware,
@@ -161,10 +176,7 @@ def run_disagg(args: argparse.Namespace, shape: ModelShape) -> int:
     if args.tp is not None:
         check_split(shape, Split(args.tp))
     local = args.hardware.lower() in ("local-cpu", "local", "cpu")
-    weight_dtype = normalize_dtype(_weight_dtype(args, local))
-    kv_dtype = normalize_dtype(args.kv_dtype) if args.kv_dtype != "auto" else \
-        ("fp32" if weight_dtype == "fp32" else "bf16")
-    compute = normalize_dtype(args.compute_dtype) if args.compute_dtype else default_compute_dtype(weight_dtype)
+    weight_dtype, kv_dtype, compute = _dtypes(args, local)
     hw = get_hardware(args.hardware, measure_dtypes=(compute,))
     traffic = Traffic(args.request_rate, args.input_len, args.output_len, args.long_fraction, args.long_input_len)
     plan = disagg_plan(shape, hw, x, y, traffic, args.tp, weight_dtype, kv_dtype, compute,

@@ -429,7 +429,7 @@ def _kv_link(shape: ModelShape, hw: Hardware, kv_dtype: str, ranks: int) -> Inte
 def instance_tp(shape: ModelShape, hw: Hardware, weight_dtype: str) -> int:
     """The smallest TP size the engine accepts whose devices hold the weights with KV headroom (memory >=
     1.5 x weights, the plan's `min GPUs` rule)."""
-    need = memory_plan(shape, weight_dtype, weight_dtype, 1, hw.memory_bytes).min_gpus
+    need = memory_plan(shape, weight_dtype, "bf16", 1, hw.memory_bytes).min_gpus  # KV dtype: no matter here
     for tp in range(need, 257):
         try:
             check_split(shape, Split(tp))

@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from tokenmill.plan.gguf_bytes import GgufBytes, gguf_bytes
+
 # Bytes per element. fp4 ignores its per-group scales (a few percent); int4 is stored as ggml Q4_1 blocks (an
-# fp16 scale and min per 32 values: 5 bits). A GGUF served in its own blocks is "gguf:<bits per weight>", its
-# tensors' real bytes (models/gguf.weight_bits).
+# fp16 scale and min per 32 values: 5 bits). "gguf" is a GGUF file served in its own blocks: each tensor's real
+# bytes, which only the model knows (ModelShape.gguf, plan/gguf_bytes.py); "gguf:<bits per weight>" is any model
+# at that average (what-if: e.g. a preset as a Q4_K_M download, gguf:4.85).
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.625, "fp4": 0.5}
+GGUF = "gguf"
 GGUF_DTYPE = "gguf:"
 _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                   "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "e4m3": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}
@@ -23,6 +27,8 @@ _DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float
 
 def normalize_dtype(name: str) -> str:
     key = _DTYPE_ALIASES.get(str(name).lower().removeprefix("torch."), str(name).lower().removeprefix("torch."))
+    if key == GGUF:
+        return key
     if key.startswith(GGUF_DTYPE):
         try:
             if 0 < float(key[len(GGUF_DTYPE):]) <= 32:
@@ -31,12 +37,15 @@ def normalize_dtype(name: str) -> str:
             pass
         raise ValueError(f"{name!r}: a GGUF weight dtype is gguf:<bits per weight>, e.g. gguf:4.85")
     if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_BYTES)}")
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPE_BYTES)}, gguf or gguf:<bits>")
     return key
 
 
 def dtype_bytes(name: str) -> float:
     key = normalize_dtype(name)
+    if key == GGUF:
+        raise ValueError("weight dtype gguf is a GGUF file's own blocks: their bytes come from the model "
+                         "(ModelShape.weight_bytes); give a .gguf model, or gguf:<bits per weight>")
     return float(key[len(GGUF_DTYPE):]) / 8 if key.startswith(GGUF_DTYPE) else DTYPE_BYTES[key]
 
 
@@ -66,6 +75,8 @@ class ModelShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # A GGUF file's tensors in their own types: the bytes behind weight dtype "gguf" (None for other models).
+    gguf: Optional[GgufBytes] = None
 
     @property
     def is_moe(self) -> bool:
@@ -133,14 +144,50 @@ class ModelShape:
         """Parameters one token touches (the embedding table counted whole, as model cards do)."""
         return self._fixed_params() + self.num_moe_layers * self.experts_per_token * self.expert_params()
 
+    def distinct_experts(self, tokens: float) -> float:
+        """Experts one MoE layer touches in a step over `tokens` tokens, with uniform routing: E(1 - (1 - k/E)^t)."""
+        e, k = self.num_experts, self.experts_per_token
+        return e * (1.0 - (1.0 - k / e) ** max(tokens, 1.0))
+
     def params_touched(self, tokens: float) -> float:
-        """Parameters a step over `tokens` tokens reads: with uniform routing each MoE layer touches
-        E * (1 - (1 - k/E)^tokens) distinct experts."""
+        """Parameters a step over `tokens` tokens reads (the distinct experts of each MoE layer)."""
         if not self.is_moe:
             return float(self.params_total)
-        e, k = self.num_experts, self.experts_per_token
-        distinct = e * (1.0 - (1.0 - k / e) ** max(tokens, 1.0))
-        return self._fixed_params() + self.num_moe_layers * distinct * self.expert_params()
+        return self._fixed_params() + self.num_moe_layers * self.distinct_experts(tokens) * self.expert_params()
+
+    # -- weight bytes --------------------------------------------------------------------------
+    def _gguf_for(self, weight_dtype: str) -> Optional[GgufBytes]:
+        if normalize_dtype(weight_dtype) != GGUF:
+            return None
+        if self.gguf is None:
+            raise ValueError(f"weight dtype gguf (a GGUF file's own blocks) needs a .gguf model; {self.name} is "
+                             "not one: give gguf:<bits per weight> for a what-if")
+        return self.gguf
+
+    def weight_bytes(self, weight_dtype: str) -> int:
+        """All the weights in memory: a GGUF's own tensor bytes, else params x the dtype's bytes."""
+        g = self._gguf_for(weight_dtype)
+        return g.total if g else int(self.params_total * dtype_bytes(weight_dtype))
+
+    def bytes_per_param(self, weight_dtype: str) -> float:
+        """Average bytes per parameter: what a split (TP ranks, PP stages) holds of each parameter it gets. A
+        GGUF's blocks are spread evenly over its parameters (the types differ a little by tensor)."""
+        g = self._gguf_for(weight_dtype)
+        return g.total / self.params_total if g else dtype_bytes(weight_dtype)
+
+    def weight_bytes_read(self, tokens: float, weight_dtype: str) -> float:
+        """Weight bytes a step over `tokens` tokens reads. A GGUF served natively reads every tensor once, but
+        of an untied token embedding only the looked-up rows (a tied LM head reads the embedding's blocks in
+        full), and of the routed experts the distinct ones; other dtypes count params_touched (as before)."""
+        g = self._gguf_for(weight_dtype)
+        if g is None:
+            return self.params_touched(tokens) * dtype_bytes(weight_dtype)
+        nbytes = float(g.total)
+        if not self.tie_word_embeddings:
+            nbytes -= g.embedding - min(max(tokens, 1.0), g.embedding_rows) * g.embedding_row
+        if self.is_moe:
+            nbytes -= g.experts * (1.0 - self.distinct_experts(tokens) / self.num_experts)
+        return nbytes
 
     @property
     def matmul_params_active(self) -> int:
@@ -261,28 +308,29 @@ def default_gguf() -> Optional[str]:
         return None
 
 
-def gguf_weight_dtype(model: Optional[str]) -> Optional[str]:
-    """gguf:<bits> for a quantized GGUF served in its own blocks (the default model too), else None."""
+def gguf_weight_dtype(model: Optional[str], gguf_weights: str = "auto") -> Optional[str]:
+    """"gguf" where the engine serves `model` (the default model too) in its GGUF file's own blocks, as
+    `--gguf-weights` (auto: a quantized GGUF) decides, else None (a float or quantized-on-load model)."""
     path = default_gguf() if model in (None, "default") else model
     if not path or not path.endswith(".gguf") or not os.path.isfile(path):
         return None
-    from tokenmill.models.gguf import weight_bits, weights_mode
+    from tokenmill.models.gguf import weights_mode
 
-    if weights_mode(path) != "native":
-        return None
-    bits, _ = weight_bits(path)
-    return f"{GGUF_DTYPE}{bits:.4g}"
+    return GGUF if weights_mode(path, gguf_weights) == "native" else None
 
 
 def load_model_shape(model: Optional[str]) -> ModelShape:
     """A preset name (case-insensitive, an `org/` prefix is ignored), a local HF directory (config.json
-    alone suffices), a config.json path, or None for the built-in default model (SmolLM2-135M)."""
+    alone suffices), a config.json path, a .gguf file (its tensors' bytes in `gguf`), or None for the built-in
+    default model (its Q4_1 GGUF; the SmolLM2-135M preset where the package is missing)."""
     if model is None or model == "default":
         model = default_gguf() or "SmolLM2-135M"
     if model.endswith(".gguf") and os.path.isfile(model):
         from tokenmill.models.gguf import read_config
 
-        return ModelShape.from_hf_config(read_config(model), name=os.path.basename(model).removesuffix(".gguf"))
+        config = read_config(model)
+        shape = ModelShape.from_hf_config(config, name=os.path.basename(model).removesuffix(".gguf"))
+        return replace(shape, gguf=gguf_bytes(model, config))
     if os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".json")):
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if not os.path.isfile(path):
@@ -303,6 +351,17 @@ def load_model_shape(model: Optional[str]) -> ModelShape:
                      f"{', '.join(PRESETS)}")
 
 
+def engine_shape(hf_config: Any, float_dtype: str) -> tuple[ModelShape, str]:
+    """(shape, weight dtype) of a model as the engine loaded it: a GGUF served in its own blocks (its config
+    names the file: models/gguf.py) is weight dtype gguf with the file's tensor bytes; any other model's weights
+    are in the engine's `float_dtype`."""
+    fields = hf_config if isinstance(hf_config, dict) else vars(hf_config)
+    gguf_file = fields.get("tokenmill_gguf_file")
+    if gguf_file and os.path.isfile(gguf_file):
+        return load_model_shape(gguf_file), GGUF
+    return ModelShape.from_hf_config(hf_config), normalize_dtype(float_dtype)
+
+
 @dataclass
 class MemoryPlan:
     weight_bytes: int
@@ -318,7 +377,7 @@ def memory_plan(shape: ModelShape, weight_dtype: str, kv_dtype: str, context_len
                 num_gpus: int = 1, memory_utilization: float = 0.9) -> MemoryPlan:
     """What fits: KV gets whatever the weights leave of `memory_utilization` of all GPUs' memory.
     min_gpus: the fewest GPUs whose memory is at least 1.5x the weights (KV headroom of half the weights)."""
-    weight = int(shape.params_total * dtype_bytes(weight_dtype))
+    weight = shape.weight_bytes(weight_dtype)
     kv_tok = shape.kv_bytes_per_token(kv_dtype)
     kv_seq = kv_tok * context_len
     total = gpu_memory_bytes * num_gpus

@@ -146,7 +146,7 @@ def device_memory(shape: ModelShape, split: Split, weight_dtype: str, kv_dtype: 
     act = activation_bytes(shape, split.tp, max_batched_tokens, batch, weight_dtype)
     stages = []
     for n, params in zip(counts, stage_params(shape, split)):
-        weights = params * dtype_bytes(weight_dtype)
+        weights = params * shape.bytes_per_param(weight_dtype)  # a GGUF's blocks split in proportion
         kv_tok = shape.kv_bytes_per_token(kv_dtype) * n / shape.num_layers * kv_share
         free = device_bytes * memory_utilization - weights - act
         stages.append({"layers": n, "weight_bytes": int(weights), "kv_bytes_per_token": kv_tok,
@@ -235,7 +235,7 @@ def parallel_plan(shape: ModelShape, hw: Hardware, split: Split, weight_dtype: s
     if shape.is_moe:
         mean, busiest = busiest_rank_experts(shape, split, batch)
         # decode is memory-bound: the busiest rank streams (busiest - mean) more experts per MoE layer
-        wait = (busiest - mean) * shape.expert_params() * shape.num_moe_layers * dtype_bytes(weight_dtype) \
+        wait = (busiest - mean) * shape.expert_params() * shape.num_moe_layers * shape.bytes_per_param(weight_dtype) \
             / (1 if split.ep else split.tp) / hw.bandwidth
         moe = {"experts_per_rank": shape.num_experts // split.tp if split.ep else shape.num_experts,
                "expert_width_per_rank": shape.moe_intermediate_size // (1 if split.ep else split.tp),
@@ -272,7 +272,7 @@ def choose_split(shape: ModelShape, hw: Hardware, weight_dtype: str, num_nodes: 
     weights and a KV budget (memory >= 1.5 x weights); TP inside a node, as wide as the heads allow; PP only
     for what TP cannot take (across nodes); EP for a MoE model whose experts divide over the TP ranks."""
     devices = num_nodes * devices_per_node
-    need = memory_plan(shape, weight_dtype, weight_dtype, 1, hw.memory_bytes).min_gpus
+    need = memory_plan(shape, weight_dtype, act_dtype(weight_dtype), 1, hw.memory_bytes).min_gpus
     if need > devices:
         return {"split": None, "min_devices": need, "reasons": [
             f"does not fit: needs at least {need} x {hw.name} (memory >= 1.5 x weights), {devices} given"]}

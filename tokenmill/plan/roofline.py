@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.plan.hardware import Hardware, Interconnect, default_links
-from tokenmill.plan.memory import ModelShape, dtype_bytes, memory_plan, normalize_dtype
+from tokenmill.plan.memory import GGUF, ModelShape, engine_shape, memory_plan, normalize_dtype
 
 logger = logging.getLogger("tokenmill")
 
@@ -41,7 +41,7 @@ def step_cost(shape: ModelShape, tokens: int, attn_pairs: float, kv_tokens_read:
     flops = (2.0 * (shape.matmul_params_active - head) * tokens + 2.0 * head * logits
              + shape.attention_flops_per_pair(decode) * attn_pairs)
     kvb = shape.kv_bytes_per_token(kv_dtype)
-    nbytes = shape.params_touched(tokens) * dtype_bytes(weight_dtype) + (kv_tokens_read + tokens) * kvb
+    nbytes = shape.weight_bytes_read(tokens, weight_dtype) + (kv_tokens_read + tokens) * kvb
     return Cost(flops, nbytes)
 
 
@@ -154,6 +154,8 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
                    "compute_bound_batch_size": crossover},
         "notes": notes,
     }
+    if weight_dtype == GGUF:  # what the engine maps: each tensor in its own ggml type
+        plan["gguf"] = {**shape.gguf.as_dict(), "summary": shape.gguf.describe()}
     if tp * pp > 1 or expert_parallel:
         attach_parallel(plan, shape, hw, expert_parallel, **parallel)
     return plan
@@ -199,7 +201,7 @@ def format_plan(p: dict[str, Any]) -> str:
         f"{p['model']} on {p['tp'] * p['pp']} x {hw}: weights {p['weight_dtype']}, KV {p['kv_dtype']}, "
         f"matmuls {p['compute_dtype']}",
         f"  parameters        {_si(p['params_total'], '')}{active}",
-        f"  weights           {_gib(p['weight_bytes'])}",
+        f"  weights           {_gib(p['weight_bytes'])}" + (f", {p['gguf']['summary']}" if "gguf" in p else ""),
         f"  KV cache          {_gib(p['kv_bytes_per_token'])} per token, {_gib(p['kv_bytes_per_seq'])} per sequence "
         f"of {p['context_len']} tokens",
         f"  memory            {_gib(p['memory_bytes'])} total; at {p['memory_utilization']:.0%} fits "
@@ -233,8 +235,8 @@ class StepStatsLogger:
     def __init__(self, config: Any) -> None:
         from tokenmill.plan.hardware import for_device
 
-        self.shape = ModelShape.from_hf_config(config.model.hf_config)
-        self.dtype = normalize_dtype(str(config.model.torch_dtype))
+        self.dtype = normalize_dtype(str(config.model.torch_dtype))  # activations, KV and the FLOP/s figure
+        self.shape, self.weight_dtype = engine_shape(config.model.hf_config, self.dtype)
         kv = getattr(config.cache, "kv_cache_dtype", "auto")
         self.kv_dtype = self.dtype if kv in (None, "auto") else normalize_dtype(kv)
         t = time.perf_counter()
@@ -249,7 +251,7 @@ class StepStatsLogger:
             logger.info("step stats: unknown device, MFU/MBU not reported")
 
     def step_cost(self, sched: Any) -> Cost:
-        return scheduled_cost(self.shape, sched, self.dtype, self.kv_dtype)
+        return scheduled_cost(self.shape, sched, self.weight_dtype, self.kv_dtype)
 
     def log(self, sched: Any, seconds: float) -> dict[str, float]:
         self.num_steps += 1

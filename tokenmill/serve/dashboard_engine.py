@@ -150,7 +150,7 @@ class EngineView:
 
     def plan(self, batch: int) -> dict:
         """`tokenmill plan` for this model at the current batch and the prompt/output lengths seen so far."""
-        from tokenmill.plan.memory import ModelShape
+        from tokenmill.plan.memory import engine_shape
         from tokenmill.plan.roofline import format_plan, make_plan
 
         c = self.state.config
@@ -162,10 +162,10 @@ class EngineView:
         input_len = max(int(st.prompt_tokens / n), 1) if st.finished_requests else 512
         output_len = max(int(st.generation_tokens / n), 1) if st.finished_requests else 128
         kv = c.cache.kv_cache_dtype
-        p = make_plan(ModelShape.from_hf_config(c.model.hf_config), hw,
-                      weight_dtype=c.model.dtype_name,
-                      kv_dtype=None if kv == "auto" else kv, batch_size=max(batch, 1), input_len=input_len,
-                      output_len=output_len, tp=c.parallel.tensor_parallel_size, pp=c.parallel.pipeline_parallel_size)
+        shape, weights = engine_shape(c.model.hf_config, c.model.dtype_name)  # a native GGUF: its blocks' bytes
+        p = make_plan(shape, hw, weight_dtype=weights, compute_dtype=c.model.dtype_name,
+                      kv_dtype=c.model.dtype_name if kv == "auto" else kv, batch_size=max(batch, 1),
+                      input_len=input_len, output_len=output_len, tp=c.parallel.tensor_parallel_size, pp=c.parallel.pipeline_parallel_size)
         return {"text": format_plan(p), "decode_bound": p["decode"]["bound"], "prefill_bound": p["prefill"]["bound"],
                 "compute_bound_batch": p["decode"]["compute_bound_batch_size"], "batch_size": p["batch_size"],
                 "weight_bytes": p["weight_bytes"], "kv_bytes_per_token": p["kv_bytes_per_token"]}
