@@ -599,6 +599,11 @@ def test_gguf_plan_splits_block_bytes_and_prints_bits(capsys, kmix_gguf):
     assert main(["plan", path, "--hardware", "h100"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"weights gguf,", out) and re.search(r"bits/weight \((Q\d_\w+ \d+%, ){2}", out), out
+    # TP=4 gives the attention output 128 input columns per rank: less than a K-quant block (256 values)
+    assert main(["plan", path, "--hardware", "h100", "-tp", "2"]) == 0
+    assert "float32" not in capsys.readouterr().out
+    assert main(["plan", path, "--hardware", "h100", "-tp", "4"]) == 0
+    assert re.search(r"note: TP=4 .* cut Q\d_K blocks: the engine holds those shards as float32", capsys.readouterr().out)
 
 
 def test_gguf_plan_dequantize_counts_float_weights(capsys, kmix_gguf):

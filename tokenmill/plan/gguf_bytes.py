@@ -10,6 +10,9 @@ import os
 from dataclasses import dataclass
 
 EMBEDDING = "model.embed_tokens.weight"
+# Row-parallel layers: tensor parallel splits their input (block) dimension. attention output, MLP down (dense,
+# Qwen-MoE and Mixtral experts)
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class GgufBytes:
     embedding_rows: int
     experts: int                # the routed experts' bytes, all stacks together
     by_type: tuple[tuple[str, int, int], ...]  # (ggml type, weights, bytes), most weights first
+    row_parallel_types: tuple[str, ...] = ()   # the types of the row-parallel layers' weights
 
     @property
     def bits(self) -> float:
@@ -42,6 +46,15 @@ class GgufBytes:
                 "types": {name: {"weights": n, "bytes": b} for name, n, b in self.by_type}}
 
 
+    def cut_blocks(self, widths: tuple[int, ...]) -> list[str]:
+        """Types of the row-parallel weights whose blocks a rank's share of their input, `widths` (one per
+        layer kind), does not hold whole: the engine keeps such shards as float32 (models/gguf.BlockTensor)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        return [name for name in self.row_parallel_types
+                if any(w % GGML_QUANT_SIZES[GGMLQuantizationType[name]][0] for w in widths)]
+
+
 def _share(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
 
@@ -51,6 +64,7 @@ def gguf_bytes(path: str, config: dict) -> GgufBytes:
     from tokenmill.models.gguf import GgufWeights
 
     types: dict[str, list[int]] = {}
+    row_types: set[str] = set()
     total = elements = embedding = rows = experts = 0
     for entry in GgufWeights(os.path.abspath(path), config).entries:
         t = entry.tensor
@@ -63,10 +77,12 @@ def gguf_bytes(path: str, config: dict) -> GgufBytes:
             embedding, rows = nbytes, entry.shape[0]
         if entry.expert is not None:
             experts += nbytes
+        if entry.hf_name.endswith(_ROW_PARALLEL):
+            row_types.add(t.tensor_type.name)
     if not elements or not embedding:
         raise ValueError(f"{path}: no weights or no token embedding in the GGUF file")
     by_type = tuple(sorted(((k, v[0], v[1]) for k, v in types.items()), key=lambda x: -x[1]))
-    return GgufBytes(path, total, elements, embedding, rows, experts, by_type)
+    return GgufBytes(path, total, elements, embedding, rows, experts, by_type, tuple(sorted(row_types)))
 
 
 def _size(kind, shape: tuple) -> tuple[int, int]:

@@ -176,9 +176,24 @@ def attach_parallel(plan: dict[str, Any], shape: ModelShape, hw: Hardware, exper
         net_link or links[1], plan["decode"]["step_time_s"], plan["prefill"]["ttft_s"])
     # per-device arithmetic knows replicated KV heads and activations: its count is the one that holds
     plan["max_concurrent_seqs"] = plan["parallel"]["max_concurrent_seqs"]
+    if plan["weight_dtype"] == GGUF and split.tp > 1:
+        _note_cut_blocks(plan, shape, split)
     if not shape.is_mla and shape.num_kv_heads < split.tp:
         plan["notes"].append(f"{shape.num_kv_heads} KV heads on {split.tp} TP ranks: each KV head is held "
                              f"{split.tp // shape.num_kv_heads} times")
+
+
+def _note_cut_blocks(plan: dict[str, Any], shape: ModelShape, split: Any) -> None:
+    """Tensor parallel splits the input of the attention output and MLP down projections: where a rank's
+    share does not fall on a type's blocks, the engine holds those shards as float32, beyond these figures."""
+    widths = [shape.num_heads * shape.head_dim // split.tp]
+    widths += [shape.intermediate_size // split.tp] if shape.intermediate_size else []
+    widths += [shape.moe_intermediate_size // split.tp] if shape.is_moe and not split.ep else []
+    cut = shape.gguf.cut_blocks(tuple(widths))
+    if cut:
+        plan["notes"].append(f"TP={split.tp} splits the row-parallel layers' inputs into {', '.join(map(str, widths))} "
+                             f"columns, which cut {', '.join(cut)} blocks: the engine holds those shards as float32, "
+                             "more memory and bytes per token than counted here")
 
 
 def _si(x: float, unit: str) -> str:
