@@ -603,7 +603,8 @@ def test_gguf_plan_splits_block_bytes_and_prints_bits(capsys, kmix_gguf):
     assert main(["plan", path, "--hardware", "h100", "-tp", "2"]) == 0
     assert "float32" not in capsys.readouterr().out
     assert main(["plan", path, "--hardware", "h100", "-tp", "4"]) == 0
-    assert re.search(r"note: TP=4 .* cut Q\d_K blocks: the engine holds those shards as float32", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"note: TP=4 .* cut Q\d_K blocks: the engine holds those shards as float32", out), out
 
 
 def test_gguf_plan_dequantize_counts_float_weights(capsys, kmix_gguf):

@@ -165,7 +165,8 @@ class EngineView:
         shape, weights = engine_shape(c.model.hf_config, c.model.dtype_name)  # a native GGUF: its blocks' bytes
         p = make_plan(shape, hw, weight_dtype=weights, compute_dtype=c.model.dtype_name,
                       kv_dtype=c.model.dtype_name if kv == "auto" else kv, batch_size=max(batch, 1),
-                      input_len=input_len, output_len=output_len, tp=c.parallel.tensor_parallel_size, pp=c.parallel.pipeline_parallel_size)
+                      input_len=input_len, output_len=output_len, tp=c.parallel.tensor_parallel_size,
+                      pp=c.parallel.pipeline_parallel_size)
         return {"text": format_plan(p), "decode_bound": p["decode"]["bound"], "prefill_bound": p["prefill"]["bound"],
                 "compute_bound_batch": p["decode"]["compute_bound_batch_size"], "batch_size": p["batch_size"],
                 "weight_bytes": p["weight_bytes"], "kv_bytes_per_token": p["kv_bytes_per_token"]}
