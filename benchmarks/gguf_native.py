@@ -66,7 +66,7 @@ logger = logging.getLogger("tokenmill")
 LLAMA_BIN = "/tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 TARGETS = {"decode": (">=", 1.0), "prefill": (">=", 1.2), "batched_32": (">=", 1.5), "peak_rss_mb": ("<=", 1.3),
            "batched_peak_rss_mb": ("<=", 1.3), "disk": ("<=", 1.1), "roofline": (">=", 0.8)}
-BUSY = 1.5  # load average above which the sitting is flagged: llama.cpp's spinning threads collapse when shared
+BUSY = 0.05  # share of the CPUs others used above which a sitting is flagged: llama.cpp collapses when shared
 
 
 @dataclass
@@ -329,18 +329,41 @@ def report(meta: dict, results: dict, w: Workload) -> str:
         f"llama.cpp {meta.get('llama_build')})", "",
         f"CPU: {meta['cpu']}, 2 threads; copy bandwidth (2 threads, read + write) "
         f"{' '.join(f'{x:.1f}' for x in meta['copy_bandwidth_gb_s'])} GB/s (start, after each file; the roofline "
-        f"takes the best); load average {meta['load_average'][0]} at the start, "
-        f"{meta.get('file_load_averages')} after each file",
+        f"takes the best); load average {meta['load_average'][0]} at the start; others' CPU share per file "
+        f"{meta['others_cpu']}",
         f"tokenmill args: {meta['tokenmill_args'] or '(defaults)'}; cells: tokenmill / llama.cpp = ratio; "
         f"targets: {tgt}", *_busy(meta), "", f"`lscpu` {meta['flags_line']}", "", table(results, w), ""])
 
 
 def _busy(meta: dict) -> list[str]:
-    worst = max(meta["load_average"] + [r for r in meta.get("file_load_averages", [])])
+    worst = max(meta["others_cpu"].values(), default=0.0)
     if worst <= BUSY:
         return []
-    return ["", f"**WARNING: load average up to {worst:.1f} during the sitting (2 cores): others were running; "
-                "llama.cpp's figures collapse under CPU contention, so these ratios are not a measurement.**"]
+    return ["", f"**WARNING: other processes used up to {worst:.0%} of the CPUs while a file was measured "
+                f"({meta['others_cpu']}): llama.cpp's spinning threads collapse when they share cores (2 threads "
+                "measured 13 tok/s beside 4 busy processes where 1 thread did 69), so these ratios are not a "
+                "measurement.**"]
+
+
+class OthersCpu:
+    """The share of all CPUs that processes other than this one and its children used since the last call:
+    busy time from /proc/stat less our own (os.times counts every finished child, llama.cpp's and tokenmill's)."""
+
+    def __init__(self) -> None:
+        self.last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+        return busy, sum(os.times()[:4]), time.monotonic()
+
+    def share(self) -> float:
+        now = self._sample()
+        (busy0, own0, t0), (busy1, own1, t1) = self.last, now
+        self.last = now
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / ((t1 - t0) * (os.cpu_count() or 1))
 
 
 # -- the sitting --------------------------------------------------------------------------------------------
@@ -402,15 +425,17 @@ def sitting(a: argparse.Namespace, w: Workload) -> tuple[dict, dict]:
                             "commit": _commit(), "tokenmill_args": a.tokenmill_args, "engine_kwargs": kwargs,
                             "workload": asdict(w), "load_average": [round(os.getloadavg()[0], 2)],
                             "copy_bandwidth_gb_s": [_bandwidth() / 1e9]}
-    results = {}
+    results, meta["others_cpu"] = {}, {}
+    others = OthersCpu()
     try:
         for name, path in paths.items():
             logger.info("%s: %s", name, path)
+            others.share()
             tm, lc = measure_file(path, a, kwargs, w, kernels)
+            meta["others_cpu"][name] = round(others.share(), 3)
             meta.setdefault("llama_build", lc.get("build"))
             results[name] = {"path": path, "file_bytes": os.path.getsize(path),
                              "bytes_per_token": bytes_per_token(path), "tokenmill": tm, "llama.cpp": lc}
-            meta.setdefault("file_load_averages", []).append(round(os.getloadavg()[0], 2))
             meta["copy_bandwidth_gb_s"].append(_bandwidth() / 1e9)
             logger.info("%s: %s", name, json.dumps(results[name], default=str))
     finally:
