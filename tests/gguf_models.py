@@ -7,13 +7,13 @@ The GGUF's tokenizer is the tiny models' BPE, written as llama.cpp's converter w
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 
 import numpy as np
 
 from models import ARCHS, build_tokenizer
+from moe_models import add_gpt2_tokenizer
 
 ALL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
              "F16", "BF16", "F32")
@@ -89,16 +89,7 @@ def _add_metadata(w, config, tok) -> None:
     w.add_value_length(config.hidden_size // config.num_attention_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     w.add_rope_freq_base(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"])
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
+    add_gpt2_tokenizer(w, tok)
     w.add_chat_template(tok.chat_template)
 
 

@@ -118,6 +118,20 @@ def _gguf_tensors(hf_dir: str, config: dict, arch: str) -> dict:
     return out
 
 
+def add_gpt2_tokenizer(w, tok) -> None:
+    """The tiny models' byte-level BPE as llama.cpp's converter writes a gpt2 tokenizer into a GGUF."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+
+
 def tiny_moe_gguf(hf_dir: str, moe_arch: str, ggml_type: Optional[str] = None) -> str:
     """A GGUF file (float32 tensors, the tiny tokenizer's BPE in the metadata) of the tiny model `hf_dir`;
     ggml_type (a type gguf-py quantizes, e.g. Q8_0): the weight matrices and expert stacks in it instead (the
@@ -144,17 +158,7 @@ def tiny_moe_gguf(hf_dir: str, moe_arch: str, ggml_type: Optional[str] = None) -
     if arch == "qwen3moe":
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
         w.add_expert_weights_norm(config["norm_topk_prob"])
-    tok = AutoTokenizer.from_pretrained(hf_dir)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
-    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(tok.bos_token_id)
-    w.add_eos_token_id(tok.eos_token_id)
-    w.add_pad_token_id(tok.pad_token_id)
+    add_gpt2_tokenizer(w, AutoTokenizer.from_pretrained(hf_dir))
     for name, data in _gguf_tensors(hf_dir, config, arch).items():
         if ggml_type is not None and data.ndim >= 2 and "ffn_gate_inp" not in name:
             kind = gguf.GGMLQuantizationType[ggml_type]

@@ -41,8 +41,10 @@ def server():
 
 
 def _rss_kib(pid: int) -> int:
+    """Anonymous resident memory: what a leak grows. The GGUF's mapped weights are file pages, paged in as
+    they are first read (the embedding a row at a time as new tokens are looked up), which is no leak."""
     with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+        return int(next(line for line in f if line.startswith("RssAnon")).split()[1])
 
 
 def _wait_idle(server, timeout: float = 60.0) -> dict:
@@ -126,22 +128,26 @@ def test_concurrent_streams_with_disconnects(server):
 
 
 def test_mass_aborts_after_first_token_leak_nothing(server):
+    """Anonymous memory after a round of n aborted streams stays within 5% of where it was after a first round
+    (the first batches of 64 streams grow the allocator's and kernels' buffers once: 256 -> 312 MiB, then
+    312 -> 319 -> 319 -> 319 over four rounds of 300, measured)."""
     n = SIZES["aborts"]
     engine = server.engine_pid()
-    _wait_idle(server)
-    rss0 = _rss_kib(engine)
 
-    async def run():
+    async def run(count: int):
         sem = asyncio.Semaphore(64)
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as c:
             async def one(i):
                 async with sem:
                     return await _stream(c, _body(i, max_tokens=64), walk_away=True)
-            return await asyncio.gather(*(one(i) for i in range(n)))
+            return await asyncio.gather(*(one(i) for i in range(count)))
 
+    asyncio.run(run(n))  # warm-up: the steady state is what must not grow
+    _wait_idle(server)
+    rss0 = _rss_kib(engine)
     t0 = time.monotonic()
-    results = asyncio.run(run())
+    results = asyncio.run(run(n))
     elapsed = time.monotonic() - t0
     assert all(r is None for r in results)
     m = _wait_idle(server)
