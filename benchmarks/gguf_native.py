@@ -36,7 +36,7 @@ repository (about 8 minutes for these three targets on 2 shared cores):
       -DLLAMA_CURL=OFF
     nice -n 19 cmake --build build -j2 --target llama-bench llama-batched-bench llama-cli
 
-Run (the whole sitting: about 40-60 minutes on 2 cores; nothing else should run meanwhile):
+Run (all 7 files: about 30 minutes on a quiet 2-core box; 4 of them took 15; nothing else should run meanwhile):
     python benchmarks/gguf_native.py --llama-bin /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin
     python benchmarks/gguf_native.py --files default,0.5b-q8_0 --tokenmill-args "--gguf-weights dequantize"
     python benchmarks/gguf_native.py --quick            # smoke test: default model, short runs
