@@ -334,14 +334,23 @@ def _load_online(path, method):
 
 
 # -- (c) bad checkpoints ------------------------------------------------------------------------------------
-def _bits(n):
+def _weights_field(ct_key: str, key: str, value):
+    """A mutation setting one field of the quantization config: compressed-tensors' weights args or AWQ/GPTQ's."""
     def mutate(cfg, tensors):
         qc = cfg["quantization_config"]
         if "config_groups" in qc:
-            qc["config_groups"]["group_0"]["weights"]["num_bits"] = n
+            qc["config_groups"]["group_0"]["weights"][ct_key] = value
         else:
-            qc["bits"] = n
+            qc[key] = value
     return mutate
+
+
+def _bits(n):
+    return _weights_field("num_bits", "bits", n)
+
+
+def _group(n):
+    return _weights_field("group_size", "group_size", n)
 
 
 def _shuffled_g_idx(cfg, tensors):
@@ -349,16 +358,6 @@ def _shuffled_g_idx(cfg, tensors):
     g_idx = tensors["model.layers.0.mlp.down_proj.g_idx"]
     tensors["model.layers.0.mlp.down_proj.g_idx"] = g_idx[torch.randperm(len(g_idx), generator=torch.Generator()
                                                                           .manual_seed(0))].contiguous()
-
-
-def _group(n):
-    def mutate(cfg, tensors):
-        qc = cfg["quantization_config"]
-        if "config_groups" in qc:
-            qc["config_groups"]["group_0"]["weights"]["group_size"] = n
-        else:
-            qc["group_size"] = n
-    return mutate
 
 
 @pytest.mark.parametrize("fmt,g,mutate,match", [

@@ -22,6 +22,18 @@ def vocab_block(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
     return start, min(per, vocab_size - start), per
 
 
+def vocab_parallel_lookup(input_ids: torch.Tensor, start: int, rows: int, tp: int, lookup) -> torch.Tensor:
+    """lookup(ids) over this rank's rows [start, start + rows) of the vocabulary: ids in another rank's block
+    give zeros, and the ranks' lookups are summed (with one rank, the plain lookup)."""
+    if tp == 1:
+        return lookup(input_ids)
+    local = input_ids - start
+    outside = (local < 0) | (local >= rows)
+    x = lookup(local.masked_fill(outside, 0))
+    x.masked_fill_(outside[..., None], 0)
+    return tp_all_reduce(x)
+
+
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -33,13 +45,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.data[self.rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.rows)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x.masked_fill_(outside[:, None], 0)
-        return tp_all_reduce(x)
+        return vocab_parallel_lookup(input_ids, self.start, self.rows, self.tp,
+                                     lambda ids: F.embedding(ids, self.weight))
 
     def load_shard(self, param: nn.Parameter, loaded, shard: int = 0) -> None:
         expected = (self.vocab_size, param.shape[1])

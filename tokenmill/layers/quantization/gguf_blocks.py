@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.distributed import tp_all_reduce, tp_rank, tp_size
+from tokenmill.distributed import tp_rank, tp_size
 from tokenmill.layers.activation import silu_and_mul
-from tokenmill.layers.embedding import vocab_block
+from tokenmill.layers.embedding import vocab_block, vocab_parallel_lookup
 from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader, sharding_of
 
@@ -134,14 +134,11 @@ class BlockEmbedding(nn.Module):
         return [self.part] + ([_zero_rows(pad, self.hidden_size)] if pad > 0 else [])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp == 1:
-            return ggml.dequantize(self.part, self.hidden_size, input_ids.reshape(-1), self.dtype).reshape(
-                *input_ids.shape, self.hidden_size)
-        local = input_ids.reshape(-1) - self.start
-        outside = (local < 0) | (local >= self.rows)
-        x = ggml.dequantize(self.part, self.hidden_size, local.masked_fill(outside, 0), self.dtype)
-        x.masked_fill_(outside[:, None], 0)
-        return tp_all_reduce(x).reshape(*input_ids.shape, self.hidden_size)
+        def lookup(ids: torch.Tensor) -> torch.Tensor:
+            rows = ggml.dequantize(self.part, self.hidden_size, ids.reshape(-1), self.dtype)
+            return rows.reshape(*ids.shape, self.hidden_size)
+
+        return vocab_parallel_lookup(input_ids, self.start, self.rows, self.tp, lookup)
 
 
 class BlockMoEMethod:
