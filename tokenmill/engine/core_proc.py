@@ -6,7 +6,9 @@ Output (engine -> API, PUSH/PULL): one msgpack-encoded `EngineCoreOutputs` per s
 outputs, the engine stats after it, which requests were scheduled for the first time, and rejections.
 
 When nothing is running the loop blocks on its input socket (no spinning: the API process needs the
-cores), waking once a second only to notice a dead parent.
+cores), waking once a second only to notice a dead parent. On going idle it hands the heap's freed pages back to the
+system (glibc keeps them otherwise: a burst of requests of mixed sizes would hold the process at its high-water
+mark for good).
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ import time
 import traceback
 from typing import Optional
 
+import ctypes
+import ctypes.util
+import functools
+
 import msgspec
 
 from tokenmill.engine.stats import EngineStats
@@ -29,6 +35,19 @@ logger = logging.getLogger("tokenmill")
 
 ADD, ABORT, SHUTDOWN = b"A", b"X", b"S"
 _IDLE_POLL_MS = 1000
+
+
+@functools.cache
+def _malloc_trim():
+    libc = ctypes.util.find_library("c")
+    return getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; a no-op elsewhere)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class EngineReady(msgspec.Struct, array_like=True):
@@ -136,6 +155,7 @@ class _EngineLoop:
                 stats = engine.stats()
                 if stats != self.stats_sent or self.rejected:  # tell the API we are idle now
                     self._send([], stats, [])
+                    _trim_heap()
                 if not self.inp.poll(_IDLE_POLL_MS):
                     continue
             self._drain_input()
