@@ -5,9 +5,10 @@ AVX2 on AVX2-only CI machines), and two more builds of the same source with -mar
 no AVX-512: vpmaddubsw + vpmaddwd, the byte-shuffle bit expansion) and -march=x86-64 (SSE2 only: the scalar
 decoders and dot products, fp16 converted in software).
 
-Tolerance (derived, not fitted). gg_linear quantizes each 32-value block j of a row of x to int8 with scale
-dx_j = max|x|/127, rounding to nearest, so each activation moves by at most dx_j / 2; the integer dot products
-are exact, so the activation rounding contributes at most
+Tolerance (derived, not fitted). gg_linear quantizes each block j of a row of x to int8 with scale
+dx_j = max|x|/127, rounding to nearest, so each activation moves by at most dx_j / 2; the blocks are 32 values
+for the 32-value weight types and 256 for the K-quants (one activation scale per super-block, as llama.cpp's
+Q8_K); the integer dot products are exact, so the activation rounding contributes at most
     E_act = sum_j (dx_j / 2) * sum_{i in block j} |W_i|
 to an output (W the reference dequantized weight row). The rest is float rounding: the per-block scale products
 and the sums over K/32 blocks, of terms that the offset/min decomposition can make as large as the row's
@@ -74,17 +75,29 @@ def reference(part: ggml.Part, K: int) -> torch.Tensor:
     return torch.from_numpy(gguf_quants.dequantize(raw, part.type).reshape(raw.shape[0], K).astype(np.float32))
 
 
-def act_bound(x: torch.Tensor, w: torch.Tensor, precise: bool = False) -> torch.Tensor:
-    """E_act (or E_precise) + E_float of the module docstring, [M, N]."""
+def act_block(type_id: int) -> int:
+    """The activation block the integer kernel quantizes x in for a weight type (module docstring)."""
+    return 256 if ggml.block_size(type_id)[0] == 256 else 32
+
+
+def act_bound(x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, precise: bool = False) -> torch.Tensor:
+    """E_act (or E_precise) + E_float of the module docstring, [M, N]; blocks [N]: each output column's
+    activation block (32 or 256)."""
     x, w = x.double(), w.double()
     M, K = x.shape
-    dx = x.reshape(M, K // 32, 32).abs().amax(-1) / 127                                  # [M, K/32]
-    if precise:
-        dx = dx / 254 * (1 + 2.0 ** -10)
-    wabs = w.abs().reshape(w.shape[0], K // 32, 32).sum(-1)                                # [N, K/32]
-    e_act = (dx / 2) @ wabs.t()
+    e_act = torch.zeros(M, w.shape[0], dtype=torch.float64)
+    for b in blocks.unique().tolist():
+        dx = x.reshape(M, K // b, b).abs().amax(-1) / 127                                # [M, K/b]
+        if precise:
+            dx = dx / 254 * (1 + 2.0 ** -10)
+        wabs = w.abs().reshape(w.shape[0], K // b, b).sum(-1)                              # [N, K/b]
+        e_act = torch.where(blocks == b, (dx / 2) @ wabs.t(), e_act)
     e_float = 2.0 ** -16 * (x.abs() @ (w.abs() + w.abs().amax(1, keepdim=True)).t())
     return e_act + e_float
+
+
+def column_blocks(*parts: ggml.Part) -> torch.Tensor:
+    return torch.cat([torch.full((p.data.shape[0],), act_block(p.type)) for p in parts])
 
 
 def kernel_call(layer: ggml.BlockLinear, fn, x: torch.Tensor) -> torch.Tensor:
@@ -95,11 +108,12 @@ def kernel_call(layer: ggml.BlockLinear, fn, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias=None, route: str = "int") -> None:
+def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor, bias=None,
+          route: str = "int") -> None:
     ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     xa, wa = x.double().abs(), w.double().abs()
     if route in ("int", "precise"):
-        bound = act_bound(x.float(), w, precise=route == "precise")
+        bound = act_bound(x.float(), w, blocks, precise=route == "precise")
         if bias is not None:
             bound = bound + 2.0 ** -23 * bias.double().abs()
     elif x.dtype == torch.float32:
@@ -155,14 +169,15 @@ def test_linear_matches_reference(lib, type_id):
         part = ggml.Part(type_id, blocks(type_id, 19, K, pad=5))
         w = reference(part, K)
         layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
+        cols = column_blocks(part)
         for M in (1, 3, 8, 40, 300):
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
             if M > MAX_ROWS:
-                check(layer(x, None), x, w, route="tiles")
+                check(layer(x, None), x, w, cols, route="tiles")
                 continue
-            check(kernel_call(layer, lib.gg_linear, x), x, w, route="int")
-            check(kernel_call(layer, lib.gg_linear_precise, x), x, w, route="precise")
-            check(layer(x, None), x, w, route="precise")  # float32 x: BlockLinear takes the precise kernel
+            check(kernel_call(layer, lib.gg_linear, x), x, w, cols, route="int")
+            check(kernel_call(layer, lib.gg_linear_precise, x), x, w, cols, route="precise")
+            check(layer(x, None), x, w, cols, route="precise")  # float32 x: BlockLinear takes the precise kernel
 
 
 def test_merged_parts_bias_and_shapes(lib):
@@ -178,7 +193,8 @@ def test_merged_parts_bias_and_shapes(lib):
         x = torch.randn(2, T, K)
         y = layer(x, bias)
         assert y.shape == (2, T, layer.N) and y.dtype == torch.float32
-        check(y.reshape(-1, layer.N), x.reshape(-1, K), w, bias, route="int" if 2 * T <= MAX_ROWS else "tiles")
+        check(y.reshape(-1, layer.N), x.reshape(-1, K), w, column_blocks(*parts), bias,
+              route="int" if 2 * T <= MAX_ROWS else "tiles")
 
 
 @pytest.mark.parametrize("type_id", [ggml.Q4_0, ggml.Q4_K, ggml.Q6_K], ids=lambda t: ggml.TYPE_NAMES[t])
@@ -191,7 +207,7 @@ def test_bf16_activations(lib, type_id):
         x, bias = torch.randn(M, K).to(torch.bfloat16), torch.randn(16).to(torch.bfloat16)
         y = layer(x, bias)
         assert y.dtype == torch.bfloat16
-        check(y, x, w, bias.float(), route="int" if M <= MAX_ROWS else "tiles")
+        check(y, x, w, column_blocks(part), bias.float(), route="int" if M <= MAX_ROWS else "tiles")
 
 
 @pytest.mark.parametrize("type_id", ALL_TYPES, ids=lambda t: ggml.TYPE_NAMES[t])

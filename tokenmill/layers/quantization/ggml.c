@@ -4,19 +4,21 @@
  * Q4_K, Q5_K, Q6_K, IQ4_XS (256-value super-blocks of eight 32-value sub-blocks). Block layouts are ggml's
  * (ggml-common.h); gguf-py's gguf.quants.dequantize is the reference the tests hold them to.
  *
- * gg_linear, the decode kernel: like llama.cpp, the activations are quantized once per call to int8 with one
- * float scale per 32 values (dx), and each 32-value weight sub-block is decoded in registers to 32 small
- * integers u (unsigned, with a per-type offset, or signed for Q8_0/IQ4) whose dot product with the int8
- * activations is exact in integers: vpdpbusd (AVX-512 VNNI), else vpmaddubsw + vpmaddwd (AVX2), else scalar.
- * A sub-block then contributes
- *     ws * dx * dot(u, xq)  +  sum over its 16-value groups g of  mc_g * (dx * sum_g(xq))
- * where ws is its float scale and mc_g folds the offset and the min (Q4_1/K-quant) terms: the second part
- * only needs the activations' per-16 sums, precomputed with the quantized activations. Types with a scale per
- * 16 values (Q2_K, Q3_K, Q6_K) multiply the two halves' integer dots by their integer scales first.
+ * gg_linear, the decode kernel: like llama.cpp, the activations are quantized once per call to int8, and each
+ * 32-value weight sub-block is decoded in registers to 32 small integers u (unsigned, with a per-type offset, or
+ * signed for Q8_0/IQ4) whose dot product with the int8 activations is exact in integers.
+ * - 32-value block types (Q4_0 ... Q8_0, IQ4_NL): activations with one float scale per 32 values (dx); a block
+ *   contributes  ws * dx * dot(u, xq) + mc * (dx * sum(xq)),  ws its scale and mc its offset or min term
+ *   (vpdpbusd on AVX-512 VNNI, else vpmaddubsw + vpmaddwd on AVX2, else scalar).
+ * - K-quants (256-value super-blocks): activations with one scale per 256 values and integer sums per 16 (the
+ *   "super-block form", as llama.cpp's Q8_K), so that a super-block's sub-block dots (vpmaddubsw) meet their
+ *   integer scales (vpdpwssd / vpmaddwd) and its offset/min terms in int32, and meet a float once per super-block:
+ *   about half the instructions per byte of a float step per sub-block.
  *
  * Decode is bound by the weight bytes it reads, so each weight row is read once per call (rows one after the
  * other: short rows read as interleaved streams defeat the hardware prefetcher) and each decoded sub-block is
- * used for up to RMAX rows of x at once (batched decode reuses the weights from registers/L1). OpenMP threads
+ * used for up to RMAX rows of x at once (batched decode reuses the weights from registers; a tile of NTILE
+ * weight rows stays in L1/L2 while further chunks of RMAX rows pass over it). OpenMP threads
  * split the output columns into ranges of equal weight bytes. The quantized activations live in a
  * thread-local buffer that grows and is reused: no allocation per call in steady state.
  *
@@ -110,7 +112,6 @@ AI int tbytes(const int t) {
 
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
-AI int has_sc16(const int t) { return t == T_Q2_K || t == T_Q3_K || t == T_Q6_K; }       /* scale per 16 */
 
 /* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
 AI int toffset(const int t) {
@@ -129,27 +130,35 @@ static inline uint32_t le32(const uint8_t *p) {
     return v;
 }
 
-/* Q3_K's sixteen 6-bit scales as bytes 0-63 (ggml's kmask shuffle) */
-AI void q3k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
-    uint32_t aux[4];
+/* Q3_K's sixteen 6-bit scales as bytes 0-63 (ggml's kmask shuffle), in four words */
+AI void q3k_scale_words(const uint8_t *sc12, uint32_t *aux) {
     memcpy(aux, sc12, 12);
     const uint32_t tmp = aux[2], k1 = 0x03030303u, k2 = 0x0f0f0f0fu;
     aux[2] = ((aux[0] >> 4) & k2) | (((tmp >> 4) & k1) << 4);
     aux[3] = ((aux[1] >> 4) & k2) | (((tmp >> 6) & k1) << 4);
     aux[0] = (aux[0] & k2) | ((tmp & k1) << 4);
     aux[1] = (aux[1] & k2) | (((tmp >> 2) & k1) << 4);
+}
+
+AI void q3k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
+    uint32_t aux[4];
+    q3k_scale_words(sc12, aux);
     memcpy(out, aux, 16);
 }
 
-/* Q4_K/Q5_K's eight 6-bit scales to bytes 0-7 and mins to bytes 8-15 (llama.cpp's utmp shuffle) */
-AI void q4k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
-    uint32_t u[4];
+/* Q4_K/Q5_K's eight 6-bit scales to bytes 0-7 and mins to bytes 8-15 (llama.cpp's utmp shuffle), in words */
+AI void q4k_scale_words(const uint8_t *sc12, uint32_t *u) {
     memcpy(u, sc12, 12);
     u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
     const uint32_t m03 = u[1] & 0x3f3f3f3fu;
     u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
     u[2] = m03;
     u[0] &= 0x3f3f3f3fu;
+}
+
+AI void q4k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
+    uint32_t u[4];
+    q4k_scale_words(sc12, u);
     memcpy(out, u, 16);
 }
 
@@ -376,8 +385,8 @@ AI float hsum256(__m256 v) {
 #endif
 
 /* Quantized activations of M rows, one record per row at base + r * stride: int8 q[K], then float d[K/32] (the
- * 32-block scales dx), s32[K/32] (dx * sum of the block's q) and s16[K/16] (dx * sum of each 16-value half's
- * q). The stride is padded off multiples of 4 KiB: rows 4 KiB apart share L1 sets and evict each other. */
+ * 32-block scales dx) and s32[K/32] (dx * sum of the block's q), for the 32-value block types; then the
+ * super-block form below, for the K-quants. The stride is padded off multiples of 4 KiB: rows 4 KiB apart share L1 sets and evict each other. */
 typedef struct {
     const uint8_t *base;
     int64_t stride;
@@ -385,94 +394,68 @@ typedef struct {
     int64_t K;
 } act_t;
 
-static inline int64_t act_stride(int64_t K) { return ((K + 16 * (K / 32) + 63) & ~(int64_t)63) + 64; }
 AI const int8_t *act_q(const act_t *a, int r) { return (const int8_t *)(a->base + r * a->stride); }
 AI const float *act_d(const act_t *a, int r) { return (const float *)(a->base + r * a->stride + a->K); }
 AI const float *act_s32(const act_t *a, int r) { return act_d(a, r) + a->K / 32; }
-AI const float *act_s16(const act_t *a, int r) { return act_d(a, r) + 2 * (a->K / 32); }
 
-/* Per-sub-block terms of a (super-)block for the integer dot: ws[s] (times dx times the integer dot), the
- * per-16 integer scales sc[g] (Q2_K/Q3_K/Q6_K) and mc[g] (times dx * sum of the 16 activations); 32-scale
- * types fill mc[s] per sub-block instead. */
+/* The super-block form of the same row (K-quant weights; K % 256 == 0), after it in the record: int8 q[K] with
+ * one scale per 256 values (d256) and the integer sums of each 16 (b16), as llama.cpp's Q8_K. A super-block's
+ * dot then sums in integers, its per-16 weight scales applied by vpmaddwd, and meets a float once. */
+static inline int64_t act_off256(int64_t K) { return (K + 8 * (K / 32) + 63) & ~(int64_t)63; }
+static inline int64_t act_stride(int64_t K) {
+    const int64_t form256 = K % 256 == 0 ? K + 4 * (K / 256) + 2 * (K / 16) : 0;
+    return ((act_off256(K) + form256 + 63) & ~(int64_t)63) + 64;
+}
+AI const int8_t *act_q256(const act_t *a, int r) {
+    return (const int8_t *)(a->base + r * a->stride + act_off256(a->K));
+}
+AI const float *act_d256(const act_t *a, int r) { return (const float *)(act_q256(a, r) + a->K); }
+AI const int16_t *act_b16(const act_t *a, int r) { return (const int16_t *)(act_d256(a, r) + a->K / 256); }
+
+/* A K-quant super-block's terms for the super-block form (the scalar path's; the SIMD path builds the same in
+ * registers, kvec_t): value i of 16-group g is d * sc[g] * u_i + dm * mn[g] (the
+ * offset or the min as an integer multiple of dm), so that with x_i ~ dx * q_i
+ *     sum_i x_i w_i = dx * (d * sum_g sc[g] * dot_g(u, q) + dm * sum_g mn[g] * b16[g]),  integers inside. */
 typedef struct {
-    float ws[8], mc[16];
-    int16_t sc[16];
-} hdr_t;
+    int16_t sc[16], mn[16];
+    float d, dm;
+} khdr_t;
 
-/* one vector store where the kernel reads the 8 back as a vector (8 scalar stores would not forward to it) */
-AI void fill8(float *p, float v) {
-#if defined(__AVX2__)
-    _mm256_storeu_ps(p, _mm256_set1_ps(v));
-#else
-    for (int i = 0; i < 8; i++) p[i] = v;
-#endif
-}
-
-/* n floats out[i] = (float)in[i] * m, from signed (sgn) or unsigned bytes; n = 8 or 16 */
-AI void bytes_times(const uint8_t *in, int n, int sgn, float m, float *out) {
-#if defined(__AVX2__)
-    for (int i = 0; i < n; i += 8) {
-        const __m128i v = _mm_loadl_epi64((const __m128i *)(in + i));
-        const __m256i w = sgn ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(m)));
-    }
-#else
-    for (int i = 0; i < n; i++) out[i] = (float)(sgn ? (int8_t)in[i] : in[i]) * m;
-#endif
-}
-
-/* Q2_K/Q3_K/Q6_K: one scale d, integer scales per 16 values (sc), and the offset/min terms mc[g] */
-AI void hdr_sc16(hdr_t *h, const int8_t *sc, float d, float mc_per_sc, const float *mins) {
-    fill8(h->ws, d);
-    for (int g = 0; g < 16; g++) h->sc[g] = sc[g];
-    if (mins != NULL)
-        memcpy(h->mc, mins, 16 * sizeof(float));
-    else
-        bytes_times((const uint8_t *)sc, 16, 1, mc_per_sc, h->mc);
-}
-
-AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
+AI void dec_khdr(const int t, const uint8_t *b, khdr_t *h) {
     uint8_t v[16];
     switch (t) {
-    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
-        h->ws[0] = f16(b);
-        h->mc[0] = -(float)toffset(t) * h->ws[0];
-        break;
-    case T_Q4_1: case T_Q5_1:
-        h->ws[0] = f16(b);
-        h->mc[0] = f16(b + 2);
-        break;
-    case T_Q2_K: {
-        uint8_t mins[16];
-        float mc[16];
+    case T_Q2_K:
         for (int g = 0; g < 16; g++) {
-            v[g] = b[g] & 0xF;
-            mins[g] = b[g] >> 4;
+            h->sc[g] = b[g] & 0xF;
+            h->mn[g] = b[g] >> 4;
         }
-        bytes_times(mins, 16, 0, -f16(b + 82), mc);
-        hdr_sc16(h, (const int8_t *)v, f16(b + 80), 0.0f, mc);
+        h->d = f16(b + 80);
+        h->dm = -f16(b + 82);
         break;
-    }
-    case T_Q3_K: case T_Q6_K: {
-        const float d = f16(b + (t == T_Q3_K ? 108 : 208));
-        if (t == T_Q3_K) {
-            q3k_scale_bytes(b + 96, v);
-            for (int g = 0; g < 16; g++) v[g] -= 32;
-        } else {
-            memcpy(v, b + 192, 16);
-        }
-        hdr_sc16(h, (const int8_t *)v, d, -(float)toffset(t) * d, NULL);
+    case T_Q3_K: case T_Q6_K:
+        if (t == T_Q3_K) q3k_scale_bytes(b + 96, v);
+        for (int g = 0; g < 16; g++) h->sc[g] = h->mn[g] = t == T_Q3_K ? (int16_t)v[g] - 32 : (int8_t)b[192 + g];
+        h->d = f16(b + (t == T_Q3_K ? 108 : 208));
+        h->dm = -(float)toffset(t) * h->d;
         break;
-    }
     case T_Q4_K: case T_Q5_K:
         q4k_scale_bytes(b + 4, v);
-        bytes_times(v, 8, 0, f16(b), h->ws);
-        bytes_times(v + 8, 8, 0, -f16(b + 2), h->mc);
+        for (int g = 0; g < 16; g++) {
+            h->sc[g] = v[g / 2];
+            h->mn[g] = v[8 + g / 2];
+        }
+        h->d = f16(b);
+        h->dm = -f16(b + 2);
         break;
     case T_IQ4_XS: {
-        deq_t p;
-        deq_params(t, b, &p);
-        for (int s = 0; s < 8; s++) h->ws[s] = p.a[2 * s];
+        const uint32_t sh = (uint32_t)b[2] | ((uint32_t)b[3] << 8);
+        for (int g = 0; g < 16; g++) {
+            const int s = g / 2;
+            h->sc[g] = (int16_t)((((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32);
+            h->mn[g] = 0;
+        }
+        h->d = f16(b);
+        h->dm = 0.0f;
         break;
     }
     default:
@@ -480,11 +463,22 @@ AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     }
 }
 
+/* A 32-value block's terms for the integer dot: its scale ws (times dx times the integer dot) and mc, which
+ * folds the offset or the min (times dx * the sum of the block's activations). */
+typedef struct {
+    float ws[8], mc[8]; /* one per block; the SIMD path fills eight blocks' at once */
+} hdr_t;
+
+AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
+    h->ws[0] = f16(b);
+    h->mc[0] = t == T_Q4_1 || t == T_Q5_1 ? f16(b + 2) : -(float)toffset(t) * h->ws[0];
+}
+
 #if defined(__AVX2__)
-/* A 256-value step of a weight row: one K-quant super-block, or eight 32-value blocks (a "virtual" super-block,
- * so that all types share one loop and the offset/min terms of 8 blocks take one vector FMA). */
+/* Eight 32-value blocks make a 256-value step of a weight row, so that their scales convert at once and the
+ * offset/min terms of 8 blocks take one vector FMA. */
 /* eight fp16 values `stride` bytes apart as floats: gathered with integer loads and shifts (scalar ports) and
- * converted at once, instead of a vector insert and conversion per block */
+ * converted at once, instead of a vector insert and conversion per block (a vpgatherdd was slower, measured) */
 AI __m256 f16x8(const uint8_t *p, int stride) {
     uint64_t lo = 0, hi = 0;
     for (int g = 0; g < 4; g++) {
@@ -498,10 +492,6 @@ AI __m256 f16x8(const uint8_t *p, int stride) {
 }
 
 AI void step_hdr(const int t, const uint8_t *w, int64_t sb, hdr_t *h) {
-    if (tvalues(t) == 256) {
-        dec_hdr(t, w + sb * tbytes(t), h);
-        return;
-    }
     const uint8_t *b = w + sb * 8 * tbytes(t);
     const __m256 d = f16x8(b, tbytes(t));
     _mm256_storeu_ps(h->ws, d);
@@ -511,47 +501,25 @@ AI void step_hdr(const int t, const uint8_t *w, int64_t sb, hdr_t *h) {
         _mm256_storeu_ps(h->mc, _mm256_mul_ps(d, _mm256_set1_ps(-(float)toffset(t))));
 }
 
-AI __m256i step_sub(const int t, const uint8_t *w, int64_t sb, int s) {
-    return tvalues(t) == 256 ? dec_sub(t, w + sb * tbytes(t), s) : dec_sub(t, w + (sb * 8 + s) * tbytes(t), 0);
-}
+AI __m256i dot_any(const int t, __m256i u, __m256i x) { return is_signed(t) ? dot_s(u, x) : dot_u(u, x); }
 
-/* The 16 integer scales of a super-block, each twice in a 32-bit lane (scales 0-7, then 8-15), so that one
- * lane permutation gives a sub-block's two int16 scale vectors for vpmaddwd. */
-AI void sc16_lanes(const hdr_t *h, __m256i *T) {
-    for (int i = 0; i < 2; i++) {
-        const __m256i v = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(h->sc + 8 * i)));
-        T[i] = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
-    }
-}
-
-AI __m256i dot_any(const int t, __m256i u, __m256i x, const __m256i *T, int s) {
-    if (is_signed(t)) return dot_s(u, x);
-    if (!has_sc16(t)) return dot_u(u, x);
-    const int a = (2 * s) % 8, b = (2 * s + 1) % 8;
-    return dot_sc16(u, x, _mm256_permutevar8x32_epi32(T[s / 4], _mm256_setr_epi32(a, a, a, a, b, b, b, b)));
-}
-
-/* acc[r] += the integer dot of sub-block s with x rows r < R times its scale, lane s of sc[r] (the weight's
- * sub-block scales times the row's activation scales, one vector product per 8 sub-blocks) */
-AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, const __m256i *T, const act_t *a,
-                const __m256 *sc, __m256 *acc) {
+/* acc[r] += the integer dot of block s of the step with x rows r < R times its scale, lane s of sc[r] (the
+ * blocks' scales times the row's activation scales, one vector product per 8 blocks) */
+AI void sub_dot(const int t, const int R, const uint8_t *w, int64_t sb, int s, const act_t *a, const __m256 *sc,
+                __m256 *acc) {
     const int64_t j = sb * 8 + s;
-    const __m256i u = step_sub(t, w, sb, s);
+    const __m256i u = dec_sub(t, w + j * tbytes(t), 0);
     const __m256i lane = _mm256_set1_epi32(s);
     for (int r = 0; r < R; r++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
-        const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, T, s));
-        /* Q2_K/Q3_K/Q6_K: one float scale d for all sub-blocks (sc[0] holds it in every lane): no per-row
-         * scale vectors to hold in registers */
-        const __m256 scale = has_sc16(t) ? _mm256_mul_ps(sc[0], _mm256_broadcast_ss(act_d(a, r) + j))
-                                         : _mm256_permutevar8x32_ps(sc[r], lane);
-        acc[r] = _mm256_fmadd_ps(p, scale, acc[r]);
+        const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x));
+        acc[r] = _mm256_fmadd_ps(p, _mm256_permutevar8x32_ps(sc[r], lane), acc[r]);
     }
 }
 
-/* res[r] = dot(weight row w, x row r) for R rows of x, a quantized type. Under 4 rows, two accumulators per
- * row (even and odd sub-blocks; the loop is unrolled so that they stay in registers): one FMA chain would wait
- * its 4-cycle latency at every sub-block. */
+/* res[r] = dot(weight row w, x row r) for R rows of x, a 32-value block type. Two accumulators per row (even
+ * and odd blocks; the loop is unrolled so that they stay in registers): one FMA chain would wait its 4-cycle
+ * latency at every block. */
 AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
     const int64_t K = a->K, nsb = K / 256;
     __m256 acc0[RMAX], acc1[RMAX], accm[RMAX]; /* fixed sizes: a [R] array would be a VLA, kept in memory */
@@ -561,34 +529,23 @@ AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float 
         step_hdr(t, w, sb, &h);
         __m256 sc[RMAX];
         const __m256 ws = _mm256_loadu_ps(h.ws);
-        sc[0] = ws;
-        if (!has_sc16(t))
-            for (int r = 0; r < R; r++) sc[r] = _mm256_mul_ps(ws, _mm256_loadu_ps(act_d(a, r) + sb * 8));
-        __m256i T[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
-        if (has_sc16(t)) sc16_lanes(&h, T);
+        for (int r = 0; r < R; r++) sc[r] = _mm256_mul_ps(ws, _mm256_loadu_ps(act_d(a, r) + sb * 8));
         for (int s = 0; s < 8; s += 2) {
-            sub_dot(t, R, w, sb, s, T, a, sc, acc0);
-            sub_dot(t, R, w, sb, s + 1, T, a, sc, acc1);
+            sub_dot(t, R, w, sb, s, a, sc, acc0);
+            sub_dot(t, R, w, sb, s + 1, a, sc, acc1);
         }
         if (is_signed(t)) continue;
-        for (int r = 0; r < R; r++) {
-            if (has_sc16(t)) {
-                const float *s16 = act_s16(a, r) + sb * 16;
-                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(s16), accm[r]);
-                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc + 8), _mm256_loadu_ps(s16 + 8), accm[r]);
-            } else {
-                accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(act_s32(a, r) + sb * 8), accm[r]);
-            }
-        }
+        for (int r = 0; r < R; r++)
+            accm[r] = _mm256_fmadd_ps(_mm256_loadu_ps(h.mc), _mm256_loadu_ps(act_s32(a, r) + sb * 8), accm[r]);
     }
     float tail[RMAX] = {0};
-    for (int64_t j = nsb * 8; j < K / 32; j++) { /* 32-value blocks past the last 256 (K % 256 != 0) */
+    for (int64_t j = nsb * 8; j < K / 32; j++) { /* blocks past the last 256 values (K % 256 != 0) */
         hdr_t h;
         dec_hdr(t, w + j * tbytes(t), &h);
         const __m256i u = dec_sub(t, w + j * tbytes(t), 0);
         for (int r = 0; r < R; r++) {
             const __m256i x = _mm256_loadu_si256((const __m256i *)(act_q(a, r) + j * 32));
-            const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x, NULL, 0)); /* 32-value types only */
+            const __m256 p = _mm256_cvtepi32_ps(dot_any(t, u, x));
             acc0[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(h.ws[0] * act_d(a, r)[j]), acc0[r]);
             if (!is_signed(t)) tail[r] += h.mc[0] * act_s32(a, r)[j];
         }
@@ -596,36 +553,173 @@ AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float 
     for (int r = 0; r < R; r++)
         res[r] = hsum256(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), accm[r])) + tail[r];
 }
+
+/* acc += the 16 pair sums p16 times the 16-bit scales sc, in 8 int32 lanes */
+AI __m256i acc_scaled(__m256i acc, __m256i p16, __m256i sc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, p16, sc);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, p16, sc);
 #else
-AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
-    const int V = tvalues(t), B = tbytes(t), NS = V / 32;
-    const int64_t K = a->K, nsb = K / V;
-    float acc[RMAX] = {0};
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc));
+#endif
+}
+
+/* A K-quant super-block's integer scales in registers: T[0] / T[1] the scales of 16-groups 0-7 / 8-15, each
+ * twice in its 32-bit lane (one lane permutation gives a sub-block's vpmaddwd operand), mn the offset/min
+ * multipliers of the 16 groups as int16 (khdr_t's, built without a round trip through memory: scalar stores
+ * read back as a vector stall on store forwarding). */
+typedef struct {
+    __m256i T[2], mn;
+    float d, dm;
+} kvec_t;
+
+AI __m256i dup16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+
+/* 16 signed 16-bit scales, one per group, into the two lane-duplicated halves */
+AI void kvec_scales16(__m256i s16, kvec_t *h) {
+    h->T[0] = dup16(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
+    h->T[1] = dup16(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+}
+
+AI __m128i words128(const uint32_t *u) { return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]); }
+
+AI void dec_kvec(const int t, const uint8_t *b, kvec_t *h) {
+    switch (t) {
+    case T_Q2_K: {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)b), m15 = _mm_set1_epi8(15);
+        kvec_scales16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, m15)), h);
+        h->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m15));
+        h->d = f16(b + 80);
+        h->dm = -f16(b + 82);
+        break;
+    }
+    case T_Q3_K: case T_Q6_K: {
+        __m256i s16;
+        if (t == T_Q3_K) {
+            uint32_t u[4];
+            q3k_scale_words(b + 96, u);
+            s16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(words128(u)), _mm256_set1_epi16(32));
+        } else {
+            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        }
+        kvec_scales16(s16, h);
+        h->mn = s16;
+        h->d = f16(b + (t == T_Q3_K ? 108 : 208));
+        h->dm = -(float)toffset(t) * h->d;
+        break;
+    }
+    case T_Q4_K: case T_Q5_K: {
+        uint32_t u[4];
+        q4k_scale_words(b + 4, u);
+        const __m128i v = words128(u); /* bytes 0-7 the sub-blocks' scales, 8-15 their mins */
+        kvec_scales16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), h); /* group g takes sub-block g / 2's */
+        const __m128i mins = _mm_srli_si128(v, 8);
+        h->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
+        h->d = f16(b);
+        h->dm = -f16(b + 2);
+        break;
+    }
+    case T_IQ4_XS: {
+        const uint32_t sh = (uint32_t)b[2] | ((uint32_t)b[3] << 8), lo = le32(b + 4);
+        int32_t ls[8];
+        for (int s = 0; s < 8; s++) ls[s] = (int32_t)(((lo >> (4 * s)) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+        const __m256i L = _mm256_setr_epi32(ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7]);
+        h->T[0] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+        h->T[1] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+        h->mn = _mm256_setzero_si256();
+        h->d = f16(b);
+        h->dm = 0.0f;
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+/* res[r] = dot(weight row w, x row r), a K-quant type on the super-block form of x: per super-block, the 8
+ * sub-blocks' pair sums (vpmaddubsw: u <= 63, or |w| <= 127 for IQ4_XS, against |q| <= 127 fits int16) meet
+ * their integer scales in int32 (two chains, even and odd sub-blocks), then one conversion and FMA per row. */
+AI void dot_k(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int64_t nsb = a->K / 256;
+    __m256 facc[RMAX];
+    for (int r = 0; r < R; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
-        const uint8_t *b = w + sb * B;
+        const uint8_t *b = w + sb * tbytes(t);
+        kvec_t h;
+        dec_kvec(t, b, &h);
+        const __m256i *T = h.T;
+        __m256i acc0[RMAX], acc1[RMAX];
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            const __m256i u = dec_sub(t, b, s);
+            const int g0 = (2 * s) % 8, g1 = (2 * s + 1) % 8;
+            const __m256i sc = _mm256_permutevar8x32_epi32(T[s / 4], _mm256_setr_epi32(g0, g0, g0, g0, g1, g1, g1, g1));
+            const __m256i us = is_signed(t) ? _mm256_sign_epi8(u, u) : u;
+            for (int r = 0; r < R; r++) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(act_q256(a, r) + sb * 256 + s * 32));
+                if (is_signed(t)) x = _mm256_sign_epi8(x, u);
+                const __m256i p16 = _mm256_maddubs_epi16(us, x);
+                if (s & 1) acc1[r] = acc_scaled(acc1[r], p16, sc); else acc0[r] = acc_scaled(acc0[r], p16, sc);
+            }
+        }
+        const __m256i mn = h.mn;
+        for (int r = 0; r < R; r++) {
+            const float dx = act_d256(a, r)[sb];
+            const __m256i dot = _mm256_add_epi32(acc0[r], acc1[r]);
+            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(h.d * dx), facc[r]);
+            if (t == T_IQ4_XS) continue;
+            const __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(act_b16(a, r) + sb * 16)), mn);
+            facc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(h.dm * dx), facc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = hsum256(facc[r]);
+}
+#else
+/* the scalar forms: the same integers, one float accumulator per row */
+AI void dot_q(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    float acc[RMAX] = {0};
+    for (int64_t j = 0; j < a->K / 32; j++) {
+        const uint8_t *b = w + j * tbytes(t);
         hdr_t h;
         dec_hdr(t, b, &h);
-        for (int s = 0; s < NS; s++) {
-            const int64_t j = sb * NS + s;
-            uint8_t u[32];
-            dec_sub_scalar(t, b, s, u);
-            for (int r = 0; r < R; r++) {
-                const int8_t *x = act_q(a, r) + j * 32;
-                int32_t p0 = 0, p1 = 0;
+        uint8_t u[32];
+        dec_sub_scalar(t, b, 0, u);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = act_q(a, r) + j * 32;
+            int32_t p = 0;
+            for (int i = 0; i < 32; i++) p += (is_signed(t) ? (int8_t)u[i] : u[i]) * x[i];
+            acc[r] += h.ws[0] * act_d(a, r)[j] * (float)p;
+            if (!is_signed(t)) acc[r] += h.mc[0] * act_s32(a, r)[j];
+        }
+    }
+    for (int r = 0; r < R; r++) res[r] = acc[r];
+}
+
+AI void dot_k(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    float acc[RMAX] = {0};
+    for (int64_t sb = 0; sb < a->K / 256; sb++) {
+        const uint8_t *b = w + sb * tbytes(t);
+        khdr_t h;
+        dec_khdr(t, b, &h);
+        uint8_t u[8][32];
+        for (int s = 0; s < 8; s++) dec_sub_scalar(t, b, s, u[s]);
+        for (int r = 0; r < R; r++) {
+            const int8_t *x = act_q256(a, r) + sb * 256;
+            const int16_t *b16 = act_b16(a, r) + sb * 16;
+            int32_t dot = 0, mins = 0;
+            for (int g = 0; g < 16; g++) {
+                int32_t p = 0;
                 for (int i = 0; i < 16; i++) {
-                    p0 += (is_signed(t) ? (int8_t)u[i] : u[i]) * x[i];
-                    p1 += (is_signed(t) ? (int8_t)u[i + 16] : u[i + 16]) * x[i + 16];
+                    const uint8_t v = u[g / 2][(g % 2) * 16 + i];
+                    p += (is_signed(t) ? (int8_t)v : (int32_t)v) * x[g * 16 + i];
                 }
-                const int32_t p = has_sc16(t) ? p0 * h.sc[2 * s] + p1 * h.sc[2 * s + 1] : p0 + p1;
-                acc[r] += h.ws[s] * act_d(a, r)[j] * (float)p;
-                if (is_signed(t)) continue;
-                if (has_sc16(t)) {
-                    const float *s16 = act_s16(a, r) + 2 * j;
-                    acc[r] += h.mc[2 * s] * s16[0] + h.mc[2 * s + 1] * s16[1];
-                } else {
-                    acc[r] += h.mc[NS == 1 ? 0 : s] * act_s32(a, r)[j];
-                }
+                dot += h.sc[g] * p;
+                mins += h.mn[g] * b16[g];
             }
+            const float dx = act_d256(a, r)[sb];
+            acc[r] += (float)dot * (h.d * dx) + (float)mins * (h.dm * dx);
         }
     }
     for (int r = 0; r < R; r++) res[r] = acc[r];
@@ -694,18 +788,32 @@ AI void dot_f(const int t, const int R, const uint8_t *w, const act_t *a, float 
     }
 }
 
-typedef void (*dot_fn)(const uint8_t *w, const act_t *a, float *res);
+/* A kernel over n weight rows (`stride` bytes apart) and R rows of x: y[r * ldy + i] = dot(row i, x row r) + bias[i]
+ * (pairs: y[r / 2 * ldy + i] = the sum of x rows r and r + 1's, gg_linear_precise). The row loop lives inside
+ * the kernel: a call per weight row cost ~30 cycles, 15% of a K = 1536 Q4_K row. */
+typedef void (*dot_fn)(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy,
+                       const float *bias, int pairs);
 
-#define DOT_Q(T, NAME) \
-    static void NAME##_1(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 1, w, a, r); } \
-    static void NAME##_2(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 2, w, a, r); } \
-    static void NAME##_4(const uint8_t *w, const act_t *a, float *r) { dot_q(T, 4, w, a, r); } \
-    static void NAME##_8(const uint8_t *w, const act_t *a, float *r) { dot_q(T, RMAX == 8 ? 8 : 1, w, a, r); }
-#define DOT_F(T, NAME) \
-    static void NAME##_1(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 1, w, a, r); } \
-    static void NAME##_2(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 2, w, a, r); } \
-    static void NAME##_4(const uint8_t *w, const act_t *a, float *r) { dot_f(T, 4, w, a, r); } \
-    static void NAME##_8(const uint8_t *w, const act_t *a, float *r) { dot_f(T, RMAX == 8 ? 8 : 1, w, a, r); }
+AI void store_rows(const int R, const float *res, float *y, int64_t ldy, float b, int pairs) {
+    if (pairs) /* R is even here: a pair never straddles two passes */
+        for (int r = 0; r < R; r += 2) y[r / 2 * ldy] = (res[r] + res[r + 1]) + b;
+    else
+        for (int r = 0; r < R; r++) y[r * ldy] = res[r] + b;
+}
+
+#define ROWS(DOT, T, NAME, R) \
+    static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
+                           const float *bias, int pairs) { \
+        for (int64_t i = 0; i < n; i++) { \
+            float res[RMAX]; \
+            DOT(T, R == 8 && RMAX < 8 ? 1 : R, w + i * stride, a, res); \
+            store_rows(R == 8 && RMAX < 8 ? 1 : R, res, y + i, ldy, bias ? bias[i] : 0.0f, pairs); \
+        } \
+    }
+#define KERNELS(DOT, T, NAME) ROWS(DOT, T, NAME, 1) ROWS(DOT, T, NAME, 2) ROWS(DOT, T, NAME, 4) ROWS(DOT, T, NAME, 8)
+#define DOT_Q(T, NAME) KERNELS(dot_q, T, NAME)
+#define DOT_K(T, NAME) KERNELS(dot_k, T, NAME)
+#define DOT_F(T, NAME) KERNELS(dot_f, T, NAME)
 
 DOT_F(T_F32, d_f32)
 DOT_F(T_F16, d_f16)
@@ -716,12 +824,12 @@ DOT_Q(T_Q5_0, d_q5_0)
 DOT_Q(T_Q5_1, d_q5_1)
 DOT_Q(T_Q8_0, d_q8_0)
 DOT_Q(T_IQ4_NL, d_iq4_nl)
-DOT_Q(T_Q2_K, d_q2_k)
-DOT_Q(T_Q3_K, d_q3_k)
-DOT_Q(T_Q4_K, d_q4_k)
-DOT_Q(T_Q5_K, d_q5_k)
-DOT_Q(T_Q6_K, d_q6_k)
-DOT_Q(T_IQ4_XS, d_iq4_xs)
+DOT_K(T_Q2_K, d_q2_k)
+DOT_K(T_Q3_K, d_q3_k)
+DOT_K(T_Q4_K, d_q4_k)
+DOT_K(T_Q5_K, d_q5_k)
+DOT_K(T_Q6_K, d_q6_k)
+DOT_K(T_IQ4_XS, d_iq4_xs)
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
 /* the kernel for `type` over R rows (R in 1, 2, 4, RMAX) */
@@ -756,10 +864,10 @@ AI int32_t hsum_i32(__m256i v) {
 #endif
 
 /* One row of x to int8 per 32 values (scale amax/127, round to nearest even), with the scaled sums. */
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32, float *s16) {
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32) {
     for (int64_t j = 0; j < K / 32; j++) {
         const float *xb = x + j * 32;
-        int32_t sum[2] = {0, 0};
+        int32_t sum = 0;
         float amax = 0.0f;
 #if defined(__AVX2__)
         __m256 v[4], m = _mm256_setzero_ps();
@@ -776,8 +884,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         for (int i = 0; i < 4; i++)
             qi[i] = _mm256_cvtps_epi32(
                 _mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        sum[0] = hsum_i32(_mm256_add_epi32(qi[0], qi[1]));
-        sum[1] = hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
+        sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         const __m256i p8 = _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)(q + j * 32), p8);
@@ -790,14 +897,55 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
         for (int i = 0; i < 32; i++) {
             const int32_t v = (int32_t)nearbyintf(xb[i] * id);
             q[j * 32 + i] = (int8_t)v;
-            sum[i / 16] += v;
+            sum += v;
         }
 #endif
         const float dj = amax / 127.0f;
         d[j] = dj;
-        s16[2 * j] = dj * (float)sum[0];
-        s16[2 * j + 1] = dj * (float)sum[1];
-        s32[j] = s16[2 * j] + s16[2 * j + 1];
+        s32[j] = dj * (float)sum;
+    }
+}
+
+/* One row of x to the super-block form: int8 per 256 values (scale amax/127, nearest even), integer sums per 16. */
+static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int16_t *b16) {
+    for (int64_t j = 0; j < K / 256; j++) {
+        const float *xb = x + j * 256;
+        float amax = 0.0f;
+#if defined(__AVX2__)
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < 256; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + i)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int g = 0; g < 16; g += 2) { /* 32 values: two groups of 16 */
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++)
+                qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + g * 16 + 8 * i), id),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            b16[j * 16 + g] = (int16_t)hsum_i32(_mm256_add_epi32(qi[0], qi[1]));
+            b16[j * 16 + g + 1] = (int16_t)hsum_i32(_mm256_add_epi32(qi[2], qi[3]));
+            const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+            _mm256_storeu_si256((__m256i *)(q + j * 256 + g * 16),
+                                _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+#else
+        for (int i = 0; i < 256; i++) {
+            const float ax = fabsf(xb[i]);
+            amax = ax > amax ? ax : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int g = 0; g < 16; g++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) {
+                const int32_t v = (int32_t)nearbyintf(xb[g * 16 + i] * id);
+                q[j * 256 + g * 16 + i] = (int8_t)v;
+                sum += v;
+            }
+            b16[j * 16 + g] = (int16_t)sum;
+        }
+#endif
+        d[j] = amax / 127.0f;
     }
 }
 
@@ -839,6 +987,8 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
     return total;
 }
 
+#define NTILE 16 /* weight rows per kernel call: their bytes stay in L1/L2 while all row-chunks of x pass */
+
 /* output columns [n0, n1) for all M rows of activations; pairs: rows 2i and 2i + 1 are the two halves of
  * output row i (gg_linear_precise), summed */
 static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t n1, const act_t *a, int64_t M,
@@ -847,47 +997,63 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
         const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
-        for (int64_t n = lo; n < hi; n++) {
+        for (int64_t n = lo; n < hi; n += NTILE) {
+            const int64_t count = hi - n < NTILE ? hi - n : NTILE;
             const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
-            const float b = bias ? bias[n] : 0.0f;
             for (int64_t m = 0; m < M;) {
                 const int64_t left = M - m;
                 const int R = left >= RMAX ? RMAX : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K};
-                float res[RMAX];
-                pick(parts[p].type, R)(w, &am, res);
-                if (pairs) /* M and every R are even here: a pair never straddles two passes */
-                    for (int r = 0; r < R; r += 2) y[(m + r) / 2 * N + n] = (res[r] + res[r + 1]) + b;
-                else
-                    for (int r = 0; r < R; r++) y[(m + r) * N + n] = res[r] + b;
+                float *out = y + (pairs ? m / 2 : m) * N + n;
+                pick(parts[p].type, R)(w, parts[p].row_stride, count, &am, out, N, bias ? bias + n : NULL, pairs);
                 m += R;
             }
         }
     }
 }
 
-/* Row m of x as activation rows 2m and 2m + 1: x quantized, then the residual x - dx * q quantized the same
- * way; xf rows 2m and 2m + 1 are x and zeros (float weight types see x once). */
-static void quantize_pair(const float *x, int64_t K, const act_t *a, int64_t m, float *xf) {
-    int8_t *q = (int8_t *)act_q(a, 2 * m);
-    const float *d = act_d(a, 2 * m);
-    quantize_row(x, K, q, (float *)d, (float *)act_s32(a, 2 * m), (float *)act_s16(a, 2 * m));
-    float *res = xf + (2 * m + 1) * K;
-    for (int64_t k = 0; k < K; k++) res[k] = x[k] - d[k / 32] * (float)q[k];
-    quantize_row(res, K, (int8_t *)act_q(a, 2 * m + 1), (float *)act_d(a, 2 * m + 1),
-                 (float *)act_s32(a, 2 * m + 1), (float *)act_s16(a, 2 * m + 1));
-    memcpy(xf + 2 * m * K, x, (size_t)K * sizeof(float));
-    memset(res, 0, (size_t)K * sizeof(float));
+enum { FORM32 = 1, FORM256 = 2 }; /* the activation forms a layer's weight types read */
+
+/* Row m of x into the forms the weights need. precise: as rows 2m and 2m + 1, x quantized, then the residual
+ * x - dx * q quantized the same way (each form from its own residual); xf rows 2m and 2m + 1 are x and zeros
+ * (float weight types see x once). */
+static void quantize_x(const float *x, int64_t K, const act_t *a, int64_t m, int forms, int precise, float *xf) {
+    const int64_t r = precise ? 2 * m : m;
+    float *res = precise ? xf + (2 * m + 1) * K : NULL;
+    if (forms & FORM32) {
+        int8_t *q = (int8_t *)act_q(a, r);
+        const float *d = act_d(a, r);
+        quantize_row(x, K, q, (float *)d, (float *)act_s32(a, r));
+        if (precise) {
+            for (int64_t k = 0; k < K; k++) res[k] = x[k] - d[k / 32] * (float)q[k];
+            quantize_row(res, K, (int8_t *)act_q(a, r + 1), (float *)act_d(a, r + 1), (float *)act_s32(a, r + 1));
+        }
+    }
+    if (forms & FORM256) {
+        int8_t *q = (int8_t *)act_q256(a, r);
+        const float *d = act_d256(a, r);
+        quantize_row256(x, K, q, (float *)d, (int16_t *)act_b16(a, r));
+        if (precise) {
+            for (int64_t k = 0; k < K; k++) res[k] = x[k] - d[k / 256] * (float)q[k];
+            quantize_row256(res, K, (int8_t *)act_q256(a, r + 1), (float *)act_d256(a, r + 1),
+                            (int16_t *)act_b16(a, r + 1));
+        }
+    }
+    if (precise) {
+        memcpy(xf + 2 * m * K, x, (size_t)K * sizeof(float));
+        memset(res, 0, (size_t)K * sizeof(float));
+    }
 }
 
 static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
                    const float *bias, float *y, int num_threads, int precise) {
-    int quantized = 0;
-    for (int p = 0; p < nparts; p++) quantized |= !is_float(parts[p].type);
-    precise &= quantized;
+    int forms = 0;
+    for (int p = 0; p < nparts; p++)
+        if (!is_float(parts[p].type)) forms |= tvalues(parts[p].type) == 256 ? FORM256 : FORM32;
+    precise &= forms != 0;
     const int64_t rows = precise ? 2 * M : M;
     act_t a = {NULL, act_stride(K), x, K};
-    if (quantized) {
+    if (forms) {
         const size_t act_bytes = (size_t)(rows * a.stride);
         a.base = scratch(act_bytes + (precise ? (size_t)(rows * K) * sizeof(float) : 0));
         if (a.base == NULL) return;
@@ -896,15 +1062,9 @@ static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t np
     const double total = total_bytes(parts, nparts, K);
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        if (quantized) {
+        if (forms) {
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {
-                if (precise)
-                    quantize_pair(x + m * K, K, &a, m, (float *)a.xf);
-                else
-                    quantize_row(x + m * K, K, (int8_t *)act_q(&a, m), (float *)act_d(&a, m),
-                                 (float *)act_s32(&a, m), (float *)act_s16(&a, m));
-            }
+            for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, &a, m, forms, precise, (float *)a.xf);
         }
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t n0 = column_at(parts, nparts, K, total * t / T);
