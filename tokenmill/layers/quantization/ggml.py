@@ -6,7 +6,7 @@ outputs are the columns after those of parts < i. `bind(parts, K)` ties them to 
 
 Routing by rows of x (BlockLinear.__call__):
 - up to `max_rows` (decode, small batches): gg_linear, integer dot products on the blocks with the activations
-  quantized to int8 per 32 values (ggml.c says how). Its results for a row do not depend on the other rows,
+  quantized to int8 per 32 values (per 256 for the K-quants; ggml.c says how). Its results for a row do not depend on the other rows,
   so batch-invariant mode sends every row count here.
 - more (prefill): weight tiles of at most TILE_BYTES are dequantized (bfloat16 where the CPU has native bf16
   dot products and x is 16-bit, else float32) into a reused buffer and multiplied with torch (oneDNN/MKL) into
@@ -44,22 +44,28 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
 FLOAT_TYPES = (F32, F16, BF16)
 # Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM (the crossover), measured with
 # `python benchmarks/ggml_kernels.py --crossover [--f32]` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI
-# and AVX512_BF16, quiet machine; ms integer / tiled):
+# and AVX512_BF16, quiet machine, one sitting; ms integer / tiled):
 #   bf16 x, bf16 tiles  M=8        M=16       M=24       M=32       M=48
-#     Q4_0              1.21/2.89  2.40/3.55  3.71/4.17  4.98/4.86  7.49/6.00
-#     Q4_K              1.21/3.20  2.41/3.84  3.66/4.46  4.99/5.05  9.29/6.37
-#     Q6_K              2.03/3.30  4.01/3.92  5.79/4.52  8.13/5.13
-#     Q8_0              1.47/2.67  2.89/3.32  4.37/3.93  5.88/4.54
-#   float32 x, float32 tiles (half the GEMM rate)  M=64  M=96  M=128
-#     Q4_0              20.4/32.8  34.2/39.8  47.9/45.5
-#     Q4_K              20.9/34.1  34.2/40.5  48.1/46.5
-#     Q6_K              33.4/34.1  53.4/40.6  70.9/46.4
+#     Q4_0              1.11/2.54  2.23/3.12  3.31/3.73  4.52/4.27  6.77/5.45
+#     Q4_1              1.26/2.92  2.35/3.51  3.66/4.23  4.74/4.75  7.20/6.01
+#     Q5_0              1.26/2.56  2.43/3.18  3.64/3.75  4.87/4.37  7.39/5.57
+#     Q8_0              1.40/2.74  2.75/3.35  4.16/3.98  5.50/4.59  9.36/5.85
+#     IQ4_XS            1.24/2.81  2.48/3.42  3.70/4.01  4.93/4.59  7.46/5.75
+#     Q2_K              1.14/2.91  2.28/3.61  3.52/4.26  4.65/4.86  6.07/5.48
+#     Q3_K              0.96/2.81  1.93/3.37  2.88/3.98  3.82/4.63  5.76/5.73
+#     Q4_K              0.93/2.86  1.93/3.45  2.81/4.07  3.79/4.69  6.17/5.76
+#     Q5_K              0.98/3.08  1.94/3.62  2.96/4.23  3.94/4.79  5.87/5.92
+#     Q6_K              1.07/2.88  2.01/3.47  3.03/4.10  4.29/4.67  6.34/5.83
+#   float32 x, float32 tiles  M=48       M=64         M=96         M=128
+#     Q4_0                    13.51/14.42  17.99/17.18  27.09/22.37  36.22/27.79
+#     Q4_K                    11.30/14.59  15.18/17.47  22.60/22.79  30.21/28.01
+#     Q6_K                    11.82/14.54  15.74/17.38  23.28/22.80  30.95/28.10
 # A merged layer takes the smallest limit of its parts' types; the types not listed were not measured and take
 # the default. AVX2-only CPUs (no native bf16) use the float32 figures, not measured there.
 MAX_ROWS_BF16 = 16
-MAX_ROWS_F32 = 96
-_MAX_ROWS_BF16 = {Q4_0: 24, Q4_K: 24}
-_MAX_ROWS_F32 = {Q6_K: 64}
+MAX_ROWS_F32 = 64
+_MAX_ROWS_BF16 = {Q4_0: 24, Q4_1: 24, Q5_0: 24, IQ4_XS: 24, Q2_K: 32, Q3_K: 32, Q4_K: 32, Q5_K: 32, Q6_K: 32}
+_MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
