@@ -18,7 +18,7 @@ interleaved file by file (tokenmill, llama.cpp, tokenmill, ...). Per file:
 - bytes tokenmill writes on its first start (a fresh $TOKENMILL_CACHE_DIR, compiled kernels excluded) / file size;
 - the read roofline of decode: bytes one token reads, from the GGUF's real tensor sizes (every tensor once; an
   untied embedding one row, a tied one whole, as the LM head) over the copy bandwidth measured here
-  (tokenmill.plan.hardware.copy_bandwidth: 512 MiB tensor copy, 2 threads, read + write) gives a tok/s
+  (tokenmill.perf.hardware.copy_bandwidth: 512 MiB tensor copy, 2 threads, read + write) gives a tok/s
   ceiling; tokenmill's decode / ceiling.
 Targets (issue 30): decode >= 1.0x llama.cpp, prefill >= 1.2x, batched@32 >= 1.5x, RSS <= 1.3x llama-bench's,
 disk <= 1.1x the file, roofline >= 80%.
@@ -142,7 +142,7 @@ def _prompt(vocab: int, n: int, seed: int) -> list[int]:
 def _single(llm, prompt_len: int, out_len: int, seed: int) -> dict[str, float]:
     """One request alone: TTFT (prefill + first token) and decode tok/s from its first token to its last."""
     from tokenmill import SamplingParams
-    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.messages import EngineCoreRequest
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -160,7 +160,7 @@ def _single(llm, prompt_len: int, out_len: int, seed: int) -> dict[str, float]:
 def _batched(llm, n: int, prompt_len: int, out_len: int) -> float:
     """Output tok/s of n requests decoding together, from the step where every one has its first token."""
     from tokenmill import SamplingParams
-    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.messages import EngineCoreRequest
 
     eng, vocab = llm.engine, llm.config.model.hf_config.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -377,7 +377,7 @@ def _cpu() -> tuple[str, str]:
 def _bandwidth() -> float:
     import torch
 
-    from tokenmill.plan.hardware import copy_bandwidth
+    from tokenmill.perf.hardware import copy_bandwidth
 
     torch.set_num_threads(2)
     return copy_bandwidth()

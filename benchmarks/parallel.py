@@ -488,7 +488,7 @@ class CommWorld:
 def measured_link(comm: dict, payload: int):
     """An Interconnect from the measurements: bandwidth from the 4 MiB all-reduce (over 2 ranks a ring sends
     2(n-1)/n = all of the payload per rank), latency from the step-sized one less its bytes' time."""
-    from tokenmill.plan.hardware import Interconnect
+    from tokenmill.perf.hardware import Interconnect
 
     bandwidth = 4 * 2**20 / comm["all_reduce_4MiB_s"]
     latency = max(0.0, comm["all_reduce_s"] - payload / bandwidth)
@@ -500,7 +500,7 @@ def rank_hardware(threads: int, bandwidth_share: float = 1.0):
     """This CPU measured at `threads` threads; bandwidth_share < 1 when ranks stream memory at the same time."""
     from dataclasses import replace
 
-    from tokenmill.plan.hardware import measure_local_cpu
+    from tokenmill.perf.hardware import measure_local_cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -42,7 +42,7 @@ from typing import Any
 from tokenmill.bench.offline import (load_average, random_workload, run_single_stream, run_tokenmill,
                                      run_transformers, model_weight_bytes)
 from tokenmill.bench.serve import ServeConfig, run_benchmark
-from tokenmill.plan.hardware import read_bandwidth
+from tokenmill.perf.hardware import read_bandwidth
 
 W2_PROMPT, W2_OUTPUT = 512, 128
 W3_REQUESTS, W3_INPUT, W3_OUTPUT = 32, 290, 170

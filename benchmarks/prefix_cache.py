@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.messages import EngineCoreRequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BLOCK_SIZE = 16

@@ -92,7 +92,7 @@ def decode_run(llm, prompts: list[list[int]], out_len: int) -> dict:
     """Decode tok/s of a batch: time from every request having its first token to the last token
     (prefill excluded), and the speculation counters of the run."""
     from tokenmill import SamplingParams
-    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.messages import EngineCoreRequest
 
     eng = llm.engine
     before = eng.stats()

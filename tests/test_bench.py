@@ -381,7 +381,7 @@ def test_bench_serve_chat_shared_prefix(server):
 
 
 def test_bench_offline_cli(tiny, monkeypatch, capsys):
-    import tokenmill.plan.hardware as hw
+    import tokenmill.perf.hardware as hw
 
     monkeypatch.setattr(hw, "copy_bandwidth", lambda: 1e10)  # skip the GiB-sized measurements
     monkeypatch.setattr(hw, "read_bandwidth", lambda: 1e10)

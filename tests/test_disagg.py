@@ -14,7 +14,7 @@ import torch
 from tests.models import tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, KVTransferConfig
-from tokenmill.engine.request import EngineCoreRequest, Request
+from tokenmill.messages import EngineCoreRequest, Request
 from tokenmill.kv_transfer.p2p_transport import TcpTransport
 from tokenmill.router.launchers import free_port
 
@@ -539,7 +539,7 @@ def test_kv_transfer_config_errors_and_world_size_refusal():
 _PRODUCER = r"""
 import json, queue, sys, threading
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import EngineCoreRequest, Request
+from tokenmill.messages import EngineCoreRequest, Request
 llm = LLM(sys.argv[1], dtype="float32", device="cpu", num_gpu_blocks_override=48,
           kv_transfer_config={"kv_connector": "TokenmillConnector", "kv_role": "kv_producer",
                               "kv_port": int(sys.argv[2])})
@@ -641,7 +641,7 @@ def test_transfer_counters_and_time_histogram_reach_metrics():
     """The decode side's pull counters and transfer time histogram in /metrics' Prometheus text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from tokenmill.engine.stats import EngineStats
+    from tokenmill.messages import EngineStats
     from tokenmill.kv_transfer.p2p_plan import pull_seconds_counters
     from tokenmill.serve.metrics import ServerMetrics
 

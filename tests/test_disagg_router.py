@@ -29,7 +29,7 @@ from models import tiny_model
 from server_utils import CliProc, ServerProc, child_pids, metrics, sse_events
 from tokenmill.cli import main
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
-from tokenmill.engine.request import EngineCoreOutput, FinishReason
+from tokenmill.messages import EngineCoreOutput, FinishReason
 from tokenmill.router.disagg import is_batch, prefill_request
 from tokenmill.sampling_params import SamplingParams
 

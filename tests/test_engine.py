@@ -7,7 +7,7 @@ import torch
 from models import hf_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.frontend import fan_out
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.messages import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from server_utils import ServerProc, require_default_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.async_llm import RestartBackoff
-from tokenmill.engine.request import EngineCoreRequest, FinishReason
+from tokenmill.messages import EngineCoreRequest, FinishReason
 from tokenmill.sampling_params import StructuredOutputsParams
 
 POISON = "poison"

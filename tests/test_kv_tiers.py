@@ -13,7 +13,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import CacheConfig, EngineConfig
 from tokenmill.engine.kv_cache_manager import hash_block
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.messages import EngineCoreRequest
 from tokenmill.kv_transfer.disk_store import DiskBlockStore
 from tokenmill.kv_transfer.host_pool import HostBlockPool
 from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput

@@ -3,7 +3,7 @@ import pytest
 
 from models import build_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
-from tokenmill.engine.request import EngineCoreOutput, FinishReason
+from tokenmill.messages import EngineCoreOutput, FinishReason
 from tokenmill.sampling_params import SamplingParams
 
 

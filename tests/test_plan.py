@@ -12,7 +12,7 @@ import pytest
 
 from tokenmill.cli import main
 from tokenmill.plan import get_hardware, load_model_shape, make_plan
-from tokenmill.plan.hardware import Hardware, measure_local_cpu
+from tokenmill.perf.hardware import Hardware, measure_local_cpu
 from tokenmill.plan.memory import ModelShape, memory_plan
 from tokenmill.plan.roofline import compute_bound_batch, decode_cost, prefill_cost
 
@@ -356,7 +356,7 @@ def _disagg(model="Llama-3.1-70B", xpyd=(2, 2), rate=4.0, input_len=4096, output
 def test_disagg_kv_bytes_and_transfer_time_by_hand():
     """70B: 80 layers x 8 KV heads x 128 x (K and V) x 2 bytes per token; TP=4 ranks each send their shard on
     their own InfiniBand NDR NIC (50 GB/s, 10 us)."""
-    from tokenmill.plan.hardware import get_interconnect
+    from tokenmill.perf.hardware import get_interconnect
 
     p = _disagg(input_len=4096)
     nbytes = 4096 * 80 * 8 * 128 * 2 * 2
@@ -457,7 +457,7 @@ def test_disagg_local_cpu_is_one_machine_split_or_not():
     as long and every prompt queues on one half-machine. The KV a decode instance receives is CPU work on its
     own cores: each pull stretches the decode step beside it by the transfer time."""
     from tokenmill.plan.disagg import Traffic, disagg_plan, layouts
-    from tokenmill.plan.hardware import Interconnect
+    from tokenmill.perf.hardware import Interconnect
 
     shape = load_model_shape("SmolLM2-135M")
     kw = dict(weight_dtype="fp32", kv_dtype="fp32", compute_dtype="fp32")

@@ -3,9 +3,8 @@ n > 1, aborts), cached_tokens, per-tenant cache_salt, and the prefix-cache metri
 import random
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.stats import EngineStats
+from tokenmill.messages import EngineCoreRequest, EngineStats, Request
 from tokenmill.engine.kv_cache_manager import KVCacheManager, hash_block
-from tokenmill.engine.request import EngineCoreRequest, Request
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 

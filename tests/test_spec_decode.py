@@ -462,7 +462,7 @@ def test_config_errors(heads):
 
 
 def test_metrics_render_spec_counters():
-    from tokenmill.engine.stats import EngineStats
+    from tokenmill.messages import EngineStats
     from tokenmill.serve.metrics import ServerMetrics
 
     m = ServerMetrics("m")

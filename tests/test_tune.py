@@ -14,7 +14,7 @@ import pytest
 from server_utils import CliProc
 from tokenmill.bench.report import meets_slo, parse_slo, slo_violations, summarize
 from tokenmill.cli import main
-from tokenmill.plan.hardware import Hardware
+from tokenmill.perf.hardware import Hardware
 from tokenmill.plan.memory import load_model_shape
 from tokenmill.tune import prune, search, space
 

@@ -227,8 +227,10 @@ def _add_upgrade_parser(sub) -> None:
 
 def _add_bench_parser(sub) -> None:
     from tokenmill.bench import add_bench_parser
+    from tokenmill.tune.matrix import add_matrix_args
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, more=[("matrix", "baseline and each technique alone and combined: speedups beside the "
+                                           "product of the single ones, JSON + heat map", add_matrix_args)])
 
 
 def _add_plan_parser(sub) -> None:

@@ -20,9 +20,9 @@ def offline_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub) -> None:
-    """Adds `bench` with its subcommands to the CLI's subparsers."""
-    from tokenmill.bench.matrix import add_matrix_args
+def add_bench_parser(sub, more=()) -> None:
+    """Adds `bench` with its subcommands to the CLI's subparsers; `more`: (name, help, add_args) of
+    subcommands that tools above bench contribute (the technique matrix, which lives in tune/)."""
     from tokenmill.bench.offline import add_offline_args
     from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
     from tokenmill.bench.startup import add_startup_args
@@ -38,9 +38,8 @@ def add_bench_parser(sub) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_serve_args(p, sweep=True)
     p.set_defaults(func=sweep_main)
-    p = bsub.add_parser("matrix", help="baseline and each technique alone and combined: speedups beside the "
-                                       "product of the single ones, JSON + heat map")
-    add_matrix_args(p)
+    for name, help_text, add_args in more:
+        add_args(bsub.add_parser(name, help=help_text))
     p = bsub.add_parser("offline", help="offline throughput of the engine on a random workload")
     p.add_argument("model", nargs="?", default=None, help="HF dir or .gguf (default: built-in default model)")
     p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)

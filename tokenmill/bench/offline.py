@@ -63,7 +63,7 @@ def run_tokenmill(llm, workload) -> dict[str, float]:
 def run_single_stream(llm, prompt_len: int = 128, out_len: int = 128) -> dict[str, float]:
     """Decode rate of one request alone: time from its first to its last token."""
     from tokenmill import SamplingParams
-    from tokenmill.engine.request import EngineCoreRequest
+    from tokenmill.messages import EngineCoreRequest
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -137,7 +137,7 @@ def run_offline(model: Optional[str], args: argparse.Namespace) -> dict[str, Any
 
     from tokenmill import LLM
     from tokenmill.layers.kernels_report import kernels_required
-    from tokenmill.plan.hardware import copy_bandwidth, read_bandwidth
+    from tokenmill.perf.hardware import copy_bandwidth, read_bandwidth
 
     n = 64 if args.quick else args.num_requests
     bw = copy_bandwidth()

@@ -24,12 +24,11 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.stats import EngineStats
+from tokenmill.messages import EngineStats, FinishReason, check_fits, check_token_ids
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, engine_env
-from tokenmill.engine.request import FinishReason, check_fits, check_token_ids
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup import Ledger, timed

@@ -27,8 +27,7 @@ import functools
 
 import msgspec
 
-from tokenmill.engine.stats import EngineStats
-from tokenmill.engine.request import EngineCoreOutput, EngineCoreRequest
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from tokenmill.startup import Ledger, Phase
 
 logger = logging.getLogger("tokenmill")

@@ -6,7 +6,7 @@ import logging
 from typing import Optional, Union
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.request import EngineCoreRequest
+from tokenmill.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")

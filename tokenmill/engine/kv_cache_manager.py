@@ -15,7 +15,7 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from tokenmill.engine.request import Request
+from tokenmill.messages import Request
 
 
 def hash_block(parent: Optional[bytes], token_ids: list[int], extra: Optional[str]) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from tokenmill.engine.request import EngineCoreOutput, FinishReason, PositionLogprobs
+from tokenmill.messages import EngineCoreOutput, FinishReason, PositionLogprobs
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -42,7 +42,7 @@ from typing import Iterable, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
-from tokenmill.engine.request import EngineCoreOutput, FinishReason, Request, RequestStatus, check_fits
+from tokenmill.messages import EngineCoreOutput, FinishReason, Request, RequestStatus, check_fits
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController

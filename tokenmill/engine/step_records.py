@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Optional
 
-from tokenmill.plan.hardware import Hardware
+from tokenmill.perf.hardware import Hardware
 
 logger = logging.getLogger("tokenmill")
 
@@ -42,7 +42,7 @@ def cpu_key() -> str:
 def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
     """This CPU's fp32 peak and bandwidth as the engine process measured them (with its thread count),
     once per machine (about 2 s), then read from the cache. measure=False: None if not measured yet."""
-    from tokenmill.plan.hardware import measure_local_cpu
+    from tokenmill.perf.hardware import measure_local_cpu
 
     path = _cpu_figures_path()
     try:
@@ -77,7 +77,7 @@ def _write_cpu_figures(path: str, hw: Hardware) -> None:
 def device_figures(device: str) -> Optional[Hardware]:
     if device == "cpu":
         return local_cpu_figures()
-    from tokenmill.plan.hardware import for_device
+    from tokenmill.perf.hardware import for_device
 
     return for_device(device)
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # type hints only: the step messages (step.py) import this pa
     # the API process imports those without torch
     import torch
 
-    from tokenmill.engine.request import EngineCoreRequest, Request
+    from tokenmill.messages import EngineCoreRequest, Request
     from tokenmill.layers.attention.kv_quant import KVCacheQuant
 
 

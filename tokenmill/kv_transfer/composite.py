@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from tokenmill.engine.request import EngineCoreRequest, Request
+from tokenmill.messages import EngineCoreRequest, Request
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker
 from tokenmill.step import ConnectorOutput, ConnectorPlan
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from typing import Optional
 
-from tokenmill.engine.request import Request
+from tokenmill.messages import Request
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
 from tokenmill.kv_transfer.block_chains import BlockChains
 from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput, OffloadPlan

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.config import KVTransferConfig
-from tokenmill.engine.request import EngineCoreRequest, FinishReason, Request, RequestStatus
+from tokenmill.messages import EngineCoreRequest, FinishReason, Request, RequestStatus
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
 from tokenmill.kv_transfer.p2p_params import KVTransferParams, check_pull_source, check_request_params, validated
 from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Optional
 
-from tokenmill.plan.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardware, get_interconnect,
+from tokenmill.perf.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardware, get_interconnect,
                                      hardware_names, measure_local_cpu)
 from tokenmill.plan.memory import PRESETS, ModelShape, load_model_shape, memory_plan, normalize_dtype
 from tokenmill.plan.parallel import Split, check_split, choose_split

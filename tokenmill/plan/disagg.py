@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from tokenmill.plan.hardware import Hardware, Interconnect, default_links
+from tokenmill.perf.hardware import Hardware, Interconnect, default_links
 from tokenmill.plan.memory import ModelShape, memory_plan
 from tokenmill.plan.parallel import Split, check_split, comm_per_token, comm_time, device_memory
 from tokenmill.plan.roofline import roofline_time, step_cost

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from tokenmill.plan.hardware import Interconnect
+from tokenmill.perf.hardware import Interconnect
 from tokenmill.plan.memory import ModelShape
 
 PROBE_BYTES = 16 * 2**20

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from tokenmill.plan.hardware import INTERCONNECTS, Hardware, Interconnect
+from tokenmill.perf.hardware import INTERCONNECTS, Hardware, Interconnect
 from tokenmill.plan.memory import ModelShape, dtype_bytes, memory_plan
 
 

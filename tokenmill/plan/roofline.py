@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tokenmill.plan.hardware import Hardware, Interconnect, default_links
+from tokenmill.perf.hardware import Hardware, Interconnect, default_links
 from tokenmill.plan.memory import GGUF, ModelShape, engine_shape, memory_plan, normalize_dtype
 
 logger = logging.getLogger("tokenmill")
@@ -248,7 +248,7 @@ class StepStatsLogger:
     figures (measured on the spot for the CPU, from the catalog for a known GPU)."""
 
     def __init__(self, config: Any) -> None:
-        from tokenmill.plan.hardware import for_device
+        from tokenmill.perf.hardware import for_device
 
         self.dtype = normalize_dtype(str(config.model.torch_dtype))  # activations, KV and the FLOP/s figure
         self.shape, self.weight_dtype = engine_shape(config.model.hf_config, self.dtype)

@@ -181,7 +181,7 @@ def _device_figures(device: str):
         return local_cpu_figures(measure=False)
     import subprocess
 
-    from tokenmill.plan.hardware import get_hardware
+    from tokenmill.perf.hardware import get_hardware
 
     try:
         name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from tokenmill.plan.hardware import Hardware
+from tokenmill.perf.hardware import Hardware
 from tokenmill.plan.memory import ModelShape, dtype_bytes, normalize_dtype
 from tokenmill.plan.roofline import decode_cost, default_compute_dtype, prefill_cost, roofline_time
 

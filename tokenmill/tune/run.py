@@ -57,7 +57,7 @@ def machine_and_shape(args: argparse.Namespace, device: str):
     """(ModelShape, Machine) for pruning, or (None, None) with a warning when the model's shape is unknown."""
     from tokenmill.config import cpu_has_avx512_bf16, resolve_model_path
     from tokenmill.plan import get_hardware, load_model_shape
-    from tokenmill.plan.hardware import for_device
+    from tokenmill.perf.hardware import for_device
 
     try:
         shape = load_model_shape(None if args.model is None else resolve_model_path(args.model))
