@@ -129,13 +129,15 @@ def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
     if not linears:
         return {}
     types = sorted({p.type for b in linears for p in b.parts})
-    isa, rows = ggml.isa(), min(b.max_rows for b in linears)
+    isa = ggml.isa()
+    # a type's row limit: the smallest of the layers holding it (a merged layer takes its parts' smallest)
+    rows = {t: min(b.max_rows for b in linears if any(p.type == t for p in b.parts)) for t in types}
     if isa == "torch":
         fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
         return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
     tiles = "bf16" if cpu_has_native_bf16() else "f32"
-    return {ggml.TYPE_NAMES[t]: (f"float dot (1-{rows} rows)" if t in ggml.FLOAT_TYPES else
-                                 f"{isa} int8 dot (1-{rows} rows)") + f"; {tiles} tiles + torch GEMM (more)"
+    return {ggml.TYPE_NAMES[t]: (f"float dot (1-{rows[t]} rows)" if t in ggml.FLOAT_TYPES else
+                                 f"{isa} int8 dot (1-{rows[t]} rows)") + f"; {tiles} tiles + torch GEMM (more)"
             for t in types}
 
 
