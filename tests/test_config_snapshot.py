@@ -1,4 +1,4 @@
-"""engine/config_snapshot.py: the engine process gets the model's transformers config as plain data; it must
+"""config_snapshot.py: the engine process gets the model's transformers config as plain data; it must
 read back without transformers and answer every data attribute as the real config does."""
 from __future__ import annotations
 

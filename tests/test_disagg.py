@@ -642,7 +642,7 @@ def test_transfer_counters_and_time_histogram_reach_metrics():
     from prometheus_client.parser import text_string_to_metric_families
 
     from tokenmill.messages import EngineStats
-    from tokenmill.kv_transfer.p2p_plan import pull_seconds_counters
+    from tokenmill.step.p2p_plan import pull_seconds_counters
     from tokenmill.serve.metrics import ServerMetrics
 
     kv = {"kv_pulls": 3, "kv_pull_fallbacks": 1, "kv_bytes_received": 4096, "kv_held_requests": 0,

@@ -30,7 +30,7 @@ def test_bert_hidden_states_match_transformers():
 
     from tokenmill.config import EngineConfig
     from tokenmill.models.loader import load_model
-    from tokenmill.worker.flat_batch import flat_batch
+    from tokenmill.models.flat_batch import flat_batch
 
     path = tiny_bert()
     cfg = EngineConfig.from_kwargs(model=path, dtype="float32").finalize()

@@ -1,4 +1,4 @@
-"""The engine's kernels report (layers/kernels_report.py): it names the paths a real engine runs, logs every
+"""The engine's kernels report (worker/kernels_report.py): it names the paths a real engine runs, logs every
 fallback with its reason once at startup, and TOKENMILL_REQUIRE_KERNELS=1 turns any fallback into a start-up
 error (while paths the model itself chooses stay allowed)."""
 import logging
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import cpu_build, cpu_linear, kernels_report
+from tokenmill.layers import cpu_build, cpu_linear
+from tokenmill.worker import kernels_report
 from tokenmill.layers.attention import triton_paged
 from tokenmill.layers.attention.cpu import PagedAttentionBackend
 

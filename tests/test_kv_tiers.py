@@ -16,7 +16,7 @@ from tokenmill.engine.kv_cache_manager import hash_block
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.kv_transfer.disk_store import DiskBlockStore
 from tokenmill.kv_transfer.host_pool import HostBlockPool
-from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput
+from tokenmill.step.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput
 from tokenmill.kv_transfer.offload_scheduler import OffloadingScheduler
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)

@@ -33,7 +33,7 @@ LAYERS = [
     ("models", ["models"]),
     ("layers", ["layers"]),
     ("contracts", ["messages", "step", "engine.request", "engine.stats", "outputs", "sampling_params"]),
-    ("leaves", ["distributed", "perf", "config", "startup"]),
+    ("leaves", ["distributed", "perf", "config", "config_snapshot", "startup"]),
 ]
 RANK = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 
@@ -41,15 +41,8 @@ RANK = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 DEBT: dict[tuple[str, str], str] = {
     ("config", "layers"): "config.py picks the CPU linear kernels and matmul plan while resolving the model",
     ("config", "models"): "model resolution (path, dtype, GGUF) lives in config.py; it belongs in models/",
-    ("engine", "plan"): "step stats and step records use the cost model, which lives beside the plan tool",
-    ("serve", "plan"): "the dashboard shows the plan's summary; the cost model belongs in a perf/ leaf",
-    ("layers", "engine"): "rotary reads engine/config_snapshot, which belongs in a leaf",
-    ("models", "engine"): "resolution_cache keys on engine/config_snapshot and engine/step_records",
-    ("layers", "models"): "kernels_report reads the decoder stack's state from models/cpu_stack",
     ("router", "cli"): "the fleet launchers validate flags with cli.build_parser",
     ("tune", "cli"): "tune validates flags with cli.build_parser",
-    ("spec_decode", "worker"): "the drafters build their batches with worker/flat_batch",
-    ("step", "kv_transfer"): "step.py carries the connectors' per-step plans, defined in kv_transfer/",
 }
 
 

@@ -287,7 +287,8 @@ def _load(path, dtype=torch.float32):
 @pytest.mark.parametrize("arch", sorted(MOE_ARCHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_plan_weight_bytes_match_the_loaded_model(tiny, arch, dtype):
-    from tokenmill.plan.memory import ModelShape, load_model_shape, memory_plan
+    from tokenmill.perf.memory import ModelShape, memory_plan
+    from tokenmill.models.shape import load_model_shape
 
     config, model = _load(tiny(arch), dtype)
     allocated = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -303,7 +304,7 @@ def _model_logits(path: str):
     from the model loaded on this rank (its experts / slices only)."""
     import numpy as np
 
-    from tokenmill.worker.flat_batch import block_table_array, flat_batch
+    from tokenmill.models.flat_batch import block_table_array, flat_batch
 
     _, model = _load(path)
     bs, lens = 16, [5, 37, 1, 20]

@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.plan import parallel as plan_parallel
-from tokenmill.plan.memory import ModelShape
+from tokenmill.perf.memory import ModelShape
 
 pytestmark = pytest.mark.distributed
 

@@ -13,8 +13,8 @@ import pytest
 from tokenmill.cli import main
 from tokenmill.plan import get_hardware, load_model_shape, make_plan
 from tokenmill.perf.hardware import Hardware, measure_local_cpu
-from tokenmill.plan.memory import ModelShape, memory_plan
-from tokenmill.plan.roofline import compute_bound_batch, decode_cost, prefill_cost
+from tokenmill.perf.memory import ModelShape, memory_plan
+from tokenmill.perf.roofline import compute_bound_batch, decode_cost, prefill_cost
 
 GiB = 2**30
 H100 = get_hardware("h100")
@@ -228,7 +228,7 @@ def test_tp2_weights_per_device_by_hand():
 def test_kv_heads_replicate_when_fewer_than_ranks():
     """Qwen3-235B-A22B (4 KV heads) on TP=8: each rank keeps one KV head, a quarter of the K/V weights and
     cache, not an eighth; experts are 1/8 per rank under TP and EP alike."""
-    from tokenmill.plan.parallel import Split, attention_params_per_rank, stage_params
+    from tokenmill.perf.parallel import Split, attention_params_per_rank, stage_params
 
     s = load_model_shape("Qwen3-235B-A22B")
     h, d = 4096, 128
@@ -244,7 +244,7 @@ def test_kv_heads_replicate_when_fewer_than_ranks():
 
 
 def test_pp_stages_sum_to_the_whole_and_largest_stage():
-    from tokenmill.plan.parallel import Split, layers_per_stage, stage_params
+    from tokenmill.perf.parallel import Split, layers_per_stage, stage_params
 
     s = load_model_shape("Llama-3.1-70B")
     assert sum(stage_params(s, Split(1, 2))) == s.params_total
@@ -280,7 +280,7 @@ def test_ep_busiest_rank_matches_sampling():
     """The expected busiest rank's experts (binomial model) against routing sampled uniformly."""
     import random
 
-    from tokenmill.plan.parallel import Split, busiest_rank_experts
+    from tokenmill.perf.parallel import Split, busiest_rank_experts
 
     s = load_model_shape("Qwen3-235B-A22B")
     rng = random.Random(0)
@@ -304,7 +304,7 @@ def test_ep_busiest_rank_matches_sampling():
     ("Qwen3-235B-A22B", "h200", 1, 8, "TP=8 with EP"), ("Qwen3-235B-A22B", "h100", 2, 8, "TP=8 x PP=2 with EP"),
     ("SmolLM2-135M", "h100", 1, 8, "TP=1 x PP=8"), ("Qwen3-235B-A22B", "h100", 1, 8, "None")])
 def test_rules_pick(model, hw, nodes, per_node, expect):
-    from tokenmill.plan.parallel import choose_split
+    from tokenmill.perf.parallel import choose_split
 
     c = choose_split(load_model_shape(model), get_hardware(hw), "bf16", nodes, per_node)
     assert str(c["split"]) == expect
@@ -577,7 +577,7 @@ def test_gguf_plan_weights_are_what_the_engine_loads(kmix_gguf, which):
 def test_log_step_stats_counts_a_native_gguf_blocks(kmix_gguf):
     """--log-step-stats' MBU on a GGUF served in its own blocks counts the blocks' bytes, not float weights."""
     from tokenmill import LLM
-    from tokenmill.plan.roofline import decode_cost
+    from tokenmill.perf.roofline import decode_cost
 
     path = kmix_gguf["untied"]
     llm = LLM(path, dtype="float32", log_step_stats=True, kv_cache_memory_bytes="16MiB")
@@ -620,7 +620,7 @@ def test_gguf_plan_dequantize_counts_float_weights(capsys, kmix_gguf):
 
 def test_default_model_plan_is_its_q4_1_blocks(capsys):
     from tokenmill.models.gguf import weight_bits
-    from tokenmill.plan.memory import default_gguf
+    from tokenmill.models.shape import default_gguf
 
     if default_gguf() is None:
         pytest.skip("default model not installed")
@@ -633,7 +633,7 @@ def test_default_model_plan_is_its_q4_1_blocks(capsys):
 
 
 def test_int4_counts_its_q4_1_scales():
-    from tokenmill.plan.memory import dtype_bytes
+    from tokenmill.perf.memory import dtype_bytes
 
     assert dtype_bytes("int4") * 8 == 5.0  # 4-bit values + an fp16 scale and min per 32
     with pytest.raises(ValueError, match="gguf:<bits per weight>"):

@@ -239,7 +239,7 @@ def _final_hidden(scorer, ids):
     """The hidden states the LM head reads (what _Scorer.logprobs feeds compute_logits)."""
     import numpy as np
 
-    from tokenmill.worker.flat_batch import flat_batch
+    from tokenmill.models.flat_batch import flat_batch
 
     L, bs = len(ids), scorer.block_size
     table = np.arange(-(-L // bs), dtype=np.int64)[None, :]

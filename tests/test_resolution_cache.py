@@ -10,7 +10,7 @@ import pytest
 
 from models import tiny_model
 from tokenmill.config import EngineConfig
-from tokenmill.engine.config_snapshot import ConfigSnapshot
+from tokenmill.config_snapshot import ConfigSnapshot
 from tokenmill.engine.frontend import load_tokenizer
 
 TEXT = "Hello <|im_start|> world, the quick brown fox\n\tjumps ünïcode 12345 <|im_end|>"

@@ -1,4 +1,4 @@
-"""The step contract (tokenmill/step.py): messages survive msgpack unchanged, a run whose every step crosses
+"""The step contract (tokenmill/step/): messages survive msgpack unchanged, a run whose every step crosses
 bytes gives the same tokens as one that passes objects, and a decode step's message does not grow with the
 request's length (deltas, not whole lists)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams, step
-from tokenmill.kv_transfer.offload_plan import OffloadOutput, OffloadPlan
-from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
+from tokenmill.step.offload_plan import OffloadOutput, OffloadPlan
+from tokenmill.step.p2p_plan import Pull, TransferOutput, TransferPlan
 from tokenmill.worker.request_states import RequestStates
 
 

@@ -42,7 +42,7 @@ def _load(path: str, quantization=None):
 def _forward_steps(model) -> list[torch.Tensor]:
     """Every step's logits (on the last pipeline stage; [] elsewhere), stages chained by pp_send/pp_recv."""
     from tokenmill.distributed import IntermediateTensors, pp_rank, pp_recv, pp_send, pp_size
-    from tokenmill.worker.flat_batch import block_table_array, flat_batch
+    from tokenmill.models.flat_batch import block_table_array, flat_batch
 
     attn = model.layers[0].self_attn
     caches = [torch.zeros(2, attn.num_kv_heads, NUM_BLOCKS, BLOCK, attn.head_dim) for _ in model.layers]

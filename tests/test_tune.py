@@ -15,7 +15,7 @@ from server_utils import CliProc
 from tokenmill.bench.report import meets_slo, parse_slo, slo_violations, summarize
 from tokenmill.cli import main
 from tokenmill.perf.hardware import Hardware
-from tokenmill.plan.memory import load_model_shape
+from tokenmill.models.shape import load_model_shape
 from tokenmill.tune import prune, search, space
 
 TINY_ARGS = ["--input-len", "16", "--output-len", "4", "--num-prompts", "4", "--warmup", "1", "--no-progress"]

@@ -23,7 +23,7 @@ import tokenmill
 assert tokenmill.__file__.startswith(sys.prefix), f"tokenmill imported from {tokenmill.__file__}, not the venv"
 site_dirs = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import kernels_report
+from tokenmill.worker import kernels_report
 libraries = kernels_report.load_all_libraries()
 llm = LLM(sys.argv[1], num_gpu_blocks_override=32, block_size=16)
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -126,7 +126,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # hash chain over full blocks of all_token_ids
         self.num_preemptions = 0
         self.num_prompt_logprobs_done = 0  # prompt positions whose logprobs were reported
-        # The worker's copy (tokenmill/step.py): block ids and output tokens sent to it since admission
+        # The worker's copy (tokenmill/step/): block ids and output tokens sent to it since admission
         self.num_blocks_sent = 0
         self.num_outputs_sent = 0
         sp = self.sampling_params

@@ -136,7 +136,7 @@ def run_offline(model: Optional[str], args: argparse.Namespace) -> dict[str, Any
     import torch
 
     from tokenmill import LLM
-    from tokenmill.layers.kernels_report import kernels_required
+    from tokenmill.worker.kernels_report import kernels_required
     from tokenmill.perf.hardware import copy_bandwidth, read_bandwidth
 
     n = 64 if args.quick else args.num_requests

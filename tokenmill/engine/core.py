@@ -46,7 +46,7 @@ class EngineCore:
         self.num_failed_steps = 0  # in a row; past MAX_FAILED_STEPS the engine itself is broken
         self.step_stats = None
         if config.log_step_stats:
-            from tokenmill.plan.roofline import StepStatsLogger
+            from tokenmill.engine.step_stats import StepStatsLogger
 
             self.step_stats = StepStatsLogger(config)
         self.step_records = None

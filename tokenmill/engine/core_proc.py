@@ -55,7 +55,7 @@ class EngineReady(msgspec.Struct, array_like=True):
     max_model_len: int
     vocab_size: int
     pid: int
-    kernels: dict = {}  # layers/kernels_report.py: the kernels in use and any fallbacks
+    kernels: dict = {}  # worker/kernels_report.py: the kernels in use and any fallbacks
     startup: list[Phase] = []  # this process's and the output rank's start-up phases (startup.py)
 
 

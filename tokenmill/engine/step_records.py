@@ -4,7 +4,7 @@ came to the device's roofline.
 The engine appends one small record per step to a bounded ring; EngineCore.stats() drains the ring into
 the EngineStats that already travels to the API process with every step's outputs, so the records cost
 one tuple of numbers per step and no extra message. MFU/MBU use the same FLOP and byte counts as
-`--log-step-stats` (plan/roofline.py) against the device's figures: the catalog entry for a known GPU, or
+`--log-step-stats` (engine/step_stats.py) against the device's figures: the catalog entry for a known GPU, or
 for the CPU an fp32 matmul and bandwidth probe measured once per machine and cached under
 $TOKENMILL_CACHE_DIR/hardware/ (a bf16 probe takes tens of seconds on CPUs without bf16 units, so every
 dtype is counted against the fp32 peak there).
@@ -14,29 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from collections import deque
 from dataclasses import replace
 from typing import Any, Optional
 
-from tokenmill.perf.hardware import Hardware
+from tokenmill.perf.hardware import Hardware, cpu_key
 
 logger = logging.getLogger("tokenmill")
 
 # One record: [wall time at the step's end, seconds, prefill tokens, decode tokens, batch size, MFU, MBU]
 # (MFU/MBU -1 when the device's figures are unknown). A list, not a struct: it rides inside EngineStats.
 STEP_FIELDS = ("t", "seconds", "prefill", "decode", "batch", "mfu", "mbu")
-
-
-def cpu_key() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}-{os.cpu_count()}cpus".replace("/", "_").replace(" ", "_")
 
 
 def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
@@ -87,7 +76,7 @@ class StepRecorder:
     so a stats consumer that stops reading never grows the engine's memory)."""
 
     def __init__(self, config: Any, maxlen: int = 256) -> None:
-        from tokenmill.plan.memory import ModelShape, normalize_dtype
+        from tokenmill.perf.memory import ModelShape, normalize_dtype
 
         self.shape = ModelShape.from_hf_config(config.model.hf_config)
         self.dtype = normalize_dtype(str(config.model.torch_dtype))
@@ -109,7 +98,7 @@ class StepRecorder:
         return self._cached_free
 
     def record(self, sched: Any, seconds: float) -> None:
-        from tokenmill.plan.roofline import scheduled_cost
+        from tokenmill.perf.roofline import scheduled_cost
 
         decode = sum(len(r.token_ids) for r in sched.scheduled if len(r.token_ids) - r.num_spec <= 1)
         mfu = mbu = -1.0

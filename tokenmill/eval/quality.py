@@ -88,7 +88,7 @@ class _Scorer:
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
-        from tokenmill.worker.flat_batch import flat_batch
+        from tokenmill.models.flat_batch import flat_batch
 
         L = len(ids)
         table = np.arange(-(-L // self.block_size), dtype=np.int64)[None, :]

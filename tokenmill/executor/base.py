@@ -83,7 +83,7 @@ class Executor:
         return sum(self.collective_rpc("bytes_per_block"))
 
     def kernels(self) -> dict:
-        """layers/kernels_report.report of the output rank: the kernels in use and any fallbacks."""
+        """worker/kernels_report.report of the output rank: the kernels in use and any fallbacks."""
         return self.collective_rpc(_kernels)[self.output_rank]
 
     def startup_phases(self) -> list:

@@ -2,7 +2,7 @@
 
 Two ZMQ channels over ipc:// in a private folder, both ordered:
 - commands, parent XPUB -> every rank's SUB: [seq, kind, payload]. A step's SchedulerOutput is encoded once
-  (tokenmill/step.py) and published once; every rank receives the same bytes, steps and RPCs in one order.
+  (tokenmill/step/) and published once; every rank receives the same bytes, steps and RPCs in one order.
 - replies, every rank's PUSH -> parent PULL: [seq, kind, payload]. A step's result comes from the output rank
   only; an RPC's from every rank; an error from whichever rank raised.
 A receiver thread resolves the pending calls' Futures; a death-watch thread fails every pending call when a

@@ -16,7 +16,7 @@ from typing import Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler, KVConnectorWorker  # noqa: F401
-from tokenmill.kv_transfer.offload_plan import tier_capacity
+from tokenmill.step.offload_plan import tier_capacity
 
 
 def _capacity(config: EngineConfig, bytes_per_block: int) -> tuple[int, int]:

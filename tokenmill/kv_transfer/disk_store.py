@@ -37,7 +37,7 @@ from typing import Optional
 import numpy as np
 
 from tokenmill.kv_transfer.fingerprint import FINGERPRINT_BYTES
-from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE
+from tokenmill.step.offload_plan import DELETE, READ, WRITE
 
 logger = logging.getLogger("tokenmill")
 

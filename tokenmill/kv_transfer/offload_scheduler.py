@@ -26,7 +26,7 @@ from typing import Optional
 from tokenmill.messages import Request
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
 from tokenmill.kv_transfer.block_chains import BlockChains
-from tokenmill.kv_transfer.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput, OffloadPlan
+from tokenmill.step.offload_plan import DELETE, READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput, OffloadPlan
 
 
 class OffloadingScheduler(KVConnectorScheduler):

@@ -10,7 +10,7 @@ from tokenmill.kv_transfer.base import KVConnectorWorker
 from tokenmill.kv_transfer.disk_store import DiskBlockStore
 from tokenmill.kv_transfer.fingerprint import kv_fingerprint
 from tokenmill.kv_transfer.host_pool import HostBlockPool
-from tokenmill.kv_transfer.offload_plan import READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput, OffloadPlan
+from tokenmill.step.offload_plan import READ, WRITE, WRITE_FROM_DEVICE, OffloadOutput, OffloadPlan
 
 
 class OffloadingWorker(KVConnectorWorker):

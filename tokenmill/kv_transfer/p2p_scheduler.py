@@ -44,7 +44,7 @@ from tokenmill.config import KVTransferConfig
 from tokenmill.messages import EngineCoreRequest, FinishReason, Request, RequestStatus
 from tokenmill.kv_transfer.base import ExternalHit, KVConnectorScheduler
 from tokenmill.kv_transfer.p2p_params import KVTransferParams, check_pull_source, check_request_params, validated
-from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters
+from tokenmill.step.p2p_plan import Pull, TransferOutput, TransferPlan, pull_seconds_counters
 
 logger = logging.getLogger("tokenmill")
 

@@ -34,7 +34,7 @@ from tokenmill.kv_transfer.base import KVConnectorWorker
 from tokenmill.kv_transfer.fingerprint import kv_fingerprint
 from tokenmill.kv_transfer.host_pool import HostBlockPool
 from tokenmill.kv_transfer.p2p_params import advertised_host
-from tokenmill.kv_transfer.p2p_plan import Pull, TransferOutput, TransferPlan
+from tokenmill.step.p2p_plan import Pull, TransferOutput, TransferPlan
 from tokenmill.kv_transfer.p2p_transport import Blocks, BlockTransport, NotReady, TcpTransport, TransferError
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
 

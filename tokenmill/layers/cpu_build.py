@@ -6,7 +6,7 @@ only loads the shared object (milliseconds). Libraries link libgomp by its sonam
 imported torch they share torch's OpenMP runtime and thread pool instead of starting a second one that would
 spin against it. Without a compiler, or with TOKENMILL_CPU_KERNELS=0, `load_library` returns None (logged once)
 and callers use their pure-torch path; `library_status` says which libraries loaded and why the others did not
-(the engine's kernels report, layers/kernels_report.py).
+(the engine's kernels report, worker/kernels_report.py).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.engine.config_snapshot import ConfigSnapshot
+from tokenmill.config_snapshot import ConfigSnapshot
 from tokenmill.layers import cpu_fused
 
 

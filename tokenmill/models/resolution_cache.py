@@ -34,7 +34,7 @@ _FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tok
 
 @dataclass
 class Resolution:
-    hf_config: Any                  # engine/config_snapshot.ConfigSnapshot
+    hf_config: Any                  # config_snapshot.ConfigSnapshot
     dtype: str                      # torch attribute name ("bfloat16")
     tokenizer_class: str            # "module:name" of the class AutoTokenizer chose
 
@@ -52,7 +52,7 @@ def _stamp(folder: str) -> list:
 
 def key(model_dir: str, tokenizer: str, requested_dtype: Any, device: str) -> str:
     import tokenmill
-    from tokenmill.engine.step_records import cpu_key
+    from tokenmill.perf.hardware import cpu_key
 
     try:
         transformers_version = importlib.metadata.version("transformers")
@@ -86,7 +86,7 @@ def load(k: str) -> Optional[Resolution]:
 
 def save(k: str, hf_config: Any, dtype: str, tokenizer: Any) -> None:
     """Write the record (atomically; a failure only costs the next start its shortcut)."""
-    from tokenmill.engine.config_snapshot import ConfigSnapshot, snapshot
+    from tokenmill.config_snapshot import ConfigSnapshot, snapshot
 
     snap = hf_config if isinstance(hf_config, ConfigSnapshot) else snapshot(hf_config)
     cls = type(tokenizer)

@@ -13,14 +13,15 @@ import json
 import sys
 from typing import Optional
 
+from tokenmill.models.shape import load_model_shape
 from tokenmill.perf.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardware, get_interconnect,
                                      hardware_names, measure_local_cpu)
-from tokenmill.plan.memory import PRESETS, ModelShape, load_model_shape, memory_plan, normalize_dtype
-from tokenmill.plan.parallel import Split, check_split, choose_split
-from tokenmill.plan.roofline import StepStatsLogger, default_compute_dtype, format_plan, make_plan
+from tokenmill.perf.memory import PRESETS, ModelShape, memory_plan, normalize_dtype
+from tokenmill.perf.parallel import Split, check_split, choose_split
+from tokenmill.perf.roofline import default_compute_dtype, format_plan, make_plan
 from tokenmill.plan.trace_report import add_trace_args, run_trace
 
-__all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Split", "StepStatsLogger", "add_plan_args",
+__all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Split", "add_plan_args",
            "choose_split", "format_plan", "get_hardware", "get_interconnect", "load_model_shape", "make_plan",
            "measure_local_cpu", "memory_plan", "run_plan"]
 
@@ -127,7 +128,8 @@ def _dtypes(args: argparse.Namespace, local: bool) -> tuple[str, str, str]:
     blocks (--gguf-weights), else the engine's float dtype: bf16, on local-cpu bf16 with AVX512-BF16, else fp32.
     Beside GGUF blocks, the KV cache and the matmuls (dequantized tiles) are in that float dtype too."""
     from tokenmill.config import cpu_has_avx512_bf16
-    from tokenmill.plan.memory import GGUF, gguf_weight_dtype
+    from tokenmill.perf.memory import GGUF
+    from tokenmill.models.shape import gguf_weight_dtype
 
     float_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
     weight = args.weight_dtype

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from tokenmill.perf.hardware import Hardware, Interconnect, default_links
-from tokenmill.plan.memory import ModelShape, memory_plan
-from tokenmill.plan.parallel import Split, check_split, comm_per_token, comm_time, device_memory
-from tokenmill.plan.roofline import roofline_time, step_cost
+from tokenmill.perf.memory import ModelShape, memory_plan
+from tokenmill.perf.parallel import Split, check_split, comm_per_token, comm_time, device_memory
+from tokenmill.perf.roofline import roofline_time, step_cost
 
 PAYS_MARGIN = 1.2  # xPyD "pays" on latency when colocated ITL P99 is at least this many times xPyD's
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from tokenmill.perf.hardware import Interconnect
-from tokenmill.plan.memory import ModelShape
+from tokenmill.perf.memory import ModelShape
 
 PROBE_BYTES = 16 * 2**20
 

@@ -150,8 +150,8 @@ class EngineView:
 
     def plan(self, batch: int) -> dict:
         """`tokenmill plan` for this model at the current batch and the prompt/output lengths seen so far."""
-        from tokenmill.plan.memory import engine_shape
-        from tokenmill.plan.roofline import format_plan, make_plan
+        from tokenmill.models.shape import engine_shape
+        from tokenmill.perf.roofline import format_plan, make_plan
 
         c = self.state.config
         hw = _device_figures(c.device)

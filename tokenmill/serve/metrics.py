@@ -218,7 +218,7 @@ _TRANSFER_DOCS = {
 
 class _TransferCollector:
     """Reads the last EngineStats at scrape time: counters, held requests, and the transfer time histogram
-    (its buckets are cumulative counts kept by the connector, kv_transfer/p2p_plan.py)."""
+    (its buckets are cumulative counts kept by the connector, step/p2p_plan.py)."""
 
     def __init__(self, metrics: "ServerMetrics") -> None:
         self.metrics = metrics
@@ -226,7 +226,7 @@ class _TransferCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        from tokenmill.kv_transfer.p2p_plan import PULL_SECONDS_BUCKETS
+        from tokenmill.step.p2p_plan import PULL_SECONDS_BUCKETS
 
         last, name = self.metrics._last, self.metrics._model_name
         kv = last.kv_connector if last is not None else {}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
-from tokenmill.worker.flat_batch import block_table_array, flat_batch
+from tokenmill.models.flat_batch import block_table_array, flat_batch
 
 logger = logging.getLogger("tokenmill")
 

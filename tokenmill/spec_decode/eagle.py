@@ -36,7 +36,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.llama import MLP, Attention
 from tokenmill.spec_decode import DraftBatch
 from tokenmill.spec_decode.draft_model import KVDrafter
-from tokenmill.worker.flat_batch import block_table_array, flat_batch
+from tokenmill.models.flat_batch import block_table_array, flat_batch
 
 logger = logging.getLogger("tokenmill")
 

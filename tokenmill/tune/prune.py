@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.perf.hardware import Hardware
-from tokenmill.plan.memory import ModelShape, dtype_bytes, normalize_dtype
-from tokenmill.plan.roofline import decode_cost, default_compute_dtype, prefill_cost, roofline_time
+from tokenmill.perf.memory import ModelShape, dtype_bytes, normalize_dtype
+from tokenmill.perf.roofline import decode_cost, default_compute_dtype, prefill_cost, roofline_time
 
 logger = logging.getLogger("tokenmill")
 

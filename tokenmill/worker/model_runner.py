@@ -19,7 +19,7 @@ from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors,
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
 from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest, SchedulerOutput
-from tokenmill.worker.flat_batch import block_table_array, flat_batch
+from tokenmill.models.flat_batch import block_table_array, flat_batch
 from tokenmill.worker.request_states import RequestStates
 
 
@@ -55,7 +55,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
-        self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step.py)
+        self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step/)
         self.stage, self.num_stages = pp_rank(), pp_size()  # pipeline stage: only the last one samples
         self.count_experts = hasattr(model, "expert_load")  # MoE: tokens routed per expert, for /metrics
         self._sending: list = []  # a pipeline stage's pending sends of its last step's hidden states ...

@@ -1,5 +1,5 @@
 """The worker's copy of each running request: its NewRequest plus the deltas of every step since
-(the invariant of tokenmill/step.py). The model runner reads block tables, sampling parameters and token
+(the invariant of tokenmill/step/). The model runner reads block tables, sampling parameters and token
 histories here, so the scheduler sends each of them once."""
 from __future__ import annotations
 

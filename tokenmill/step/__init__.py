@@ -22,8 +22,8 @@ from typing import Optional
 
 import msgspec
 
-from tokenmill.kv_transfer.offload_plan import OffloadOutput, OffloadPlan
-from tokenmill.kv_transfer.p2p_plan import TransferOutput, TransferPlan
+from tokenmill.step.offload_plan import OffloadOutput, OffloadPlan
+from tokenmill.step.p2p_plan import TransferOutput, TransferPlan
 from tokenmill.sampling_params import SamplingParams
 
 # (token ids, logprobs, rank of the first id): the sampled/prompt token first, then the top-n alternatives

@@ -4,21 +4,17 @@ A step's time is at least max(FLOPs / peak FLOP/s, bytes / bandwidth). Its arith
 (FLOPs per byte moved) against the hardware's ops:byte ratio says which term wins. Bytes are the weights
 the step touches (all of them for a dense model; the expected distinct experts for MoE) plus the KV cache
 it reads and writes. Activations and communication are left out, so these are bounds, not predictions; a
-split over several devices adds its communication in plan["parallel"] (plan/parallel.py).
+split over several devices adds its communication in plan["parallel"] (perf/parallel.py).
 
-`StepStatsLogger` applies the same counts to the engine's real steps (`--log-step-stats`).
+engine/step_stats.py applies the same counts to the engine's real steps (`--log-step-stats`).
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.perf.hardware import Hardware, Interconnect, default_links
-from tokenmill.plan.memory import GGUF, ModelShape, engine_shape, memory_plan, normalize_dtype
-
-logger = logging.getLogger("tokenmill")
+from tokenmill.perf.memory import GGUF, ModelShape, memory_plan, normalize_dtype
 
 
 @dataclass
@@ -164,8 +160,8 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
 def attach_parallel(plan: dict[str, Any], shape: ModelShape, hw: Hardware, expert_parallel: bool,
                     devices_per_node: Optional[int] = None, node_link: Optional[Interconnect] = None,
                     net_link: Optional[Interconnect] = None, max_batched_tokens: int = 2048) -> None:
-    """plan["parallel"]: per-device memory and communication of the plan's split (plan/parallel.py)."""
-    from tokenmill.plan.parallel import Split, parallel_plan
+    """plan["parallel"]: per-device memory and communication of the plan's split (perf/parallel.py)."""
+    from tokenmill.perf.parallel import Split, parallel_plan
 
     split = Split(plan["tp"], plan["pp"], expert_parallel)
     links = default_links(hw)
@@ -235,49 +231,9 @@ def format_plan(p: dict[str, Any]) -> str:
                                   "never (KV reads grow as fast as the FLOPs at this context)"),
     ]
     if "parallel" in p or "rules_pick" in p:
-        from tokenmill.plan.parallel import format_choice, format_parallel
+        from tokenmill.perf.parallel import format_choice, format_parallel
 
         lines += format_parallel(p["parallel"]) if "parallel" in p else []
         lines += format_choice(p["rules_pick"]) if "rules_pick" in p else []
     lines += [f"  note: {n}" for n in p["notes"]]
     return "\n".join(lines)
-
-
-class StepStatsLogger:
-    """One log line per engine step: tokens, batch size, step time, and MFU/MBU against the device's
-    figures (measured on the spot for the CPU, from the catalog for a known GPU)."""
-
-    def __init__(self, config: Any) -> None:
-        from tokenmill.perf.hardware import for_device
-
-        self.dtype = normalize_dtype(str(config.model.torch_dtype))  # activations, KV and the FLOP/s figure
-        self.shape, self.weight_dtype = engine_shape(config.model.hf_config, self.dtype)
-        kv = getattr(config.cache, "kv_cache_dtype", "auto")
-        self.kv_dtype = self.dtype if kv in (None, "auto") else normalize_dtype(kv)
-        t = time.perf_counter()
-        self.hw = for_device(config.device, self.dtype)
-        self.peak = self.hw.peak_flops(self.dtype)[1] if self.hw else None
-        self.num_steps = 0
-        if self.hw:
-            how = f"measured in {time.perf_counter() - t:.1f}s" if self.hw.measured else "datasheet"
-            logger.info("step stats against %s (%s): %.1f GFLOP/s %s, %.1f GB/s", self.hw.name, how,
-                        self.peak / 1e9, self.dtype, self.hw.bandwidth / 1e9)
-        else:
-            logger.info("step stats: unknown device, MFU/MBU not reported")
-
-    def step_cost(self, sched: Any) -> Cost:
-        return scheduled_cost(self.shape, sched, self.weight_dtype, self.kv_dtype)
-
-    def log(self, sched: Any, seconds: float) -> dict[str, float]:
-        self.num_steps += 1
-        tokens, batch = sched.num_batched_tokens, len(sched.scheduled)
-        stats = {"step": self.num_steps, "tokens": tokens, "batch": batch, "seconds": seconds}
-        extra = ""
-        if self.hw and seconds > 0:
-            c = self.step_cost(sched)
-            stats["mfu"] = c.flops / seconds / self.peak
-            stats["mbu"] = c.bytes / seconds / self.hw.bandwidth
-            extra = f", MFU {stats['mfu']:.1%}, MBU {stats['mbu']:.1%}"
-        logger.info("step %d: %d tokens, batch %d, %.1f ms, %.0f tok/s%s", self.num_steps, tokens, batch,
-                    seconds * 1e3, tokens / seconds if seconds > 0 else 0.0, extra)
-        return stats

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenmill.perf.hardware import INTERCONNECTS, Hardware, Interconnect
-from tokenmill.plan.memory import ModelShape, dtype_bytes, memory_plan
+from tokenmill.perf.memory import ModelShape, dtype_bytes, memory_plan
 
 
 @dataclass(frozen=True)

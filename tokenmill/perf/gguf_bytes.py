@@ -6,7 +6,6 @@ loaded), sized by gguf-py's GGML_QUANT_SIZES. Only the header is read; nothing i
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 EMBEDDING = "model.embed_tokens.weight"
@@ -59,14 +58,13 @@ def _share(x: float) -> str:
     return f"{x:.0%}" if x >= 0.01 else f"{x:.1%}" if x >= 0.001 else "<0.1%"
 
 
-def gguf_bytes(path: str, config: dict) -> GgufBytes:
-    """Tally the file's tensors as the engine loads them for the model `config` (models/gguf.read_config)."""
-    from tokenmill.models.gguf import GgufWeights
-
+def tally(path: str, entries) -> GgufBytes:
+    """Tally a GGUF's tensors as the engine loads them: `entries`, the loader's (models/gguf.GgufWeights; the
+    caller reads them, so that this leaf imports no model code)."""
     types: dict[str, list[int]] = {}
     row_types: set[str] = set()
     total = elements = embedding = rows = experts = 0
-    for entry in GgufWeights(os.path.abspath(path), config).entries:
+    for entry in entries:
         t = entry.tensor
         count, nbytes = _size(t.tensor_type, entry.shape)  # an expert stack is listed once per expert
         slot = types.setdefault(t.tensor_type.name, [0, 0])
