@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from models import tiny_model
-from tokenmill.engine import config_snapshot
+from tokenmill import config_snapshot
 
 
 def _config(arch: str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.plan import parallel as plan_parallel
+from tokenmill.perf import parallel as perf_parallel
 from tokenmill.perf.memory import ModelShape
 
 pytestmark = pytest.mark.distributed
@@ -38,8 +38,8 @@ def _check_plan_agrees(llm) -> None:
     cfg = llm.engine.config
     if cfg.model.online_quantization is not None:
         return
-    split = plan_parallel.Split(tp=cfg.parallel.tensor_parallel_size, pp=cfg.parallel.pipeline_parallel_size)
-    stages = plan_parallel.device_memory(ModelShape.from_hf_config(cfg.model.hf_config), split, "fp32", "fp32",
+    split = perf_parallel.Split(tp=cfg.parallel.tensor_parallel_size, pp=cfg.parallel.pipeline_parallel_size)
+    stages = perf_parallel.device_memory(ModelShape.from_hf_config(cfg.model.hf_config), split, "fp32", "fp32",
                                          2**30, 0.9, 64, 16, 1)["stages"]
     for rank, (params, kv) in enumerate(llm.engine.executor.collective_rpc(_rank_memory)):
         stage = stages[rank // split.tp]
