@@ -41,8 +41,6 @@ RANK = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 DEBT: dict[tuple[str, str], str] = {
     ("config", "layers"): "config.py picks the CPU linear kernels and matmul plan while resolving the model",
     ("config", "models"): "model resolution (path, dtype, GGUF) lives in config.py; it belongs in models/",
-    ("router", "cli"): "the fleet launchers validate flags with cli.build_parser",
-    ("tune", "cli"): "tune validates flags with cli.build_parser",
 }
 
 

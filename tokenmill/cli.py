@@ -191,14 +191,10 @@ def _add_generate_parser(sub) -> None:
 
 
 def _add_serve_parser(sub) -> None:
-    from tokenmill.config import EngineConfig
-    from tokenmill.router.data_parallel import add_data_parallel_args
-    from tokenmill.serve.api_server import add_serve_args
+    from tokenmill.router.serve_command import add_serve_command_args
 
     srv = sub.add_parser("serve", help=_COMMANDS["serve"])
-    EngineConfig.add_cli_args(srv)
-    add_serve_args(srv)
-    add_data_parallel_args(srv)
+    add_serve_command_args(srv)
     srv.set_defaults(func=_serve, serve_parser=srv)
 
 

@@ -80,18 +80,13 @@ def parse_launch(command: str, flag: str = "--launch") -> list[str]:
     if reserved:
         raise ValueError(f"{flag}: {reserved[0]} is set by the launcher (one engine per replica, on a free port); "
                          "leave it out")
-    import contextlib
-    import io
+    # inside: the serve parser imports the OpenAI app (and its engine client) only where a command is launched
+    from tokenmill.router.serve_command import check_serve_argv
 
-    from tokenmill.cli import build_parser
-
-    said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said):
-            build_parser("serve").parse_args(["serve", *argv])
-    except SystemExit:  # argparse's message is the last line it wrote
-        why = (said.getvalue().strip().splitlines() or ["?"])[-1].removeprefix("tokenmill: error: ")
-        raise ValueError(f"{flag} {command!r} is not a valid `tokenmill serve` command: {why}") from None
+        check_serve_argv(argv)
+    except ValueError as e:
+        raise ValueError(f"{flag} {command!r} is not a valid `tokenmill serve` command: {e}") from None
     return argv
 
 

@@ -32,9 +32,9 @@ def parse_budget(text: Optional[str]) -> Optional[float]:
 
 
 def serve_option_strings() -> set[str]:
-    from tokenmill.cli import build_parser, option_strings
+    from tokenmill.router.serve_command import serve_flags
 
-    return option_strings(build_parser("serve"))
+    return serve_flags()
 
 
 def build_space(args: argparse.Namespace, device: str) -> dict[str, list]:
