@@ -847,90 +847,8 @@ class EngineConfig:
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("model", nargs="?", default=None,
-                       help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
-        p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-        p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half",
-                                                            "float", "bf16", "fp32", "fp16"],
-                       help="weight and activation dtype; auto follows the checkpoint's config; for a GGUF: "
-                            f"bfloat16 on CUDA, and {DTYPE_AUTO_RULE}")
-        p.add_argument("--max-model-len", type=int, default=None,
-                       help="longest sequence (prompt + output) in tokens (default: the model's "
-                            "max_position_embeddings)")
-        p.add_argument("--task", default="auto", choices=list(TASKS),
-                       help="generate text, or embed (/v1/embeddings: pooled, normalized hidden states); auto = "
-                            "embed for an encoder (BertModel) or a sentence-transformers folder, else generate")
-        p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (sampling)")
-        p.add_argument("--served-model-name", default=None,
-                       help="model name the API reports and accepts (default: the model argument)")
-        p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
-        p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size, e.g. 4GiB (CPU default 4GiB)")
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache")
-        p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                       help="use exactly this many KV cache blocks instead of sizing the cache from memory")
-        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV blocks of earlier prompts that share a prefix")
-        p.add_argument("--kv-offloading-size", default=None,
-                       help="GiB of host RAM (or e.g. 512MiB) for KV blocks evicted from the device cache; a later "
-                            "prefix hit copies them back instead of recomputing")
-        p.add_argument("--kv-offloading-disk-dir", default=None, metavar="PATH",
-                       help="a disk tier below the host-RAM one: blocks the host tier evicts go to files "
-                            "(checksummed) in a private folder under PATH, removed at exit")
-        p.add_argument("--kv-offloading-disk-size", default=50.0, help="GiB of disk for that tier (default 50)")
-        p.add_argument("--quantization", default=None, metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
-                       help="quantize the linear weights on load (the LM head stays in the model dtype unless "
-                            "--quantize-lm-head): int8 (weight-only, "
-                            "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
-                            "per-channel), mxfp4, nvfp4, int4 (weight-only, asymmetric, groups of 32; int4-g128: "
-                            "groups of 128; both as ggml Q4_1 blocks). FP8 checkpoints (fp8, compressed-tensors) "
-                            "and int4 ones (awq, gptq, compressed-tensors pack-quantized) load as they are "
-                            "without the flag")
-        p.add_argument("--gguf-weights", default="auto", choices=["auto", "native", "dequantize"],
-                       help="a GGUF model's weights: native = served in the file's own block types, memory-mapped "
-                            "(no float copy); dequantize = converted once to a float checkpoint (exact, for "
-                            "comparisons with transformers; needs 4-8x the file in disk and memory); auto = "
-                            "native for a quantized GGUF")
-        p.add_argument("--quantize-lm-head", action="store_true",
-                       help="with --quantization: quantize the LM head too (default: off, the head keeps the "
-                            "model dtype, as in vLLM; faster decode, less accurate logits)")
-        p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                       help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
-                            "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
-                            "calibrated on the first prefill for int8) and dequantize inside attention")
-        p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
-        p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="most tokens (prefill chunks + decodes) in one step (default: 2048)")
-        p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split each layer across this many ranks (query heads, MLP columns, vocabulary)")
-        p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                       help="split the layers into this many consecutive stages, one rank group each")
-        p.add_argument("--enable-expert-parallel", action="store_true",
-                       help="MoE models: spread the experts over the tensor-parallel ranks instead of splitting "
-                            "each expert")
-        p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uniproc"],
-                       help="where the ranks run: mp = processes on this machine (default when the world size "
-                            "is above 1), ray = Ray actors, across machines")
-        p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
-                       help="layers per pipeline stage (default: an even split)")
-        p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="auto = cuda when a CUDA device is visible, else cpu")
-        p.add_argument("--speculative-config", default=None,
-                       help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                            '(methods: ngram, draft_model, eagle, eagle3)')
-        p.add_argument("--kv-transfer-config", default=None,
-                       help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "TokenmillConnector", '
-                            '"kv_role": "kv_producer", "kv_host": "10.0.0.5", "kv_port": 14579}\' (roles: '
-                            'kv_producer serves its prompts\' KV, kv_consumer pulls it, kv_both either); a '
-                            'consumer pulls only from the producers it lists: "kv_connector_extra_config": '
-                            '{"allowed_peers": ["10.0.0.5:14579"]}')
-        p.add_argument("--batch-invariant", action="store_true",
-                       help="make each token's logits bit-identical whatever else shares its step (batch size, "
-                            "position, prefill chunking, prefix-cache hits); CPU")
-        p.add_argument("--log-step-stats", action="store_true",
-                       help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
-                            "figures (see `tokenmill plan`)")
+        for add in (_add_model_args, _add_cache_args, _add_quantization_args, _add_runtime_args):
+            add(p)
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> "EngineConfig":
@@ -992,3 +910,104 @@ class RouterConfig:
 def check_data_parallel_size(size: int) -> None:
     if size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {size}")
+
+
+# -- the engine's flags (EngineConfig.add_cli_args), in --help order ----------------------------------
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """`tokenmill serve` flags: the model: what to load and how to name it."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half",
+                                                        "float", "bf16", "fp32", "fp16"],
+                   help="weight and activation dtype; auto follows the checkpoint's config; for a GGUF: "
+                        f"bfloat16 on CUDA, and {DTYPE_AUTO_RULE}")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + output) in tokens (default: the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--task", default="auto", choices=list(TASKS),
+                   help="generate text, or embed (/v1/embeddings: pooled, normalized hidden states); auto = "
+                        "embed for an encoder (BertModel) or a sentence-transformers folder, else generate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (sampling)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name the API reports and accepts (default: the model argument)")
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """`tokenmill serve` flags: the KV cache: blocks, memory, prefix caching, the offloading tiers."""
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
+    p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size, e.g. 4GiB (CPU default 4GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the GPU's memory for weights, activations and the KV cache")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="use exactly this many KV cache blocks instead of sizing the cache from memory")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of earlier prompts that share a prefix")
+    p.add_argument("--kv-offloading-size", default=None,
+                   help="GiB of host RAM (or e.g. 512MiB) for KV blocks evicted from the device cache; a later "
+                        "prefix hit copies them back instead of recomputing")
+    p.add_argument("--kv-offloading-disk-dir", default=None, metavar="PATH",
+                   help="a disk tier below the host-RAM one: blocks the host tier evicts go to files "
+                        "(checksummed) in a private folder under PATH, removed at exit")
+    p.add_argument("--kv-offloading-disk-size", default=50.0, help="GiB of disk for that tier (default 50)")
+
+
+def _add_quantization_args(p: argparse.ArgumentParser) -> None:
+    """`tokenmill serve` flags: weight quantization, GGUF weights, the KV cache dtype."""
+    p.add_argument("--quantization", default=None, metavar="{" + ",".join(QUANTIZATION_METHODS) + "}",
+                   help="quantize the linear weights on load (the LM head stays in the model dtype unless "
+                        "--quantize-lm-head): int8 (weight-only, "
+                        "per-channel), w8a8 (int8 weights and per-token int8 activations), fp8 (E4M3, "
+                        "per-channel), mxfp4, nvfp4, int4 (weight-only, asymmetric, groups of 32; int4-g128: "
+                        "groups of 128; both as ggml Q4_1 blocks). FP8 checkpoints (fp8, compressed-tensors) "
+                        "and int4 ones (awq, gptq, compressed-tensors pack-quantized) load as they are "
+                        "without the flag")
+    p.add_argument("--gguf-weights", default="auto", choices=["auto", "native", "dequantize"],
+                   help="a GGUF model's weights: native = served in the file's own block types, memory-mapped "
+                        "(no float copy); dequantize = converted once to a float checkpoint (exact, for "
+                        "comparisons with transformers; needs 4-8x the file in disk and memory); auto = "
+                        "native for a quantized GGUF")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: quantize the LM head too (default: off, the head keeps the "
+                        "model dtype, as in vLLM; faster decode, less accurate logits)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: auto = the model dtype; fp8/int8 store K and V quantized with "
+                        "per-head scales (from the checkpoint's k_scale/v_scale, else 1.0 for fp8 and "
+                        "calibrated on the first prefill for int8) and dequantize inside attention")
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """`tokenmill serve` flags: scheduling, parallelism, device, speculation, KV transfer, diagnostics."""
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens (prefill chunks + decodes) in one step (default: 2048)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each layer across this many ranks (query heads, MLP columns, vocabulary)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers into this many consecutive stages, one rank group each")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: spread the experts over the tensor-parallel ranks instead of splitting "
+                        "each expert")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray", "uniproc"],
+                   help="where the ranks run: mp = processes on this machine (default when the world size "
+                        "is above 1), ray = Ray actors, across machines")
+    p.add_argument("--pp-layer-partition", default=None, metavar="N,N,...",
+                   help="layers per pipeline stage (default: an even split)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a CUDA device is visible, else cpu")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(methods: ngram, draft_model, eagle, eagle3)')
+    p.add_argument("--kv-transfer-config", default=None,
+                   help='disaggregated prefill/decode as JSON, e.g. \'{"kv_connector": "TokenmillConnector", '
+                        '"kv_role": "kv_producer", "kv_host": "10.0.0.5", "kv_port": 14579}\' (roles: '
+                        'kv_producer serves its prompts\' KV, kv_consumer pulls it, kv_both either); a '
+                        'consumer pulls only from the producers it lists: "kv_connector_extra_config": '
+                        '{"allowed_peers": ["10.0.0.5:14579"]}')
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="make each token's logits bit-identical whatever else shares its step (batch size, "
+                        "position, prefill chunking, prefix-cache hits); CPU")
+    p.add_argument("--log-step-stats", action="store_true",
+                   help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
+                        "figures (see `tokenmill plan`)")

@@ -152,7 +152,6 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
 
     if cfg.endpoint == "embeddings":
         return await _send_embedding(client, cfg, req, index, t0)
-    chat = cfg.endpoint == "chat"
     rec: dict[str, Any] = {"index": index, "start": 0.0, "ttft": None, "itl": [], "e2e": 0.0, "tpot": None,
                            "prompt_tokens": None, "output_tokens": None, "expected_prompt_len": req.prompt_len,
                            "expected_output_len": req.output_len, "success": False, "error_kind": None,
@@ -160,10 +159,7 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     payload = _payload(cfg, req)
     start = time.perf_counter()
     rec["start"] = start - t0
-    last = None
-    content_chunks = 0
-    usage = None
-    done = False
+    usage, content_chunks = None, 0
     try:
         async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers,
                                  extensions={"trace": _ConnectionTrace(rec)}) as resp:
@@ -171,32 +167,7 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
                 rec["error_kind"] = f"http_{resp.status_code}"
                 rec["error"] = _error_message(await resp.aread())
             else:
-                async for line in resp.aiter_lines():
-                    now = time.perf_counter()
-                    if done or not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        continue  # read on to the end of the body: a half-read response's connection is closed
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        err = chunk["error"]
-                        rec["error_kind"] = "stream_error"
-                        rec["error"] = str(err.get("message") if isinstance(err, dict) else err)[:300]
-                        break
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                    if _carries_tokens(chunk, chat):
-                        content_chunks += 1
-                        if last is None:
-                            rec["ttft"] = now - start
-                        else:
-                            rec["itl"].append(now - last)
-                        last = now
-                if not done and rec["error_kind"] is None:
-                    rec["error_kind"] = "incomplete_stream"
-                    rec["error"] = "the stream ended without [DONE]"
+                usage, content_chunks = await _read_stream(resp, rec, start, cfg.endpoint == "chat")
     except httpx.TimeoutException as e:
         rec["error_kind"], rec["error"] = "timeout", f"{type(e).__name__} after {cfg.timeout:g}s"
     except httpx.ConnectError as e:
@@ -208,8 +179,47 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     except (ValueError, AttributeError, TypeError) as e:  # malformed JSON in the stream
         rec["error_kind"], rec["error"] = "bad_response", str(e)[:300]
     rec["e2e"] = time.perf_counter() - start
-    if rec["error_kind"] is not None:
-        return rec
+    if rec["error_kind"] is None:
+        _count_tokens(rec, usage, req, content_chunks)
+    return rec
+
+
+async def _read_stream(resp, rec: dict[str, Any], start: float, chat: bool) -> tuple[Optional[dict], int]:
+    """Read an SSE body to its end, timing the chunks that carry tokens into `rec` (ttft, itl) and noting a
+    stream error or a missing [DONE]; returns (the usage chunk's usage, the token-carrying chunks)."""
+    last, usage, content_chunks, done = None, None, 0, False
+    async for line in resp.aiter_lines():
+        now = time.perf_counter()
+        if done or not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            continue  # read on to the end of the body: a half-read response's connection is closed
+        chunk = json.loads(data)
+        if "error" in chunk:
+            err = chunk["error"]
+            rec["error_kind"] = "stream_error"
+            rec["error"] = str(err.get("message") if isinstance(err, dict) else err)[:300]
+            return usage, content_chunks
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        if _carries_tokens(chunk, chat):
+            content_chunks += 1
+            if last is None:
+                rec["ttft"] = now - start
+            else:
+                rec["itl"].append(now - last)
+            last = now
+    if not done:
+        rec["error_kind"] = "incomplete_stream"
+        rec["error"] = "the stream ended without [DONE]"
+    return usage, content_chunks
+
+
+def _count_tokens(rec: dict[str, Any], usage: Optional[dict], req: BenchRequest, content_chunks: int) -> None:
+    """A successful request's token counts (the server's usage, else the prompt asked for and the chunks seen)
+    and its TPOT."""
     rec["success"] = True
     if usage and usage.get("completion_tokens") is not None:
         rec["prompt_tokens"] = usage.get("prompt_tokens")
@@ -220,7 +230,6 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
     n, ttft = rec["output_tokens"] or 0, rec["ttft"]
     if ttft is not None and n > 1:
         rec["tpot"] = (rec["e2e"] - ttft) / (n - 1)
-    return rec
 
 
 class _ConnectionTrace:
@@ -314,8 +323,23 @@ def arrival_times(rate: float, rng: random.Random) -> Iterator[float]:
             t += rng.expovariate(rate)
 
 
+async def _warm_up(client, cfg: ServeConfig, warmup: list[BenchRequest]) -> None:
+    """The warm-up requests, not recorded (a failed one is logged)."""
+    sem = asyncio.Semaphore(cfg.max_concurrency or len(warmup))
+
+    async def warm(r: BenchRequest) -> dict:
+        async with sem:
+            return await send_request(client, cfg, r, -1, time.perf_counter())
+
+    recs = await asyncio.gather(*(warm(r) for r in warmup))
+    bad = [r for r in recs if not r["success"]]
+    if bad:
+        logger.warning("%d of %d warm-up requests failed (%s: %s)", len(bad), len(recs), bad[0]["error_kind"],
+                       bad[0]["error"])
+
+
 async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int], warmup: list[BenchRequest],
-               progress_desc: str) -> tuple[list[dict], float]:
+               progress_desc: str) -> tuple[list[dict], float, dict]:
     import httpx
     from tqdm import tqdm
 
@@ -327,18 +351,7 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
         if cfg.model is None:
             cfg.model = await _first_model(client, cfg)
         if warmup:
-            sem = asyncio.Semaphore(cfg.max_concurrency or len(warmup))
-
-            async def warm(r: BenchRequest) -> dict:
-                async with sem:
-                    return await send_request(client, cfg, r, -1, time.perf_counter())
-
-            recs = await asyncio.gather(*(warm(r) for r in warmup))
-            bad = [r for r in recs if not r["success"]]
-            if bad:
-                logger.warning("%d of %d warm-up requests failed (%s: %s)", len(bad), len(recs), bad[0]["error_kind"],
-                               bad[0]["error"])
-
+            await _warm_up(client, cfg, warmup)
         spec_before, kv_before = await _scrape_counters(client, cfg)
         bar = tqdm(total=n, desc=progress_desc, unit="req", disable=not cfg.progress, file=sys.stderr,
                    dynamic_ncols=True, leave=True)

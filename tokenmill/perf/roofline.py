@@ -91,6 +91,19 @@ def default_compute_dtype(weight_dtype: str) -> str:
     return {"fp32": "fp32", "fp16": "fp16", "fp8": "fp8", "int8": "int8", "fp4": "fp4"}.get(w, "bf16")
 
 
+def _memory_notes(mem: Any, hw: Hardware, devices: int, batch_size: int, crossover: Optional[int]) -> list[str]:
+    """What memory leaves out: room for no sequence, a batch beyond what fits, a crossover beyond it."""
+    notes = []
+    if mem.max_concurrent_seqs == 0:
+        notes.append(f"the weights ({mem.weight_bytes / 2**30:.1f} GiB) leave no room for even one sequence's KV "
+                     f"in {devices} x {hw.memory_bytes / 2**30:.0f} GiB; use more GPUs (--tp) or smaller dtypes")
+    elif batch_size > mem.max_concurrent_seqs:
+        notes.append(f"batch size {batch_size} exceeds the {mem.max_concurrent_seqs} sequences whose KV fits")
+    if crossover is not None and crossover > mem.max_concurrent_seqs:
+        notes.append(f"decode turns compute-bound only at batch {crossover}, beyond what memory holds")
+    return notes
+
+
 def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dtype: Optional[str] = None,
               batch_size: int = 1, input_len: int = 2048, output_len: int = 256, tp: int = 1,
               compute_dtype: Optional[str] = None, memory_utilization: float = 0.9, pp: int = 1,
@@ -120,13 +133,7 @@ def make_plan(shape: ModelShape, hw: Hardware, weight_dtype: str = "bf16", kv_dt
     step = roofline_time(dec, peak, bw)
     crossover = compute_bound_batch(shape, dec_ctx, ratio, weight_dtype, kv_dtype)
 
-    if mem.max_concurrent_seqs == 0:
-        notes.append(f"the weights ({mem.weight_bytes / 2**30:.1f} GiB) leave no room for even one sequence's KV "
-                     f"in {tp * pp} x {hw.memory_bytes / 2**30:.0f} GiB; use more GPUs (--tp) or smaller dtypes")
-    elif batch_size > mem.max_concurrent_seqs:
-        notes.append(f"batch size {batch_size} exceeds the {mem.max_concurrent_seqs} sequences whose KV fits")
-    if crossover is not None and crossover > mem.max_concurrent_seqs:
-        notes.append(f"decode turns compute-bound only at batch {crossover}, beyond what memory holds")
+    notes += _memory_notes(mem, hw, tp * pp, batch_size, crossover)
 
     def bound(c: Cost) -> str:
         return "compute" if c.arithmetic_intensity >= ratio else "memory"

@@ -27,6 +27,17 @@ __all__ = ["CATALOG", "INTERCONNECTS", "Hardware", "ModelShape", "PRESETS", "Spl
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    _add_workload_args(p)
+    _add_disagg_args(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--list", action="store_true", help="list the model presets and hardware, then exit")
+    add_trace_args(p)
+    p.set_defaults(func=run_plan)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, the hardware and the dtypes."""
     p.add_argument("model", nargs="?", default=None,
                    help=f"local HF directory (config.json alone suffices), a config.json, a .gguf file, or a "
                         f"preset: {', '.join(PRESETS)} (default: the built-in default model, SmolLM2-135M's "
@@ -49,6 +60,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compute-dtype", default=None,
                    help="dtype of the matmuls (default: from the weights; 4-bit weight-only and GGUF blocks run "
                         "in bf16, or on local-cpu without AVX512-BF16 in fp32)")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The batch, the lengths, the split over devices and the memory budget."""
     p.add_argument("--batch-size", type=int, default=1, help="concurrent sequences")
     p.add_argument("--input-len", type=int, default=2048, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=256, help="generated tokens per sequence")
@@ -72,6 +87,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of the largest step, for the activation estimate (the engine's default 2048)")
     p.add_argument("--memory-utilization", type=float, default=0.9,
                    help="fraction of memory for weights + KV (like --gpu-memory-utilization)")
+
+
+def _add_disagg_args(p: argparse.ArgumentParser) -> None:
+    """--disaggregate and its traffic."""
     p.add_argument("--disaggregate", default=None, metavar="xPyD",
                    help="compare x prefill + y decode instances (e.g. 1P1D, 2P2D) with the same x + y instances "
                         "colocated: TTFT, ITL P50/P99, pool utilisation, break-even traffic and a verdict "
@@ -85,10 +104,6 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-input-len", type=int, default=None,
                    help="with --disaggregate: the long prompts' tokens; given alone, the plan also says from which "
                         "share of such prompts xPyD pays")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--list", action="store_true", help="list the model presets and hardware, then exit")
-    add_trace_args(p)
-    p.set_defaults(func=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:

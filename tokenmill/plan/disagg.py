@@ -477,22 +477,9 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB" if x >= 2**30 else f"{x / 2**20:.1f} MiB"
 
 
-def format_disagg(p: dict[str, Any]) -> str:
-    co, dis, tr = p["colocated"], p["disaggregated"], p["traffic"]
-    x, y, n = p["prefill_instances"], p["decode_instances"], p["prefill_instances"] + p["decode_instances"]
-    mix = " + ".join(f"{share:.0%} of {tokens}" for share, tokens in p["classes"])
-    what = (f"one machine, split {n} ways or not" if p["hardware"] == "local-cpu" else
-            f"{n} instances of TP={p['tp']} = {p['devices']} devices")
-    lines = [
-        f"{p['model']} on {p['hardware']}, {p['xpyd']} vs colocated: {what}; weights {p['weight_dtype']}, "
-        f"KV {p['kv_dtype']}, matmuls {p['compute_dtype']}",
-        f"  traffic           {_rate(tr['rate'])} (Poisson); prompts {mix} tokens, {tr['output_len']} output tokens; "
-        f"chunks of {p['chunk_tokens']} tokens",
-    ]
-    for share, tokens in p["classes"]:
-        lines.append(f"  KV per request    {_gib(dis['kv_bytes_per_request'][tokens])} ({tokens} tokens x "
-                     f"{p['kv_bytes_per_token'] / 1024:g} KiB); transfer {_ms(dis['kv_transfer_s'][tokens])} over "
-                     f"{p['tp']} x {p['kv_link']} ({p['kv_link_bandwidth'] / 1e9:.3g} GB/s each)")
+def _colocated_lines(p: dict[str, Any]) -> list[str]:
+    co = p["colocated"]
+    lines = []
     n_co = co["instances"]
     lines.append(f"  colocated         {n_co} instance{'s' if n_co > 1 else ''}"
                  + (" with every core" if p["hardware"] == "local-cpu" else "")
@@ -512,6 +499,13 @@ def format_disagg(p: dict[str, Any]) -> str:
             f"{co['decode_batch']:.1f} per instance (KV room for {co['decode_batch_max']:.0f})",
             f"    throughput      {co['output_tokens_per_s']:.0f} output tok/s; keeps up to "
             f"{_rate(p['colocated_max_rate'])}"]
+    return lines
+
+
+def _disagg_lines(p: dict[str, Any]) -> list[str]:
+    dis = p["disaggregated"]
+    x, y, n = p["prefill_instances"], p["decode_instances"], p["prefill_instances"] + p["decode_instances"]
+    lines = []
     pre, dec = dis["prefill"], dis["decode"]
     lines.append(f"  {p['xpyd']:<17} {x} prefill + {y} decode instances"
                  + (f", 1/{n} of the cores each" if p["hardware"] == "local-cpu" else ""))
@@ -537,6 +531,26 @@ def format_disagg(p: dict[str, Any]) -> str:
     best = p.get("best_split")
     if best and best["xpyd"] != p["xpyd"]:
         lines.append(f"    best split      {best['xpyd']} of the same {n} instances keeps up to {_rate(best['max_rate'])}")
+    return lines
+
+
+def format_disagg(p: dict[str, Any]) -> str:
+    dis, tr = p["disaggregated"], p["traffic"]
+    n = p["prefill_instances"] + p["decode_instances"]
+    mix = " + ".join(f"{share:.0%} of {tokens}" for share, tokens in p["classes"])
+    what = (f"one machine, split {n} ways or not" if p["hardware"] == "local-cpu" else
+            f"{n} instances of TP={p['tp']} = {p['devices']} devices")
+    lines = [
+        f"{p['model']} on {p['hardware']}, {p['xpyd']} vs colocated: {what}; weights {p['weight_dtype']}, "
+        f"KV {p['kv_dtype']}, matmuls {p['compute_dtype']}",
+        f"  traffic           {_rate(tr['rate'])} (Poisson); prompts {mix} tokens, {tr['output_len']} output tokens; "
+        f"chunks of {p['chunk_tokens']} tokens",
+    ]
+    for share, tokens in p["classes"]:
+        lines.append(f"  KV per request    {_gib(dis['kv_bytes_per_request'][tokens])} ({tokens} tokens x "
+                     f"{p['kv_bytes_per_token'] / 1024:g} KiB); transfer {_ms(dis['kv_transfer_s'][tokens])} over "
+                     f"{p['tp']} x {p['kv_link']} ({p['kv_link_bandwidth'] / 1e9:.3g} GB/s each)")
+    lines += _colocated_lines(p) + _disagg_lines(p)
     be = p["break_even_rate"]
     lines.append("  break-even        " + (
         f"{p['xpyd']} pays from {_rate(be)} (up to {_rate(p['disaggregated_max_rate'])}, where it saturates)"
