@@ -323,8 +323,13 @@ def arrival_times(rate: float, rng: random.Random) -> Iterator[float]:
             t += rng.expovariate(rate)
 
 
-async def _warm_up(client, cfg: ServeConfig, warmup: list[BenchRequest]) -> None:
-    """The warm-up requests, not recorded (a failed one is logged)."""
+async def _prepare(client, cfg: ServeConfig, warmup: list[BenchRequest]) -> None:
+    """Before the measured run: the model name (the first the server lists, unless given) and the warm-up
+    requests, not recorded (a failed one is logged)."""
+    if cfg.model is None:
+        cfg.model = await _first_model(client, cfg)
+    if not warmup:
+        return
     sem = asyncio.Semaphore(cfg.max_concurrency or len(warmup))
 
     async def warm(r: BenchRequest) -> dict:
@@ -348,10 +353,7 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
     # trust_env=False: measure the server, not a proxy from the environment
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout, connect=30.0), limits=limits,
                                  trust_env=False) as client:
-        if cfg.model is None:
-            cfg.model = await _first_model(client, cfg)
-        if warmup:
-            await _warm_up(client, cfg, warmup)
+        await _prepare(client, cfg, warmup)
         spec_before, kv_before = await _scrape_counters(client, cfg)
         bar = tqdm(total=n, desc=progress_desc, unit="req", disable=not cfg.progress, file=sys.stderr,
                    dynamic_ncols=True, leave=True)

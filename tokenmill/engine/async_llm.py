@@ -407,6 +407,18 @@ class AsyncLLM:
             logger.exception("output loop failed")
             self._mark_dead(f"the API process's output loop failed: {type(e).__name__}: {e}")
 
+    def _note_scheduled(self, scheduled: list[tuple[str, float]]) -> None:
+        """Requests that ran for the first time in this step: their queue time."""
+        for eid, t in scheduled:
+            self.unscheduled.discard(eid)
+            rid = self.engine_to_user.get(eid)
+            if rid is not None:
+                stream = self.streams[rid]
+                if stream.scheduled_wall is None:
+                    stream.scheduled_wall = t
+                if self.stat_logger is not None:
+                    self.stat_logger.on_scheduled(max(t - stream.arrival_wall, 0.0))
+
     def _handle(self, msg: EngineCoreOutputs) -> None:
         now = time.monotonic()
         sl = self.stat_logger
@@ -415,15 +427,7 @@ class AsyncLLM:
         for out in msg.outputs:
             if out.error is not None:
                 self._fail_request(out.request_id, out.error, out.finish_reason == FinishReason.REJECTED)
-        for eid, t in msg.scheduled:
-            self.unscheduled.discard(eid)
-            rid = self.engine_to_user.get(eid)
-            if rid is not None:
-                stream = self.streams[rid]
-                if stream.scheduled_wall is None:
-                    stream.scheduled_wall = t
-                if sl is not None:
-                    sl.on_scheduled(max(t - stream.arrival_wall, 0.0))
+        self._note_scheduled(msg.scheduled)
         t_detok = time.perf_counter()
         outputs, to_abort = self.processor.process(msg.outputs)
         detok_s = time.perf_counter() - t_detok  # a step's requests are detokenized together: each waited for it

@@ -27,7 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -134,6 +134,23 @@ def read_dataset(path: Optional[str]) -> str:
         return f.read()
 
 
+def _variants(model: Optional[str], quantizations: list[Optional[str]], heads: tuple, kv_cache_dtype: str,
+              dtype: str, window: int, device: str) -> list[tuple[str, Any]]:
+    """(name, engine config) of each variant compared with the reference."""
+    configs = []
+    for q in quantizations:
+        if q and os.path.isdir(q):  # a quantized checkpoint of the same model, as it is
+            cfg = _config(q, None, kv_cache_dtype, dtype, window, device)
+            configs.append((f"{cfg.model.quantization or 'float'} ({os.path.basename(os.path.normpath(q))})", cfg))
+            continue
+        for head in heads if q not in (None, GGUF_VARIANT, GGUF_DECODE) else (False,):  # none, or the file's own
+            name = "+".join(x for x in (q, "lm_head" if head else None,
+                                        None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
+            configs.append((name or "reference (again)",
+                            _config(model, q, kv_cache_dtype, dtype, window, device, head)))
+    return configs
+
+
 def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: Optional[str] = None,
              kv_cache_dtype: str = "auto", dtype: str = "auto", max_tokens: int = 4096, window: int = 512,
              device: str = "auto", quantize_lm_head: str = "no") -> list[QualityResult]:
@@ -156,17 +173,7 @@ def evaluate(model: Optional[str], quantizations: list[Optional[str]], dataset: 
         raise ValueError("the dataset holds fewer than 2 tokens")
     windows = _windows(ids, window)
     logger.info("quality: %d tokens in %d windows of up to %d", sum(len(w) for w in windows), len(windows), window)
-    configs = [("reference", ref_cfg)]
-    for q in quantizations:
-        if q and os.path.isdir(q):  # a quantized checkpoint of the same model, as it is
-            cfg = _config(q, None, kv_cache_dtype, dtype, window, device)
-            configs.append((f"{cfg.model.quantization or 'float'} ({os.path.basename(os.path.normpath(q))})", cfg))
-            continue
-        for head in heads if q not in (None, GGUF_VARIANT, GGUF_DECODE) else (False,):  # none, or the file's own
-            name = "+".join(x for x in (q, "lm_head" if head else None,
-                                        None if kv_cache_dtype == "auto" else f"kv {kv_cache_dtype}") if x)
-            configs.append((name or "reference (again)",
-                            _config(model, q, kv_cache_dtype, dtype, window, device, head)))
+    configs = [("reference", ref_cfg)] + _variants(model, quantizations, heads, kv_cache_dtype, dtype, window, device)
     scorers, results = [], []
     for i, (name, cfg) in enumerate(configs):
         logger.info("quality: loading model %d/%d: %s%s", i + 1, len(configs), name,

@@ -70,11 +70,7 @@ def _quantize(method: str, fmt: str, block: tuple[int, int], name: str, w: torch
     return {name: q, f"{base}.weight_scale": scale.reshape(-1, 1).contiguous()}
 
 
-def export_quantized(model: Optional[str], out_dir: str, method: str = "fp8", fmt: str = "compressed-tensors",
-                     keep_lm_head: bool = False, block: tuple[int, int] = (128, 128)) -> str:
-    """Quantize a float checkpoint (HF directory or GGUF) into out_dir. Returns out_dir."""
-    from tokenmill.config import resolve_model_path
-
+def _check_export(method: str, fmt: str) -> None:
     if method not in EXPORT_METHODS:
         raise ValueError(f"cannot export --method {method!r}: tokenmill writes {', '.join(EXPORT_METHODS)} "
                          "checkpoints (mxfp4/nvfp4 quantize on load only)")
@@ -82,6 +78,27 @@ def export_quantized(model: Optional[str], out_dir: str, method: str = "fp8", fm
         raise ValueError(f"unknown checkpoint format {fmt!r}; choose compressed-tensors or fp8")
     if fmt == "fp8" and method != "fp8":
         raise ValueError("--format fp8 holds fp8 weights only; use --format compressed-tensors for int8/w8a8")
+
+
+def _write_checkpoint(src: str, out_dir: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """The tensors, config.json, and every other file of the source (tokenizer, generation config, chat
+    template ...) beside them."""
+    _save(tensors, out_dir)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(src):
+        path = os.path.join(src, name)
+        if (os.path.isfile(path) and not name.endswith(".safetensors") and name not in
+                ("config.json", "model.safetensors.index.json")):
+            shutil.copy2(path, os.path.join(out_dir, name))
+
+
+def export_quantized(model: Optional[str], out_dir: str, method: str = "fp8", fmt: str = "compressed-tensors",
+                     keep_lm_head: bool = False, block: tuple[int, int] = (128, 128)) -> str:
+    """Quantize a float checkpoint (HF directory or GGUF) into out_dir. Returns out_dir."""
+    from tokenmill.config import resolve_model_path
+
+    _check_export(method, fmt)
     src = resolve_model_path(model)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
@@ -121,14 +138,7 @@ def export_quantized(model: Optional[str], out_dir: str, method: str = "fp8", fm
         config["tie_word_embeddings"] = False
     config["quantization_config"] = _quantization_config(method, fmt, block, ignore)
 
-    _save(tensors, out_dir)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in os.listdir(src):  # tokenizer, generation config, chat template ...
-        path = os.path.join(src, name)
-        if (os.path.isfile(path) and not name.endswith(".safetensors") and name not in
-                ("config.json", "model.safetensors.index.json")):
-            shutil.copy2(path, os.path.join(out_dir, name))
+    _write_checkpoint(src, out_dir, tensors, config)
     logger.info("wrote %s checkpoint (%s) to %s", method, fmt, out_dir)
     return out_dir
 

@@ -36,17 +36,8 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
     (temperature, top-k/top-p/min-p per row); greedy [B] per request; draft_token_ids [sum k_b];
     draft_probs [sum k_b, V] or None (one-hot proposals); generators: request index -> seeded generator."""
     dev = logits.device
-    B = len(num_draft)
-    K = max(num_draft, default=0)
-    k = torch.tensor(num_draft, dtype=torch.long, device=dev)
-    row_start = torch.zeros(B, dtype=torch.long, device=dev)
-    row_start[1:] = torch.cumsum(k + 1, 0)[:-1]
-    draft_start = row_start - torch.arange(B, device=dev)          # = cumsum of k before b
-    j = torch.arange(K, device=dev)[None, :]
-    valid = j < k[:, None]                                          # [B, K]
-    draft_idx = torch.where(valid, draft_start[:, None] + j, 0)
-    drafts = draft_token_ids[draft_idx] if K else torch.zeros(B, 0, dtype=torch.long, device=dev)
-    rows = row_start[:, None] + j                                   # the row that scores draft j
+    B, K = len(num_draft), max(num_draft, default=0)
+    k, row_start, draft_start, valid, draft_idx, drafts, rows = _layout(num_draft, draft_token_ids, dev)
 
     greedy_tokens = logits.argmax(-1)
     all_greedy = bool(greedy.all())
@@ -90,6 +81,22 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
         row_tokens[rows[valid]] = drafts[valid]
     row_tokens[final_rows] = final
     return RejectionOutput(token_ids, num_acc_l, row_tokens)
+
+
+def _layout(num_draft: list[int], draft_token_ids: torch.Tensor, dev) -> tuple[torch.Tensor, ...]:
+    """Where each request's drafts and logits rows are: k [B] drafts per request, row_start [B] its first
+    logits row, draft_start [B] its first draft, valid [B, K] (j < k_b), draft_idx [B, K] into
+    draft_token_ids, drafts [B, K] the draft tokens, rows [B, K] the row that scores draft j."""
+    B, K = len(num_draft), max(num_draft, default=0)
+    k = torch.tensor(num_draft, dtype=torch.long, device=dev)
+    row_start = torch.zeros(B, dtype=torch.long, device=dev)
+    row_start[1:] = torch.cumsum(k + 1, 0)[:-1]
+    draft_start = row_start - torch.arange(B, device=dev)          # = cumsum of k before b
+    j = torch.arange(K, device=dev)[None, :]
+    valid = j < k[:, None]                                          # [B, K]
+    draft_idx = torch.where(valid, draft_start[:, None] + j, 0)
+    drafts = draft_token_ids[draft_idx] if K else torch.zeros(B, 0, dtype=torch.long, device=dev)
+    return k, row_start, draft_start, valid, draft_idx, drafts, row_start[:, None] + j
 
 
 def _uniform(shape, num_draft, dev, generator, generators) -> torch.Tensor:
