@@ -198,7 +198,7 @@ def main() -> int:
     server = None
     url = a.base_url
     if url is None:
-        from tokenmill.serve.api_server import bind_listening_socket
+        from tokenmill.http.server import bind_listening_socket
 
         sock = bind_listening_socket("127.0.0.1", 0)
         port = sock.getsockname()[1]

@@ -193,7 +193,7 @@ def test_long_legitimate_conversation_renders(default_tokenizer):
 
 def test_server_answers_a_hostile_request_template_with_400(tiny_tokenizer):
     from tokenmill.serve.chat import render_chat
-    from tokenmill.serve.errors import APIError
+    from tokenmill.http.errors import APIError
     from tokenmill.serve.protocol import ChatMessage
 
     messages = [ChatMessage(role="user", content="Hi")]
@@ -223,9 +223,9 @@ def test_template_kwargs_are_template_variables_only():
 
 def test_server_render_budgets_are_the_server_flags(tiny_tokenizer):
     from tokenmill import cli
-    from tokenmill.serve.api_server import request_limits
+    from tokenmill.serve.args import request_limits
     from tokenmill.serve.chat import render_chat
-    from tokenmill.serve.errors import APIError
+    from tokenmill.http.errors import APIError
     from tokenmill.serve.protocol import ChatMessage, RequestLimits
 
     default = RequestLimits()

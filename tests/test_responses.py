@@ -12,7 +12,7 @@ import pytest
 from openai.types.responses import Response as SDKResponse
 
 from server_utils import API_KEY, CliProc, metrics, require_default_model, shared_server
-from tokenmill.serve.errors import APIError
+from tokenmill.http.errors import APIError
 from tokenmill.serve.protocol import ResponsesRequest
 from tokenmill.serve.responses import ResponseContext, StreamTranslator, from_chat_body, to_chat_request
 
@@ -294,7 +294,7 @@ def test_cors_preflight(request, front):
 
 def test_cors_flags_parse_and_refuse_malformed():
     from tokenmill.cli import main
-    from tokenmill.serve.cors import parse_list
+    from tokenmill.http.cors import parse_list
 
     assert parse_list('["http://a", "http://b"]', "--x") == parse_list(" http://a, http://b ", "--x") == ["http://a",
                                                                                                         "http://b"]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from models import tiny_model
 from server_utils import API_KEY, require_default_model, shared_server
-from tokenmill.serve.errors import APIError
+from tokenmill.http.errors import APIError
 from tokenmill.serve.protocol import RequestLimits
 from tokenmill.serve.tool_parsers import ContentDelta, ToolCallArguments, ToolCallStart, get_tool_parser
 from tokenmill.serve.tools import (FunctionTool, parse_tools, plan_tools, required_calls_schema,

@@ -19,11 +19,11 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.http.auth import check_admin
+from tokenmill.http.errors import APIError, bad_request
 from tokenmill.router.fleet import Fleet
 from tokenmill.router.forward import Router
 from tokenmill.router.launchers import parse_launch
-from tokenmill.serve.admin import check_admin
-from tokenmill.serve.errors import APIError, bad_request
 
 
 def _json(body: dict) -> Response:

@@ -20,11 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.config import ROUTER_POLICIES, RouterConfig
+from tokenmill.http.auth import APIKeyMiddleware
+from tokenmill.http.body_limit import BodyLimitMiddleware, add_body_args
+from tokenmill.http.cors import CorsConfig, add_cors, add_cors_args, cors_config
+from tokenmill.http.disconnect import until_disconnected
+from tokenmill.http.errors import install_error_handlers
 from tokenmill.router.forward import Router
-from tokenmill.serve.api_server import APIKeyMiddleware, BodyLimitMiddleware, add_body_args
-from tokenmill.serve.cors import CorsConfig, add_cors, add_cors_args, cors_config
-from tokenmill.serve.disconnect import until_disconnected
-from tokenmill.serve.errors import install_error_handlers
 
 logger = logging.getLogger("tokenmill")
 
@@ -47,7 +48,7 @@ def add_router_policy_args(p: argparse.ArgumentParser, policy_flag: str = "--pol
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.serve.admin import ADMIN_KEY_HELP
+    from tokenmill.http.auth import ADMIN_KEY_HELP
 
     p.add_argument("--replica", action="append", default=[], metavar="URL",
                    help="base URL of a `tokenmill serve` replica (repeat the flag for each)")
@@ -237,14 +238,15 @@ def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], sh
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
 
-    from tokenmill.serve.api_server import DrainingServer
+    from tokenmill.http.server import DrainingServer
+    from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
     app = build_router_app(router, api_key, dashboard, cors, fleets, admin_key, drain_timeout, max_body_bytes,
                            body_timeout)
     uv = uvicorn.Config(app, log_level=uvicorn_log_level, lifespan="on",
                         timeout_graceful_shutdown=shutdown_timeout, timeout_keep_alive=30)
-    server = DrainingServer.make(uv)
+    server = DrainingServer.make(uv, on_signal=end_dashboard_streams)
     server.run(sockets=[sock])
     if not server.started:
         logger.error("router failed to start (see above)")
@@ -255,7 +257,7 @@ def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], sh
 
 def run_router(args: argparse.Namespace) -> int:
     from tokenmill.router.groups import parse_group
-    from tokenmill.serve.api_server import bind_listening_socket
+    from tokenmill.http.server import bind_listening_socket
 
     groups = [parse_group(v) for v in args.group]
     if not (args.replica or args.prefill or args.decode or args.launch or groups):

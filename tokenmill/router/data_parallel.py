@@ -202,9 +202,9 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
                          build_router) -> int:
     """Start n `tokenmill serve` instances (argv, plus extra[i] for instance i), wait until all are healthy,
     then serve build_router(urls) -> (router, description) on the user's --host/--port; stop them after."""
+    from tokenmill.http.cors import cors_config
+    from tokenmill.http.server import bind_listening_socket
     from tokenmill.router.app import serve_router
-    from tokenmill.serve.api_server import bind_listening_socket
-    from tokenmill.serve.cors import cors_config
 
     cors = cors_config(args)  # the router's; a malformed flag fails before anything starts
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port

@@ -20,11 +20,11 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.config import RouterConfig
+from tokenmill.http.errors import APIError
 from tokenmill.router.index import PrefixIndex, prefix_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import Candidate, make_policy
 from tokenmill.router.pool import Replica, ReplicaPool
-from tokenmill.serve.errors import APIError
 
 logger = logging.getLogger("tokenmill")
 

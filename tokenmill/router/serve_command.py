@@ -9,7 +9,7 @@ import io
 
 from tokenmill.config import EngineConfig
 from tokenmill.router.data_parallel import add_data_parallel_args
-from tokenmill.serve.api_server import add_serve_args
+from tokenmill.serve.args import add_serve_args
 
 
 def add_serve_command_args(p: argparse.ArgumentParser) -> None:

@@ -10,15 +10,10 @@ finish for up to --shutdown-timeout seconds (then aborts them), stops the engine
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import logging
 import os
-import secrets
-import signal
-import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Optional
@@ -29,102 +24,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
-from tokenmill.serve.admin import ADMIN_KEY_HELP, DrainMiddleware, DrainState, check_admin
-from tokenmill.serve.cors import add_cors, add_cors_args, cors_config
-from tokenmill.serve.errors import APIError, bad_request, install_error_handlers
-from tokenmill.serve.serving import Admission, load_grammar_support, num_waiting
+from tokenmill.http.auth import APIKeyMiddleware, check_admin
+from tokenmill.http.body_limit import BodyLimitMiddleware
+from tokenmill.http.cors import add_cors, cors_config
+from tokenmill.http.errors import APIError, bad_request, install_error_handlers
+from tokenmill.http.server import DrainingServer, bind_listening_socket
+from tokenmill.serve.args import request_limits
+from tokenmill.serve.drain import DrainMiddleware, DrainState
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
+from tokenmill.serve.serving import Admission, load_grammar_support, num_waiting
 from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
-
-
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (default: $TOKENMILL_API_KEY)")
-    g.add_argument("--admin-key", default=os.environ.get("TOKENMILL_ADMIN_KEY"), help=ADMIN_KEY_HELP)
-    g.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 + Retry-After while this many sequences (prompts x n of each request) wait for "
-                        "the engine; a request carrying more than this gets 400 (default: no limit)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
-    g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template overriding the tokenizer's: a file path, the template itself, or a "
-                        "shipped one by name (hermes_tools: ChatML with tool calls, for --tool-call-parser hermes)")
-    from tokenmill.serve.tool_parsers import TOOL_PARSERS
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="serve tool_choice 'auto' (OpenAI's default with tools): the model decides whether to call "
-                        "tools, and its output is read with --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; mistral "
-                        "[TOOL_CALLS]); 'required' and named tool_choice need no parser")
-    g.add_argument("--enable-request-timing", action="store_true",
-                   help="each generation response carries its server-side timing in milliseconds (queue, prefill, "
-                        "decode, detokenize, total): a Server-Timing header, and for streams a `timing` field on "
-                        "the last chunk before [DONE]; `tokenmill router` adds its own time to the header")
-    g.add_argument("--uvicorn-log-level", default="warning",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's own logging ('info' logs every request)")
-    g.add_argument("--engine-start-timeout", type=float, default=900.0,
-                   help="seconds to wait for the engine process to load the model")
-    g.add_argument("--no-dashboard", action="store_true",
-                   help="do not serve the live dashboard at /dashboard (nor record per-step stats for it)")
-    g.add_argument("--install-default-model", action="store_true",
-                   help="pip-install the built-in default model if it is missing")
-    add_cors_args(p)
-    lim, d = p.add_argument_group("request limits (each one exceeded is a 400 naming it)"), RequestLimits()
-    lim.add_argument("--max-n", type=int, default=d.max_n,
-                     help="largest n (and best_of) of one request; never more than --max-num-seqs")
-    lim.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
-                     help="most prompts in one /v1/completions request (a list of strings or of token-id lists)")
-    lim.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
-                     help="most sequences (prompts x n) in one request; each is an engine request")
-    add_body_args(lim)
-    lim.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
-                     help="most stop strings (and stop_token_ids) one request may list")
-    lim.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
-                     help="longest stop string, in characters")
-    lim.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="most logit_bias entries")
-    lim.add_argument("--max-json-schema-bytes", type=int, default=d.max_json_schema_bytes,
-                     help="largest JSON schema, regex or grammar for structured output")
-    lim.add_argument("--max-json-schema-depth", type=int, default=d.max_json_schema_depth,
-                     help="deepest nesting of a JSON schema for structured output (and of each tool's parameters)")
-    lim.add_argument("--max-tools", type=int, default=d.max_tools,
-                     help="most tools one chat request may list (OpenAI's bound)")
-    lim.add_argument("--max-tools-schema-bytes", type=int, default=d.max_tools_schema_bytes,
-                     help="largest total size of one request's tools as JSON (names, descriptions, parameter "
-                          "schemas)")
-    lim.add_argument("--max-chat-template-chars", type=int, default=d.max_chat_template_chars,
-                     help="most characters one chat template render may output, or build in one string or list "
-                          "(the sandbox also caps everything it builds at 8x this)")
-    lim.add_argument("--chat-template-timeout", type=float, default=d.chat_template_timeout,
-                     help="seconds one chat template render may take")
-
-
-def add_body_args(group) -> None:
-    """Request-body flags of `tokenmill serve` and `tokenmill router` (BodyLimitMiddleware)."""
-    group.add_argument("--max-request-body-bytes", type=int, default=8 << 20,
-                       help="largest request body; larger ones get 413")
-    group.add_argument("--request-body-timeout", type=float, default=20.0,
-                       help="seconds to wait for the next part of a request body; a client that stalls longer "
-                            "gets 408 and its connection is closed (a slow upload that keeps sending is fine)")
-
-
-def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(max_n=min(args.max_n, args.max_num_seqs), max_stop_strings=args.max_stop_strings,
-                         max_stop_string_length=args.max_stop_string_length, max_logit_bias=args.max_logit_bias,
-                         max_json_schema_bytes=args.max_json_schema_bytes,
-                         max_json_schema_depth=args.max_json_schema_depth, max_tools=args.max_tools,
-                         max_tools_schema_bytes=args.max_tools_schema_bytes,
-                         max_prompts_per_request=args.max_prompts_per_request,
-                         max_sequences_per_request=args.max_sequences_per_request,
-                         max_chat_template_chars=args.max_chat_template_chars,
-                         chat_template_timeout=args.chat_template_timeout)
 
 
 @dataclass
@@ -159,87 +71,52 @@ class ServerState:
                           "use /v1/embeddings", "model")
 
 
-# -- middleware and error handlers -----------------------------------------------------------------
-# what --api-key guards: everything that touches the model, and the dashboard's data (its pages hold none)
-PROTECTED = ("/v1", "/tokenize", "/detokenize", "/dashboard/api")
+# -- the app: error handlers, routes, middleware ----------------------------------------------------------
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=_lifespan(state), docs_url=None,
+                  redoc_url=None)
+    app.state.tokenmill = state
+    _install_error_handlers(app)
+    _mount_server_routes(app, state)
+    _mount_generation_routes(app, state)
+    _mount_token_routes(app, state)
+    if state.dashboard is not None:
+        from tokenmill.serve.dashboard_engine import mount_engine_dashboard
+
+        mount_engine_dashboard(app, state, state.dashboard)
+    _add_middleware(app, state)
+    return app
 
 
-class APIKeyMiddleware:
-    """Plain ASGI (no per-request task like BaseHTTPMiddleware, so streaming stays cheap)."""
+def _lifespan(state: ServerState):
+    """Starts the engine when uvicorn starts serving (the model loads meanwhile) and stops it at the end."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ledger = state.ledger
+        ledger.mark_since_last("server setup")  # app and uvicorn set-up (while the engine loads)
+        await state.engine.start(timeout=state.args.engine_start_timeout)
+        ready = state.engine.ready
+        ledger.extend(ready.startup)
+        with ledger.phase("serving start"):
+            state.metrics.set_cache_config(ready.block_size, ready.num_blocks,
+                                           state.config.cache.enable_prefix_caching)
+            import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
+        state.metrics.set_startup(ledger.finish())
+        logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
+        try:
+            yield
+        finally:
+            await state.engine.shutdown()
 
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
-            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not secrets.compare_digest(auth, self.expected):
-                err = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                               code="invalid_api_key")
-                await err.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    return lifespan
 
 
-class BodyLimitMiddleware:
-    """413 for a request body over --max-request-body-bytes, by its Content-Length or, for a chunked body, as
-    soon as the bytes received pass the limit: the body is read here (never more than the limit) and handed
-    on whole. 408, and the connection closed, when no part of the body arrives for --request-body-timeout
-    seconds: a client that sends half a body and stalls would otherwise hold its connection (and this
-    coroutine) for as long as it likes. A slow upload that keeps sending is never cut."""
+def _install_error_handlers(app: FastAPI) -> None:
+    install_error_handlers(app, "server")
 
-    def __init__(self, app, limit: int, timeout: float = 20.0) -> None:
-        self.app = app
-        self.limit = limit
-        self.timeout = timeout
-
-    def _too_large(self) -> Response:
-        return APIError(413, f"The request body is larger than this server's limit of {self.limit} bytes "
-                             "(--max-request-body-bytes).", code="request_too_large").response()
-
-    def _timed_out(self, received: int) -> Response:
-        # Connection: close, as the rest of the body may still come and cannot be told from a next request
-        return APIError(408, f"The request body stopped arriving: nothing for {self.timeout:g} s after {received} "
-                             "bytes (--request-body-timeout).", code="request_timeout",
-                        headers={"Connection": "close"}).response()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            await self.app(scope, receive, send)
-            return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._too_large()(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.timeout)
-            except asyncio.TimeoutError:
-                logger.debug("%s %s: no body bytes for %g s after %d; answered 408", scope["method"],
-                             scope["path"], self.timeout, size)
-                await self._timed_out(size)(scope, receive, send)
-                return
-            if message["type"] != "http.request":  # client gone
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await self._too_large()(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: only the disconnect notice
-
-        await self.app(scope, replay, send)
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+        return _validation_error(exc).response()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -259,35 +136,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return bad_request("; ".join(parts) or "invalid request", param)
 
 
-def build_app(state: ServerState) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        ledger = state.ledger
-        ledger.mark_since_last("server setup")  # app and uvicorn set-up (while the engine loads)
-        await state.engine.start(timeout=state.args.engine_start_timeout)
-        ready = state.engine.ready
-        ledger.extend(ready.startup)
-        with ledger.phase("serving start"):
-            state.metrics.set_cache_config(ready.block_size, ready.num_blocks,
-                                           state.config.cache.enable_prefix_caching)
-            import anyio._backends._asyncio  # noqa: F401 - StreamingResponse's first use would import it mid-request
-        state.metrics.set_startup(ledger.finish())
-        logger.info("serving %s on http://%s:%d", state.model_name, state.args.host, state.args.port)
-        try:
-            yield
-        finally:
-            await state.engine.shutdown()
-
-    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None)
-    app.state.tokenmill = state
-
-    install_error_handlers(app, "server")
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _validation_error(exc).response()
-
+def _mount_server_routes(app: FastAPI, state: ServerState) -> None:
+    """What is about the server rather than the model: /health, /admin/drain, /version, /metrics."""
     @app.get("/health")
     async def health(detail: bool = False) -> Response:
         """200 with an empty body (what load balancers poll); ?detail=1 adds a JSON body with the start-up
@@ -329,6 +179,9 @@ def build_app(state: ServerState) -> FastAPI:
 
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """The OpenAI endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses."""
     @app.get("/v1/models")
     async def models() -> Response:
         from tokenmill.serve.serving import json_response
@@ -375,6 +228,9 @@ def build_app(state: ServerState) -> FastAPI:
                             "stateless; send the whole conversation as input).", param="response_id",
                        code="response_not_found")
 
+
+def _mount_token_routes(app: FastAPI, state: ServerState) -> None:
+    """/tokenize and /detokenize."""
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
         from tokenmill.serve.chat import render_request_chat, template_tools
@@ -403,75 +259,18 @@ def build_app(state: ServerState) -> FastAPI:
             raise bad_request(f"token id {bad[0]} is out of range for the vocabulary of {vocab}", "tokens")
         return json_response({"prompt": await off_loop(state.tokenizer.decode, req.tokens)})
 
-    if state.dashboard is not None:
-        from tokenmill.serve.dashboard_engine import mount_engine_dashboard
 
-        mount_engine_dashboard(app, state, state.dashboard)
+def _add_middleware(app: FastAPI, state: ServerState) -> None:
+    """Each added one wraps the ones before it, so the last added runs first on a request."""
     if state.args.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.args.api_key)
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(BodyLimitMiddleware, limit=state.args.max_request_body_bytes,
                        timeout=state.args.request_body_timeout)
     add_cors(app, cors_config(state.args))  # outermost: first to run
-    return app
 
 
 # -- process entry -------------------------------------------------------------------------------------
-class DrainingServer:
-    """uvicorn.Server whose signal handling drains and then returns (uvicorn re-raises the signal after
-    a graceful shutdown, which would make the exit status -SIGTERM instead of 0). `on_deadline` runs a
-    second before the graceful period ends, so open streams can still end with an error event and [DONE]
-    instead of being cut."""
-
-    @staticmethod
-    def make(config, on_deadline=None):
-        import asyncio
-
-        import uvicorn
-
-        from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-                try:
-                    yield
-                finally:
-                    for s, h in old.items():
-                        signal.signal(s, h)
-
-            def handle_exit(self, sig, frame) -> None:
-                if not self.should_exit:
-                    timeout = self.config.timeout_graceful_shutdown
-                    logger.info("received %s: draining in-flight requests (up to %.0fs)",
-                                signal.Signals(sig).name, timeout)
-                    loop = asyncio.get_event_loop()
-                    # the dashboard's streams never end by themselves: uvicorn would wait the whole timeout
-                    loop.call_soon_threadsafe(end_dashboard_streams)
-                    if on_deadline is not None and timeout is not None:
-                        loop.call_soon_threadsafe(loop.call_later, max(timeout - 1.0, 0.0), on_deadline)
-                super().handle_exit(sig, frame)
-
-        return Server(config)
-
-
-def bind_listening_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.set_inheritable(False)
-    return sock
-
-
 SHIPPED_TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 
 
@@ -534,10 +333,12 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:
+        from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
+
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
         server = DrainingServer.make(uv, on_deadline=lambda: engine.fail_open_requests(
-            "the server is shutting down (--shutdown-timeout passed)"))
+            "the server is shutting down (--shutdown-timeout passed)"), on_signal=end_dashboard_streams)
         engine.on_fatal = lambda _: setattr(server, "should_exit", True)
         server.run(sockets=[sock])
         code = _exit_status(server, engine)

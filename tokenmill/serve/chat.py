@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.http.disconnect import until_disconnected
+from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
-from tokenmill.serve.disconnect import until_disconnected
-from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,

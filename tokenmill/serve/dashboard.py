@@ -10,7 +10,7 @@ One producer task builds each snapshot once and hands it to every open stream, s
 nothing more, and it runs only while one is open.
 
 Authentication: the pages themselves hold no data and are served to anyone; everything under
-/dashboard/api/ is guarded by --api-key like /v1 (api_server.PROTECTED). The page asks for the key, keeps it
+/dashboard/api/ is guarded by --api-key like /v1 (http/auth.py's PROTECTED). The page asks for the key, keeps it
 in the tab's sessionStorage and sends it as `Authorization: Bearer` on fetch() — the SSE stream is read
 with fetch() and a stream reader rather than EventSource, which cannot send headers; the key is never put
 in a URL (URLs end up in logs and browser history).
@@ -277,7 +277,7 @@ def mount(app: FastAPI, kind: str, build_snapshot, info: Callable[[], Any],
     @app.get("/dashboard/static/{name}")
     async def static(name: str) -> Response:
         if name not in pages:
-            from tokenmill.serve.errors import APIError
+            from tokenmill.http.errors import APIError
 
             raise APIError(404, f"no dashboard file {name!r}", code="not_found")
         return Response(pages[name], media_type=types[name.rsplit(".", 1)[1]], headers=no_store)

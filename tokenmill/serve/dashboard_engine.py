@@ -194,7 +194,7 @@ def _device_figures(device: str):
 
 def mount_engine_dashboard(app: FastAPI, state: Any, stats: DashboardStats) -> EngineView:
     import tokenmill
-    from tokenmill.serve.errors import APIError
+    from tokenmill.http.errors import APIError
     from tokenmill.serve.serving import json_response, off_loop
 
     view = EngineView(state, stats)

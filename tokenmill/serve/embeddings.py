@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokenmill.engine.pooling import check_dimensions, embed_params, embed_token_ids, final_vector
-from tokenmill.serve.disconnect import until_disconnected
-from tokenmill.serve.errors import bad_request
+from tokenmill.http.disconnect import until_disconnected
+from tokenmill.http.errors import bad_request
 from tokenmill.serve.protocol import EmbeddingRequest
 from tokenmill.serve.serving import Generation, Prompt, check_text_length, json_response, off_loop, random_id
 

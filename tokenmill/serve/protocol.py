@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from tokenmill.http.errors import bad_request, param_of
 from tokenmill.kv_transfer.p2p_params import KVTransferParams
 from tokenmill.kv_transfer.p2p_params import as_dict as kv_params_as_dict
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenmill.serve.errors import bad_request, param_of
 
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs: top-n lists beyond this only bloat responses
 

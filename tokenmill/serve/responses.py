@@ -22,8 +22,8 @@ from starlette.responses import Response
 
 from tokenmill.serve.chat import chat_chunks, collect_chat, start_chat
 from tokenmill.serve.tools import ToolPlan
-from tokenmill.serve.disconnect import until_disconnected
-from tokenmill.serve.errors import APIError, bad_request
+from tokenmill.http.disconnect import until_disconnected
+from tokenmill.http.errors import APIError, bad_request
 from tokenmill.serve.protocol import ChatCompletionRequest, ResponsesRequest, ResponsesText
 from tokenmill.serve.serving import Generation, json_response, now_s, sse, stream_response, with_timing_header
 

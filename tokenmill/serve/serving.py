@@ -14,10 +14,10 @@ import msgspec
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError, next_outputs
+from tokenmill.http.errors import APIError, bad_request
 from tokenmill.kv_transfer.p2p_params import check_request_params
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.serve.errors import APIError, bad_request
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState

@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
+from tokenmill.http.errors import bad_request
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.serve.errors import bad_request
 from tokenmill.serve.protocol import RequestLimits, check_grammar_size, json_depth
 from tokenmill.serve.tool_parsers import (CallArrayParser, ContentDelta, Event, ToolCall, ToolCallArguments,
                                           ToolCallStart, ToolParser, get_tool_parser, new_call_id)

@@ -1,4 +1,4 @@
-"""Admin endpoints (`/admin/*`, guarded by --admin-key) and draining, for `tokenmill serve` and the router.
+"""Draining, for `tokenmill serve` (`/admin/drain`, guarded by --admin-key: http/auth.py's check_admin).
 
 `POST /admin/drain` on a server: it stops taking new work (503 with Retry-After, which a router answers by
 retrying the request on another replica), lets what is in flight finish, and its /health answers 503
@@ -7,26 +7,9 @@ retrying the request on another replica), lets what is in flight finish, and its
 """
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
-from typing import Optional
 
-from starlette.requests import Request
-
-from tokenmill.serve.errors import APIError
-
-ADMIN_KEY_HELP = ("enable the /admin/* endpoints (drain, ...), which then require 'Authorization: Bearer KEY' "
-                  "(default: $TOKENMILL_ADMIN_KEY; without a key they answer 403)")
-
-
-def check_admin(request: Request, admin_key: Optional[str]) -> None:
-    if not admin_key:
-        raise APIError(403, "The admin endpoints are disabled; start with --admin-key to enable them.",
-                       code="admin_disabled")
-    auth = request.headers.get("authorization", "").encode()
-    if not secrets.compare_digest(auth, f"Bearer {admin_key}".encode()):
-        raise APIError(401, "Incorrect or missing admin key; send 'Authorization: Bearer <admin key>'.",
-                       code="invalid_admin_key")
+from tokenmill.http.errors import APIError
 
 
 @dataclass
