@@ -8,6 +8,7 @@ enough (2%) that routing to the wrong experts changes the logits.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -66,6 +67,7 @@ def smollm2_moe() -> str:
                   num_experts_per_tok=TOP_K, router_jitter_noise=0.0, sliding_window=None, torch_dtype="float32")
     config.pop("tokenmill_source", None)
     path = tempfile.mkdtemp(prefix="tokenmill-smollm2-moe-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # 1.4 GB: gone with the session, not left in /tmp
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
