@@ -27,12 +27,15 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import numpy as np
 import torch
 
 from tokenmill.layers import batch_invariant
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 logger = logging.getLogger("tokenmill")
 
@@ -135,7 +138,7 @@ def read_dataset(path: Optional[str]) -> str:
 
 
 def _variants(model: Optional[str], quantizations: list[Optional[str]], heads: tuple, kv_cache_dtype: str,
-              dtype: str, window: int, device: str) -> list[tuple[str, Any]]:
+              dtype: str, window: int, device: str) -> list[tuple[str, "EngineConfig"]]:
     """(name, engine config) of each variant compared with the reference."""
     configs = []
     for q in quantizations:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenmill.perf.hardware import Hardware, Interconnect, default_links
-from tokenmill.perf.memory import GGUF, ModelShape, memory_plan, normalize_dtype
+from tokenmill.perf.memory import GGUF, MemoryPlan, ModelShape, memory_plan, normalize_dtype
 
 
 @dataclass
@@ -91,7 +91,7 @@ def default_compute_dtype(weight_dtype: str) -> str:
     return {"fp32": "fp32", "fp16": "fp16", "fp8": "fp8", "int8": "int8", "fp4": "fp4"}.get(w, "bf16")
 
 
-def _memory_notes(mem: Any, hw: Hardware, devices: int, batch_size: int, crossover: Optional[int]) -> list[str]:
+def _memory_notes(mem: MemoryPlan, hw: Hardware, devices: int, batch_size: int, crossover: Optional[int]) -> list[str]:
     """What memory leaves out: room for no sequence, a batch beyond what fits, a crossover beyond it."""
     notes = []
     if mem.max_concurrent_seqs == 0:
