@@ -221,12 +221,26 @@ def _add_upgrade_parser(sub) -> None:
     up.set_defaults(func=_upgrade)
 
 
-def _add_bench_parser(sub) -> None:
-    from tokenmill.bench import add_bench_parser
+def _bench_matrix(args: argparse.Namespace) -> int:
+    from tokenmill.tune.matrix import matrix_main
+
+    rc, lines = matrix_main(args)
+    print("\n".join(lines))
+    return rc
+
+
+def _add_matrix_parser(p: argparse.ArgumentParser) -> None:
     from tokenmill.tune.matrix import add_matrix_args
 
+    add_matrix_args(p)
+    p.set_defaults(func=_bench_matrix)
+
+
+def _add_bench_parser(sub) -> None:
+    from tokenmill.bench import add_bench_parser
+
     add_bench_parser(sub, more=[("matrix", "baseline and each technique alone and combined: speedups beside the "
-                                           "product of the single ones, JSON + heat map", add_matrix_args)])
+                                           "product of the single ones, JSON + heat map", _add_matrix_parser)])
 
 
 def _add_plan_parser(sub) -> None:

@@ -10,10 +10,10 @@ from typing import Optional
 import numpy as np
 
 from tokenmill.config import EngineConfig
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_token_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor.base import Executor, WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_token_ids
 from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")

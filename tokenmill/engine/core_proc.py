@@ -12,6 +12,9 @@ mark for good).
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 import os
 import shutil
@@ -20,10 +23,6 @@ import sys
 import time
 import traceback
 from typing import Optional
-
-import ctypes
-import ctypes.util
-import functools
 
 import msgspec
 

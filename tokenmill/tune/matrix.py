@@ -229,10 +229,10 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
                                                       "--serve-args='--kv-cache-memory-bytes 1GiB'")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to be healthy")
     p.add_argument("--out", default="matrix-out", metavar="DIR", help="matrix.json, matrix.png, logs/")
-    p.set_defaults(func=matrix_main)
 
 
-def matrix_main(args: argparse.Namespace) -> int:
+def matrix_main(args: argparse.Namespace) -> tuple[int, list[str]]:
+    """Run the matrix; (exit code, the lines the CLI prints), as tune_main."""
     from tokenmill.bench.datasets import load_tokenizer
     from tokenmill.bench.report import parse_slo
     from tokenmill.bench.serve import ServeConfig, workload_kwargs
@@ -258,8 +258,6 @@ def matrix_main(args: argparse.Namespace) -> int:
     title = (f"tokenmill bench matrix: {args.model or 'default model'}, {args.dataset} {args.input_len} in / "
              f"{args.output_len} out, baseline concurrency {args.max_concurrency}, {args.metric}, "
              f"{args.repeats} round(s)")
-    print(title)
-    print(format_matrix(rows, args.metric))
     png = plot_matrix(rows, list(techniques), os.path.join(args.out, "matrix.png"), title)
     out = {"tool": "tokenmill bench matrix", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": args.model,
            "metric": args.metric, "techniques": techniques, "baseline": baseline, "repeats": args.repeats,
@@ -268,5 +266,6 @@ def matrix_main(args: argparse.Namespace) -> int:
            "rounds": [{k: {kk: vv for kk, vv in v.items() if kk != "requests"} for k, v in g.items()} for g in rounds]}
     with open(os.path.join(args.out, "matrix.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
-    print(f"wrote {os.path.join(args.out, 'matrix.json')}" + (f" and {png}" if png else ""))
-    return 0 if any(r["speedup"] is not None for r in rows if r["combination"]) else 1
+    lines = [title, format_matrix(rows, args.metric),
+             f"wrote {os.path.join(args.out, 'matrix.json')}" + (f" and {png}" if png else "")]
+    return (0 if any(r["speedup"] is not None for r in rows if r["combination"]) else 1), lines

@@ -162,6 +162,12 @@ AI void q4k_scale_bytes(const uint8_t *sc12, uint8_t *out) {
     memcpy(out, u, 16);
 }
 
+/* IQ4_XS: sub-block s's 6-bit scale (4 low bits in bytes 4-7, 2 high bits in bytes 2-3) minus 32 */
+AI int iq4xs_scale(const uint8_t *b, int s) {
+    const uint32_t sh = (uint32_t)b[2] | ((uint32_t)b[3] << 8);
+    return (int)(((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+}
+
 /* Dequantization parameters of a (super-)block: value i of 16-group g is a[g] * (u_i - off) + b[g]. */
 typedef struct {
     float a[16], b[16];
@@ -215,10 +221,8 @@ AI void deq_params(const int t, const uint8_t *blk, deq_t *p) {
     }
     case T_IQ4_XS: {
         const float d = f16(blk);
-        const uint32_t sh = (uint32_t)blk[2] | ((uint32_t)blk[3] << 8);
         for (int s = 0; s < 8; s++) {
-            const int ls = ((blk[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4);
-            p->a[2 * s] = p->a[2 * s + 1] = d * (float)(ls - 32);
+            p->a[2 * s] = p->a[2 * s + 1] = d * (float)iq4xs_scale(blk, s);
             p->b[2 * s] = p->b[2 * s + 1] = 0.0f;
         }
         break;
@@ -371,9 +375,10 @@ AI __m256i dot_u(__m256i u, __m256i x) {
 /* signed weight bytes: |w| * sign(x, w) (|-128| = 128 read as unsigned; 2 * 128 * 127 does not saturate) */
 AI __m256i dot_s(__m256i w, __m256i x) { return dot_u(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
-/* two 16-value halves with integer scales: lanes 0-7 of sc16 hold the first half's, 8-15 the second's */
-AI __m256i dot_sc16(__m256i u, __m256i x, __m256i sc16) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), sc16);
+AI float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 AI float hsum256(__m256 v) {
@@ -386,7 +391,8 @@ AI float hsum256(__m256 v) {
 
 /* Quantized activations of M rows, one record per row at base + r * stride: int8 q[K], then float d[K/32] (the
  * 32-block scales dx) and s32[K/32] (dx * sum of the block's q), for the 32-value block types; then the
- * super-block form below, for the K-quants. The stride is padded off multiples of 4 KiB: rows 4 KiB apart share L1 sets and evict each other. */
+ * super-block form below, for the K-quants. The stride is padded off multiples of 4 KiB: rows 4 KiB apart
+ * share L1 sets and evict each other. */
 typedef struct {
     const uint8_t *base;
     int64_t stride;
@@ -447,17 +453,14 @@ AI void dec_khdr(const int t, const uint8_t *b, khdr_t *h) {
         h->d = f16(b);
         h->dm = -f16(b + 2);
         break;
-    case T_IQ4_XS: {
-        const uint32_t sh = (uint32_t)b[2] | ((uint32_t)b[3] << 8);
+    case T_IQ4_XS:
         for (int g = 0; g < 16; g++) {
-            const int s = g / 2;
-            h->sc[g] = (int16_t)((((b[4 + s / 2] >> (4 * (s % 2))) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32);
+            h->sc[g] = (int16_t)iq4xs_scale(b, g / 2);
             h->mn[g] = 0;
         }
         h->d = f16(b);
         h->dm = 0.0f;
         break;
-    }
     default:
         break;
     }
@@ -574,7 +577,9 @@ typedef struct {
     float d, dm;
 } kvec_t;
 
-AI __m256i dup16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+AI __m256i dup16(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
+}
 
 /* 16 signed 16-bit scales, one per group, into the two lane-duplicated halves */
 AI void kvec_scales16(__m256i s16, kvec_t *h) {
@@ -621,10 +626,9 @@ AI void dec_kvec(const int t, const uint8_t *b, kvec_t *h) {
         break;
     }
     case T_IQ4_XS: {
-        const uint32_t sh = (uint32_t)b[2] | ((uint32_t)b[3] << 8), lo = le32(b + 4);
-        int32_t ls[8];
-        for (int s = 0; s < 8; s++) ls[s] = (int32_t)(((lo >> (4 * s)) & 0xF) | (((sh >> (2 * s)) & 3) << 4)) - 32;
-        const __m256i L = _mm256_setr_epi32(ls[0], ls[1], ls[2], ls[3], ls[4], ls[5], ls[6], ls[7]);
+        const __m256i L = _mm256_setr_epi32(iq4xs_scale(b, 0), iq4xs_scale(b, 1), iq4xs_scale(b, 2),
+                                            iq4xs_scale(b, 3), iq4xs_scale(b, 4), iq4xs_scale(b, 5),
+                                            iq4xs_scale(b, 6), iq4xs_scale(b, 7));
         h->T[0] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
         h->T[1] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
         h->mn = _mm256_setzero_si256();
@@ -876,9 +880,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
             v[i] = _mm256_loadu_ps(xb + 8 * i);
             m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
         }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        amax = hmax256(m);
         const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         __m256i qi[4];
         for (int i = 0; i < 4; i++)
@@ -913,10 +915,9 @@ static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int1
         float amax = 0.0f;
 #if defined(__AVX2__)
         __m256 m = _mm256_setzero_ps();
-        for (int i = 0; i < 256; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + i)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (int i = 0; i < 256; i += 8)
+            m = _mm256_max_ps(m, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(xb + i)));
+        amax = hmax256(m);
         const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
         for (int g = 0; g < 16; g += 2) { /* 32 values: two groups of 16 */
             __m256i qi[4];
