@@ -168,7 +168,7 @@ def resolve_client(given: Optional[str], name: str, how: str) -> Optional[str]:
 
 
 def default_tokenizer() -> str:
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
 
     return resolve_model_path(None)  # the default GGUF's converted HF folder (tokenizer.json inside)
 

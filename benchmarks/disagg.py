@@ -203,7 +203,7 @@ def transfer_probe(prefill_url: str, decode_url: str, n_tokens: int, reps: int =
 
 def kv_bytes_per_token(model: Optional[str]) -> tuple[int, str]:
     """Bytes of K and V per token of the served model, from its config (the engine's cache dtype)."""
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
     path = resolve_model_path(model, True)
     cfg = json.load(open(os.path.join(path, "config.json")))
     heads = cfg["num_attention_heads"]

@@ -35,8 +35,9 @@ class Keep(logging.Handler):
 logging.getLogger("tokenmill").addHandler(Keep())
 logging.getLogger("tokenmill").setLevel(logging.INFO)
 from tokenmill.config import ModelConfig
+from tokenmill.models.resolution import Resolver
 mc = ModelConfig()
-mc.finalize("cpu")
+mc.finalize("cpu", Resolver())
 print(json.dumps({"dtype": mc.dtype_name, "log": lines[-1] if lines else "(no --dtype auto line)"}))
 """
 
@@ -45,9 +46,11 @@ def warm_parts(really_empty: bool) -> str | None:
     """A cache holding only the converted default model and the compiled kernels (None: --really-empty)."""
     if really_empty:
         return None
-    from tokenmill.config import ModelConfig, cache_root
+    from tokenmill.config import ModelConfig
+    from tokenmill.host import cache_root
+    from tokenmill.models.resolution import Resolver
 
-    ModelConfig().finalize("cpu")  # converts the GGUF and builds the kernels once, into the user's cache
+    ModelConfig().finalize("cpu", Resolver())  # converts the GGUF and builds the kernels once, into the user's cache
     parts = tempfile.mkdtemp(prefix="dtype-auto-parts-")
     for name in ("gguf", "kernels"):
         if os.path.isdir(os.path.join(cache_root(), name)):

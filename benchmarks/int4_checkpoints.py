@@ -94,7 +94,7 @@ def main() -> None:
                          "sizes; SmolLM2-135M's hidden 576 takes 64)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
 
     src = resolve_model_path(args.model, gguf_weights="dequantize")
     with open(os.path.join(src, "config.json")) as f:

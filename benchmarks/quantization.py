@@ -161,7 +161,7 @@ def main() -> None:
         args.decode_tokens, args.batch, args.batch_tokens, args.repeats = 16, 4, 8, 1
 
     from tokenmill import LLM
-    from tokenmill.config import parse_size
+    from tokenmill.host import parse_size
 
     budget = parse_size(args.budget)
     configs = [c for c in CONFIGS if not args.configs or _name(*c) in args.configs.split(",")]

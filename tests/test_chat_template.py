@@ -70,7 +70,7 @@ def tiny_tokenizer(tiny):
 def default_tokenizer():
     from transformers import AutoTokenizer
 
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
 
     try:
         return AutoTokenizer.from_pretrained(resolve_model_path(None))

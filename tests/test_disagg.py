@@ -14,6 +14,7 @@ import torch
 from tests.models import tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig, KVTransferConfig
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.messages import EngineCoreRequest, Request
 from tokenmill.kv_transfer.p2p_transport import TcpTransport
 from tokenmill.router.launchers import free_port
@@ -615,8 +616,8 @@ def test_portable_fingerprint_survives_a_copied_checkpoint(tiny, tmp_path):
     kv = [torch.zeros(2, 2, 4, 16, 8)]
     copy = tmp_path / "copy"
     shutil.copytree(tiny("llama"), copy)
-    a = EngineConfig.from_kwargs(model=tiny("llama"), dtype="float32").finalize()
-    b = EngineConfig.from_kwargs(model=str(copy), dtype="float32").finalize()
+    a = resolve_engine_config(EngineConfig.from_kwargs(model=tiny("llama"), dtype="float32"))
+    b = resolve_engine_config(EngineConfig.from_kwargs(model=str(copy), dtype="float32"))
     assert kv_fingerprint(a, kv, portable=True) == kv_fingerprint(b, kv, portable=True)
     assert kv_fingerprint(a, kv) != kv_fingerprint(b, kv)  # the disk tier's stays path-bound
     weights = next(copy.glob("*.safetensors"))

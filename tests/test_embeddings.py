@@ -13,6 +13,7 @@ import torch
 
 from models import hf_model, tiny_bert, tiny_model
 from server_utils import API_KEY, CliProc, shared_server
+from tokenmill.models.resolution import resolve_engine_config
 
 TEXTS = ["a", "Paged attention stores keys and values in fixed-size blocks of tokens.",
          "The quick brown fox jumps over the lazy dog. " * 3, "def main():\n    print('hello world')\n"]
@@ -33,7 +34,7 @@ def test_bert_hidden_states_match_transformers():
     from tokenmill.models.flat_batch import flat_batch
 
     path = tiny_bert()
-    cfg = EngineConfig.from_kwargs(model=path, dtype="float32").finalize()
+    cfg = resolve_engine_config(EngineConfig.from_kwargs(model=path, dtype="float32"))
     model = load_model(path, cfg.model.hf_config, torch.float32, "cpu", None, max_positions=512)
     ref = transformers.BertModel.from_pretrained(path, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)

@@ -267,7 +267,7 @@ def test_bad_shapes_are_refused():
 
 def test_row_limits_follow_the_measured_crossovers():
     """A merged layer routes by the smallest row limit of its parts' types (ggml.MAX_ROWS_BF16's table)."""
-    from tokenmill.config import cpu_has_native_bf16
+    from tokenmill.host import cpu_has_native_bf16
 
     def part(type_id):
         return ggml.Part(type_id, torch.zeros(2, ggml.row_bytes(type_id, 256), dtype=torch.uint8))

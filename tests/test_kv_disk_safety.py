@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.kv_transfer.disk_store import LOCK_NAME, DiskBlockStore, remove_stale_folders
 from tokenmill.kv_transfer.fingerprint import kv_fingerprint
 
@@ -109,7 +110,7 @@ def test_a_block_with_the_same_fingerprint_is_read(tmp_path):
 
 
 def _config(tiny, arch="qwen2", **kw):
-    return EngineConfig.from_kwargs(model=tiny(arch), dtype="float32", **kw).finalize()
+    return resolve_engine_config(EngineConfig.from_kwargs(model=tiny(arch), dtype="float32", **kw))
 
 
 def _caches(layers=2, heads=2, dim=16, block_size=16, dtype=torch.float32):

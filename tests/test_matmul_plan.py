@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import config
+from tokenmill import config, host
 from tokenmill.layers import batch_invariant, cpu_linear, matmul_plan
+from tokenmill.models import resolution
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     """Each test measures into its own cache folder (compiled kernels are copied, not rebuilt)."""
-    kernels = os.path.join(config.cache_root(), "kernels")
+    kernels = os.path.join(host.cache_root(), "kernels")
     if os.path.isdir(kernels):
         shutil.copytree(kernels, tmp_path / "kernels")
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
@@ -122,13 +123,13 @@ def test_dtype_auto_measures_when_the_checkpoint_names_none(caplog):
     cfg = type("Cfg", (), dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16))()
     with caplog.at_level(logging.INFO, logger="tokenmill"):
-        dtype = config.resolve_dtype("auto", None, "cpu", cfg)
+        dtype = resolution.resolve_dtype("auto", None, "cpu", cfg)
     assert dtype in (torch.float32, torch.bfloat16)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
     assert "float32" in line and "bfloat16" in line and " us" in line
     # the checkpoint's own dtype wins; a forced path measures nothing
-    assert config.resolve_dtype("auto", "bfloat16", "cpu", cfg) == torch.bfloat16
-    assert config.resolve_dtype("auto", "float32", "cpu", cfg) == torch.float32
+    assert resolution.resolve_dtype("auto", "bfloat16", "cpu", cfg) == torch.bfloat16
+    assert resolution.resolve_dtype("auto", "float32", "cpu", cfg) == torch.float32
 
 
 # SmolLM2-135M's layer shapes (the default model): what `tokenmill serve` resolves --dtype auto for
@@ -168,8 +169,7 @@ class VirtualCPU:
 
 
 def _native_bf16(monkeypatch, has):
-    monkeypatch.setattr(config, "cpu_has_avx512_bf16", lambda: has)
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: has, raising=False)
+    monkeypatch.setattr(resolution, "cpu_has_native_bf16", lambda: has)
 
 
 def test_dtype_auto_is_not_a_coin_toss_on_a_busy_first_start(monkeypatch):
@@ -178,9 +178,9 @@ def test_dtype_auto_is_not_a_coin_toss_on_a_busy_first_start(monkeypatch):
     bf16 support decides, and the interleaved pairs see the neighbour on both dtypes alike."""
     _native_bf16(monkeypatch, True)
     VirtualCPU(neighbour="with the first bfloat16 matmul").install(monkeypatch)
-    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+    assert resolution.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
     VirtualCPU().install(monkeypatch)  # the next start, quiet, with the cache the first one left
-    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+    assert resolution.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
 
 
 @pytest.mark.parametrize("native, cost, expected", [
@@ -193,7 +193,7 @@ def test_dtype_auto_prior_and_clear_margin_overturn(native, cost, expected, monk
     _native_bf16(monkeypatch, native)
     VirtualCPU(cost).install(monkeypatch)
     with caplog.at_level(logging.INFO, logger="tokenmill"):
-        assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == expected
+        assert resolution.resolve_dtype("auto", None, "cpu", SMOLLM2) == expected
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto"))
     assert "float32" in line and "bfloat16" in line and line.count(" us") >= 2  # both numbers
 
@@ -203,11 +203,11 @@ def test_dtype_auto_decides_once_per_cpu_and_model_shapes(monkeypatch, caplog):
     race the dtypes again: the rule's decision is cached (never the race's timings), with its reason."""
     _native_bf16(monkeypatch, False)
     VirtualCPU().install(monkeypatch)
-    assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16  # overturned, twice
+    assert resolution.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16  # overturned, twice
     matmul_plan._Cache._instance = None  # the next start: a new process reads the file
     later = VirtualCPU(cost={**VirtualCPU.AVX512_BF16, ("torch", torch.bfloat16): 9.0}).install(monkeypatch)
     with caplog.at_level(logging.INFO, logger="tokenmill"):
-        assert config.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
+        assert resolution.resolve_dtype("auto", None, "cpu", SMOLLM2) == torch.bfloat16
     assert later.runs == 0  # nothing timed
     line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--dtype auto")][-1]
     assert "decided at an earlier start" in line and "float32" in line and " us" in line

@@ -8,10 +8,11 @@ import sys
 import pytest
 
 from tokenmill.config import EngineConfig
+from tokenmill.models.resolution import resolve_engine_config
 
 
 def _finalize(model, **kw):
-    return EngineConfig.from_kwargs(model=model, **kw).finalize(install_default=model is None)
+    return resolve_engine_config(EngineConfig.from_kwargs(model=model, **kw), install_default=model is None)
 
 
 def test_default_model_refuses_tp2_naming_the_sizes_that_work():

@@ -15,6 +15,7 @@ from tokenmill.layers.quantization import fp4, fp8, get_quant_config, int8, kern
 from tokenmill.layers.quantization.fp4 import Fp4LinearMethod
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
+from tokenmill.models.resolution import resolve_engine_config
 
 HAS_CC = bool(shutil.which("cc") or shutil.which("gcc"))
 METHODS = ["int8", "w8a8", "fp8", "mxfp4", "nvfp4"]
@@ -226,8 +227,9 @@ def _scorer(model, quantization=None, quantize_lm_head=False):
     from tokenmill.config import EngineConfig
     from tokenmill.eval.quality import _Scorer
 
-    cfg = EngineConfig.from_kwargs(model=model, quantization=quantization, quantize_lm_head=quantize_lm_head,
-                                   max_model_len=64, kv_cache_memory_bytes=2**24).finalize()
+    cfg = resolve_engine_config(EngineConfig.from_kwargs(
+        model=model, quantization=quantization, quantize_lm_head=quantize_lm_head, max_model_len=64,
+        kv_cache_memory_bytes=2**24))
     return _Scorer(cfg)
 
 
@@ -385,9 +387,9 @@ def test_config_errors(tiny, tmp_path):
     from tokenmill.config import EngineConfig
 
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
-        EngineConfig.from_kwargs(model=tiny("llama"), quantization="int3").finalize()
+        resolve_engine_config(EngineConfig.from_kwargs(model=tiny("llama"), quantization="int3"))
     with pytest.raises(ValueError, match="needs a compressed-tensors checkpoint"):
-        EngineConfig.from_kwargs(model=tiny("llama"), quantization="compressed-tensors").finalize()
+        resolve_engine_config(EngineConfig.from_kwargs(model=tiny("llama"), quantization="compressed-tensors"))
     awq = tmp_path / "awq"
     shutil.copytree(tiny("llama"), awq)
     with open(awq / "config.json") as f:
@@ -396,13 +398,13 @@ def test_config_errors(tiny, tmp_path):
     with open(awq / "config.json", "w") as f:
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="quantized with 'bitsandbytes', which tokenmill cannot load"):
-        EngineConfig.from_kwargs(model=str(awq)).finalize()
+        resolve_engine_config(EngineConfig.from_kwargs(model=str(awq)))
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     with open(awq / "config.json", "w") as f:
         json.dump(cfg, f)
     with pytest.raises(ValueError, match="already quantized \\(fp8\\); --quantization int8 cannot"):
-        EngineConfig.from_kwargs(model=str(awq), quantization="int8").finalize()
-    assert EngineConfig.from_kwargs(model=str(awq), quantization="fp8").finalize().model.quantization == "fp8"
+        resolve_engine_config(EngineConfig.from_kwargs(model=str(awq), quantization="int8"))
+    assert resolve_engine_config(EngineConfig.from_kwargs(model=str(awq), quantization="fp8")).model.quantization == "fp8"
 
 
 def test_cli_quantize_and_eval_quality(tiny, tmp_path, capsys):

@@ -10,6 +10,7 @@ import pytest
 
 from models import tiny_model
 from tokenmill.config import EngineConfig
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.config_snapshot import ConfigSnapshot
 from tokenmill.engine.frontend import load_tokenizer
 
@@ -18,7 +19,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 
 def _resolve(model: str, **kw):
-    config = EngineConfig.from_kwargs(model=model, device="cpu", **kw).finalize()
+    config = resolve_engine_config(EngineConfig.from_kwargs(model=model, device="cpu", **kw))
     return config, load_tokenizer(config)
 
 
@@ -75,8 +76,9 @@ def test_warm_resolution_imports_no_torch(tmp_path):
     interpreter: with a record, torch never loads (the engine process has it)."""
     env = dict(os.environ, TOKENMILL_CACHE_DIR=str(tmp_path))
     code = ("import sys; from tokenmill.config import EngineConfig; from tokenmill.engine.frontend import "
-            "load_tokenizer; import tokenmill.serve.api_server; "
-            f"c = EngineConfig.from_kwargs(model={tiny_model('qwen2')!r}).finalize(); t = load_tokenizer(c); "
+            "load_tokenizer; from tokenmill.models.resolution import resolve_engine_config; "
+            "import tokenmill.serve.api_server; "
+            f"c = resolve_engine_config(EngineConfig.from_kwargs(model={tiny_model('qwen2')!r})); t = load_tokenizer(c); "
             "print(c.model.resolution_key is None, 'torch' in sys.modules, c.model.dtype_name, "
             "t('hi').input_ids != [])")
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -12,6 +12,7 @@ import pytest
 from models import tiny_model
 from server_utils import API_KEY, CliProc, ServerProc, metrics, shared_server, sse_events
 from tokenmill.cli import main
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.startup import OTHER, Phase, critical_path
 
 MODEL = "tiny-llama"
@@ -27,7 +28,7 @@ def timed_server():
     from tokenmill.engine.frontend import load_tokenizer
 
     model = tiny_model("llama")  # built (once per session) before the clock starts
-    load_tokenizer(EngineConfig.from_kwargs(model=model, dtype="float32").finalize())  # its resolution record
+    load_tokenizer(resolve_engine_config(EngineConfig.from_kwargs(model=model, dtype="float32")))  # its resolution record
     t0 = time.time()
     server = ServerProc(model, "--served-model-name", MODEL, "--enable-request-timing", poll_s=0.02)
     measured = time.time() - t0

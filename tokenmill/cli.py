@@ -56,10 +56,11 @@ def _generate(args: argparse.Namespace) -> int:
     from tokenmill.engine.core import EngineCore
     from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
     from tokenmill.engine.output_processor import OutputProcessor, RequestState
+    from tokenmill.models.resolution import resolve_engine_config
     from tokenmill.sampling_params import SamplingParams
 
     config = EngineConfig.from_cli_args(args)
-    config.finalize(install_default=args.install_default_model)
+    resolve_engine_config(config, install_default=args.install_default_model)
     engine = EngineCore(config)
     tok = load_tokenizer(config)
     sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -1,171 +1,28 @@
 """Engine configuration: one dataclass per concern, built from kwargs or CLI flags.
 
-All validation and the error messages users see for bad settings live here.
+All validation and the error messages users see for bad settings live here. Finding and reading the model a
+setting names is not a setting: models/resolution.py does it, through the ModelResolver that
+EngineConfig.finalize takes, so that this module stays a leaf every layer may import.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from tokenmill.host import cuda_available, parse_size, usable_cpus
 
 if TYPE_CHECKING:  # torch is imported where it is used: `tokenmill --help` must not wait seconds for it
     import torch
 
-
-def cache_root() -> str:
-    """Where derived artifacts live (converted GGUF models, compiled kernels): $TOKENMILL_CACHE_DIR."""
-    return os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-
-
 logger = logging.getLogger("tokenmill")
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
-
-
-def parse_size(value: Any) -> int:
-    """'4GiB' -> 4294967296; plain numbers are bytes."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = _SIZE_RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse size {value!r}; use e.g. 4GiB, 512MiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-def cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in _cpu_flags()
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 dot products in hardware (AVX512_BF16 or AMX): --dtype auto's prior."""
-    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-
-
-def _linear_shapes(hf_config: Any) -> list[tuple[int, int]]:
-    """[N, K] of a Llama-family decoder layer's linear layers (q|k|v, o, gate|up, down)."""
-    H, I = hf_config.hidden_size, hf_config.intermediate_size
-    Hq = hf_config.num_attention_heads
-    Hkv = getattr(hf_config, "num_key_value_heads", None) or Hq
-    D = getattr(hf_config, "head_dim", None) or H // Hq
-    return [((Hq + 2 * Hkv) * D, H), (H, Hq * D), (2 * I, H), (H, I)]
-
 
 DTYPE_AUTO_RULE = ("on a CPU: bfloat16 where it has native bf16 dot products (AVX512_BF16 or AMX), else "
                    "float32, unless the other is at least 1.1x faster for the model's layer shapes in both the "
                    "best and the median of interleaved timing pairs, in each of two separate rounds")
-
-
-def _cpu_auto_dtype(hf_config: Any) -> "torch.dtype":
-    """DTYPE_AUTO_RULE: the CPU's features decide; a measurement overturns them only clearly and repeatedly
-    (matmul_plan.choose_dtype). A timing race alone picked a different dtype on a busy first start (issue 29)."""
-    import torch
-
-    from tokenmill.layers import cpu_linear, matmul_plan
-
-    native = cpu_has_native_bf16()
-    prior = torch.bfloat16 if native else torch.float32
-    because = f"this CPU {'has' if native else 'lacks'} native bf16 dot products (AVX512_BF16/AMX)"
-    try:
-        shapes = _linear_shapes(hf_config)
-    except (AttributeError, TypeError):  # no config, or not a Llama-family one
-        shapes = None
-    if shapes is None or not cpu_linear.available() or matmul_plan.forced_path() is not None:
-        logger.info("--dtype auto: %s (%s; not measured)", str(prior).removeprefix("torch."), because)
-        return prior
-    dtype, why = cpu_linear.measured_dtype(shapes, prior)
-    logger.info("--dtype auto: %s (%s; %s)", str(dtype).removeprefix("torch."), because, why)
-    return dtype
-
-
-# --dtype spellings -> torch dtype attribute names
-_DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "half": "float16", "fp16": "float16"}
-
-
-def resolve_dtype(requested: str | torch.dtype, config_dtype: Any, device: str, hf_config: Any = None) -> torch.dtype:
-    """--dtype auto follows the config; without one (GGUF): bf16 on CUDA, and on CPU DTYPE_AUTO_RULE
-    (_cpu_auto_dtype; measured for hf_config's layer shapes). float16 maps to bf16 on CPU (no fast fp16
-    kernels there)."""
-    import torch
-
-    if isinstance(requested, torch.dtype):
-        dtype = requested
-    elif requested == "auto":
-        if isinstance(config_dtype, str):
-            config_dtype = getattr(torch, _DTYPES.get(config_dtype, ""), None)
-        if isinstance(config_dtype, torch.dtype):
-            dtype = config_dtype
-        elif device == "cuda":
-            dtype = torch.bfloat16
-        else:
-            dtype = _cpu_auto_dtype(hf_config)
-    elif requested in _DTYPES:
-        dtype = getattr(torch, _DTYPES[requested])
-    else:
-        raise ValueError(f"unknown dtype {requested!r}; choose one of auto, float32, bfloat16, float16")
-    if device == "cpu" and dtype == torch.float16:
-        logger.info("float16 is slow on CPU; using bfloat16 instead")
-        dtype = torch.bfloat16
-    return dtype
-
-
-_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the Hugging Face Hub spells repos
-MODEL_FORMS = "a local Hugging Face folder (config.json, *.safetensors, tokenizer files) or a llama.cpp .gguf file"
-
-
-def model_not_found_message(model: str) -> str:
-    """What to tell a user whose model argument names nothing on this machine: that the path does not exist,
-    or, for what looks like a Hub id, that nothing is downloaded at run time and how to bring the model here."""
-    if _HUB_ID_RE.match(model) and not model.endswith(".gguf"):
-        folder = "./" + model.rsplit("/", 1)[-1]
-        return (f"model {model!r} is not a local path; it looks like a Hugging Face Hub id, but nothing is "
-                f"downloaded at run time. Get the model onto this machine first: on a connected machine run "
-                f"`huggingface-cli download {model} --local-dir {folder}`, copy that folder here and pass its "
-                f"path, or pass any llama.cpp GGUF file")
-    return f"model {model!r} does not exist: pass {MODEL_FORMS}; nothing is downloaded at run time"
-
-
-def gguf_weights_for(requested: str, quantization: Optional[str]) -> str:
-    """--gguf-weights with --quantization in view: auto means dequantize when asked to quantize on load (the
-    online methods start from float weights), else native for a quantized GGUF (models/gguf.py)."""
-    if requested == "auto" and quantization not in (None, "", "none"):
-        return "dequantize"
-    return requested
-
-
-def resolve_model_path(model: Optional[str], install_default: bool = False, gguf_weights: str = "auto") -> str:
-    """A local HF directory, a .gguf file, or None for the built-in default model.
-    Returns a Hugging Face directory (a GGUF file's is made once and cached: models/gguf.py; gguf_weights is
-    --gguf-weights)."""
-    from tokenmill.models import default_model, gguf
-
-    if model is None or model == "default":
-        model = default_model.default_model_path(install=install_default)
-    if os.path.isfile(model) and model.endswith(".gguf"):
-        return gguf.gguf_to_hf_dir(model, gguf.weights_mode(model, gguf_weights))
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise ValueError(f"model directory {model} has no config.json")
-        return model
-    if os.path.exists(model):
-        raise ValueError(f"model {model!r} is neither a folder nor a .gguf file: pass {MODEL_FORMS}")
-    raise ValueError(model_not_found_message(model))
-
 
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4", "int4", "int4-g128")  # --quantization, float ckpt
 CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method we load
@@ -221,50 +78,6 @@ class PoolerConfig:
         return self.encoder or self.method != "last"
 
 
-def _read_json(path: str) -> Optional[Any]:
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-
-
-def resolve_pooler(task: str, model_dir: str, hf_config: Any) -> Optional[PoolerConfig]:
-    """The pooler for --task embed, or None (generate). auto is embed for an encoder architecture or a
-    sentence-transformers folder (modules.json), as vLLM decides its runner. The folder's Pooling module and
-    a Normalize module decide method and normalization; without one: last-token, normalized (vLLM's default for
-    decoders) or CLS for an encoder."""
-    if task not in TASKS:
-        raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    archs = getattr(hf_config, "architectures", None) or []
-    encoder = any(a in ENCODER_ARCHITECTURES for a in archs)
-    modules = _read_json(os.path.join(model_dir, "modules.json")) if os.path.isdir(model_dir) else None
-    if task == "generate" and encoder:
-        raise ValueError(f"{', '.join(archs)} is an encoder: it cannot generate text; serve it with --task embed")
-    if task == "generate" or (task == "auto" and not encoder and modules is None):
-        return None
-    pc = PoolerConfig(method="cls" if encoder else "last", encoder=encoder)
-    for module in modules or []:
-        if str(module.get("type", "")).endswith(".Pooling"):
-            pool = _read_json(os.path.join(model_dir, module.get("path", ""), "config.json")) or {}
-            modes = [m for m, key in (("mean", "pooling_mode_mean_tokens"), ("cls", "pooling_mode_cls_token"),
-                                      ("last", "pooling_mode_lasttoken")) if pool.get(key)]
-            if len(modes) != 1:
-                raise ValueError(f"{module.get('path')}/config.json: tokenmill pools by exactly one of "
-                                 f"{', '.join(POOLING_METHODS)} tokens; this asks for {modes or 'none of them'}")
-            pc.method = modes[0]
-    if modules is not None:
-        pc.normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
-        st = _read_json(os.path.join(model_dir, "sentence_bert_config.json")) or {}
-        pc.max_seq_length = st.get("max_seq_length")
-    pc.is_matryoshka = bool(getattr(hf_config, "is_matryoshka", False))
-    dims = getattr(hf_config, "matryoshka_dimensions", None)
-    pc.matryoshka_dimensions = list(dims) if dims else None
-    return pc
-
-
 @dataclass
 class ModelConfig:
     model: Optional[str] = None
@@ -304,33 +117,8 @@ class ModelConfig:
             return self.quantization
         return None
 
-    def finalize(self, device: str, install_default: bool = False, ledger: Any = None) -> None:
-        """ledger (startup.Ledger): gets the phases "model resolution" (GGUF conversion included) and
-        "dtype selection" (--dtype auto may time the matmul kernels). A warm start takes both from the last
-        start's record (models/resolution_cache.py) and imports neither transformers nor torch."""
-        from tokenmill.models import resolution_cache
-        from tokenmill.startup import timed
-
-        with timed(ledger, "model resolution"):
-            self.model_dir = resolve_model_path(self.model, install_default,
-                                                gguf_weights_for(self.gguf_weights, self.quantization))
-            if self.tokenizer is None:
-                self.tokenizer = self.model_dir
-            key = resolution_cache.key(self.model_dir, self.tokenizer, self.dtype, device)
-            record = resolution_cache.load(key)
-            if record is not None:
-                self.hf_config, self.dtype_name, self.tokenizer_class = (record.hf_config, record.dtype,
-                                                                         record.tokenizer_class)
-            else:
-                self.hf_config, self.resolution_key = self._read_config(), key
-        cfg = self.hf_config
-        self.quantization = validate_quantization(self.quantization, cfg, self.model_dir)
-        if record is None:
-            cfg_dtype = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
-            with timed(ledger, "dtype selection"):
-                self.dtype_name = str(resolve_dtype(self.dtype, cfg_dtype, device, cfg)).removeprefix("torch.")
-        self.pooler = resolve_pooler(self.task, self.model_dir, cfg)
-        self.task = "embed" if self.pooler is not None else "generate"
+    def finalize(self, device: str, resolver: ModelResolver) -> None:
+        resolver.resolve_model(self, device)
         derived = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.pooler is not None and self.pooler.max_seq_length:  # sentence-transformers' own limit
             derived = min(derived, self.pooler.max_seq_length)
@@ -341,18 +129,17 @@ class ModelConfig:
                              f"max_position_embeddings={derived}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.served_model_name is None:
-            from tokenmill.models.default_model import DEFAULT_MODEL_NAME
 
-            self.served_model_name = self.model or DEFAULT_MODEL_NAME
 
-    def _read_config(self) -> Any:
-        from transformers import AutoConfig  # with torch: most of a cold start's resolution time
+class ModelResolver(Protocol):
+    """What finalizing the settings needs from above this leaf: finding, converting and reading the models
+    (tokenmill.models.resolution.Resolver). resolve_model sets a ModelConfig's model_dir, tokenizer, hf_config,
+    dtype_name, quantization, pooler, task and served_model_name; resolve_draft a SpeculativeConfig's
+    draft_model_dir and draft_hf_config."""
 
-        try:
-            return AutoConfig.from_pretrained(self.model_dir)
-        except Exception as e:  # noqa: BLE001 - surface a one-line reason
-            raise ValueError(f"cannot read {os.path.join(self.model_dir, 'config.json')}: {e}") from None
+    def resolve_model(self, model: ModelConfig, device: str) -> None: ...
+
+    def resolve_draft(self, spec: "SpeculativeConfig") -> None: ...
 
 
 @dataclass
@@ -584,7 +371,7 @@ class SpeculativeConfig:
         """The drafter keeps its own paged KV (same block ids as the target)."""
         return self.method != "ngram"
 
-    def finalize(self, model: ModelConfig) -> None:
+    def finalize(self, model: ModelConfig, resolver: ModelResolver) -> None:
         if self.method is None:
             self.method = "draft_model" if self.model else None
         if self.method == "[ngram]":
@@ -612,18 +399,7 @@ class SpeculativeConfig:
             return
         if not self.model:
             raise ValueError(f"speculative_config method {self.method!r} needs \"model\": a local directory")
-        from transformers import AutoConfig
-
-        self.draft_model_dir = resolve_model_path(self.model, gguf_weights=gguf_weights_for("auto", self.quantization))
-        try:
-            self.draft_hf_config = AutoConfig.from_pretrained(self.draft_model_dir)
-        except Exception as e:  # noqa: BLE001
-            if self.method == "draft_model":
-                raise ValueError(f"cannot read the draft model's config in {self.draft_model_dir}: {e}") from None
-            from transformers import LlamaConfig  # EAGLE heads often carry a custom architecture name
-
-            with open(os.path.join(self.draft_model_dir, "config.json")) as f:
-                self.draft_hf_config = LlamaConfig(**json.load(f))
+        resolver.resolve_draft(self)
         d, t = self.draft_hf_config, model.hf_config
         if self.method == "draft_model":
             if d.vocab_size != t.vocab_size:
@@ -643,13 +419,6 @@ class SpeculativeConfig:
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uniproc")
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 @dataclass
@@ -749,16 +518,6 @@ class ParallelConfig:
         return counts
 
 
-def _cuda_available() -> bool:
-    """torch.cuda.is_available(), without importing torch where no GPU driver is present (a CPU box's
-    `tokenmill serve` keeps torch out of its API process: models/resolution_cache.py)."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")):
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -772,21 +531,22 @@ class EngineConfig:
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
     step_records: bool = False  # per-step records (tokens, time, MFU/MBU) in EngineStats, for the dashboard
 
-    def finalize(self, install_default: bool = False, ledger: Any = None) -> "EngineConfig":
-        """ledger: a startup.Ledger to record the model's resolution in (ModelConfig.finalize)."""
+    def finalize(self, resolver: ModelResolver) -> "EngineConfig":
+        """Every setting checked, the model found and read by resolver (models.resolution.resolve_engine_config
+        passes its own)."""
         if self.device == "auto":
-            self.device = "cuda" if _cuda_available() else "cpu"
+            self.device = "cuda" if cuda_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         self.cache.validate()
-        self.model.finalize(self.device, install_default, ledger)
+        self.model.finalize(self.device, resolver)
         self.scheduler.validate(self.model.max_model_len)
         self.parallel.finalize(self.device, self.model.hf_config)
         self._check_parallel_features()
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
-            self.speculative.finalize(self.model)
+            self.speculative.finalize(self.model, resolver)
         if self.model.pooler is not None:
             self._check_embed()
         return self

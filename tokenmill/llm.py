@@ -11,6 +11,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import PromptType, eos_token_id, fan_out, load_tokenizer, tokenize_prompt
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -19,7 +20,7 @@ logger = logging.getLogger("tokenmill")
 
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs).finalize()
+        self.config = resolve_engine_config(EngineConfig.from_kwargs(model=model, **kwargs))
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
         self.eos_token_id = eos_token_id(self.config, self.tokenizer)

@@ -60,7 +60,7 @@ def load_tokenizer(spec: Optional[str]):
         return None
     from transformers import AutoTokenizer
 
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
 
     path = resolve_model_path(None if spec == "default" else spec)
     try:

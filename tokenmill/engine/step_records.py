@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Optional
 
-from tokenmill.perf.hardware import Hardware, cpu_key
+from tokenmill.host import cpu_key
+from tokenmill.perf.hardware import Hardware
 
 logger = logging.getLogger("tokenmill")
 
@@ -47,7 +48,7 @@ def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
 
 
 def _cpu_figures_path() -> str:
-    from tokenmill.config import cache_root
+    from tokenmill.host import cache_root
 
     return os.path.join(cache_root(), "hardware", cpu_key() + ".json")
 

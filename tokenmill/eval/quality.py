@@ -119,13 +119,14 @@ class _Scorer:
 def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,
             device: str, quantize_lm_head: bool = False):
     from tokenmill.config import EngineConfig
+    from tokenmill.models.resolution import resolve_engine_config
 
     native = quantization in (GGUF_VARIANT, GGUF_DECODE)  # other variants of a GGUF start from its floats
-    return EngineConfig.from_kwargs(model=model, quantization=None if native else quantization,
+    return resolve_engine_config(EngineConfig.from_kwargs(model=model, quantization=None if native else quantization,
                                     quantize_lm_head=quantize_lm_head, kv_cache_dtype=kv_cache_dtype,
                                     gguf_weights="native" if native else "dequantize",
                                     dtype=dtype, max_model_len=window, device=device,
-                                    kv_cache_memory_bytes=64 * 2**20).finalize()
+                                    kv_cache_memory_bytes=64 * 2**20))
 
 
 def read_dataset(path: Optional[str]) -> str:

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from typing import Optional
 
-from tokenmill.config import cache_root
+from tokenmill.host import cache_root, cpu_flags
 
 logger = logging.getLogger("tokenmill")
 
@@ -29,19 +29,11 @@ _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _status: dict[str, str] = {}  # name -> "loaded" or "unavailable: <one-line reason>"
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
 def _build(name: str, sources: list[str]) -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    h = hashlib.sha256(" ".join([cc] + _FLAGS).encode() + _cpu_flags().encode())
+    h = hashlib.sha256(" ".join([cc, *_FLAGS, *sorted(cpu_flags())]).encode())
     for src in sources:
         with open(src, "rb") as f:
             h.update(f.read())

@@ -40,7 +40,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.config import cache_root
+from tokenmill.host import cache_root
 
 logger = logging.getLogger("tokenmill")
 

@@ -96,7 +96,7 @@ def _write_checkpoint(src: str, out_dir: str, tensors: dict[str, torch.Tensor], 
 def export_quantized(model: Optional[str], out_dir: str, method: str = "fp8", fmt: str = "compressed-tensors",
                      keep_lm_head: bool = False, block: tuple[int, int] = (128, 128)) -> str:
     """Quantize a float checkpoint (HF directory or GGUF) into out_dir. Returns out_dir."""
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
 
     _check_export(method, fmt)
     src = resolve_model_path(model)

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from tokenmill.config import cache_root
+from tokenmill.host import cache_root
 
 logger = logging.getLogger("tokenmill")
 

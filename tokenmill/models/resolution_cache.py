@@ -52,7 +52,7 @@ def _stamp(folder: str) -> list:
 
 def key(model_dir: str, tokenizer: str, requested_dtype: Any, device: str) -> str:
     import tokenmill
-    from tokenmill.perf.hardware import cpu_key
+    from tokenmill.host import cpu_key
 
     try:
         transformers_version = importlib.metadata.version("transformers")
@@ -66,7 +66,7 @@ def key(model_dir: str, tokenizer: str, requested_dtype: Any, device: str) -> st
 
 
 def _path(k: str) -> str:
-    from tokenmill.config import cache_root
+    from tokenmill.host import cache_root
 
     return os.path.join(cache_root(), "resolved", f"{k}.pkl")
 

@@ -65,7 +65,7 @@ def load_model_shape(model: Optional[str]) -> ModelShape:
         if name.lower() == key.lower():
             return ModelShape.from_hf_config(cfg, name=name)
     if not os.path.exists(model):  # the same words as serve and generate, then what only plan also takes
-        from tokenmill.config import model_not_found_message  # a leaf below the tools; not imported for --help
+        from tokenmill.models.resolution import model_not_found_message  # not imported for --help
 
         raise ValueError(f"{model_not_found_message(model)}; or name a preset: {', '.join(PRESETS)}")
     raise ValueError(f"model {model!r} is neither a local directory with config.json nor a preset; presets: "

@@ -51,7 +51,7 @@ def cache_key(files: list[str], model_cls: str, dtype: torch.dtype, layer_range,
 
 
 def cache_path(key: str) -> str:
-    from tokenmill.config import cache_root
+    from tokenmill.host import cache_root
 
     return os.path.join(cache_root(), "weights", f"{key}.safetensors")
 

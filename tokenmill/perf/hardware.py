@@ -11,24 +11,12 @@ device and direction, and a round per-collective latency of the order NCCL/gloo 
 from __future__ import annotations
 
 import os
-import platform
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
 GiB = 2**30
 
-
-def cpu_key() -> str:
-    """This machine's CPU model and count, as a file-name-safe key (caches of measured figures and of model
-    resolutions)."""
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}-{os.cpu_count()}cpus".replace("/", "_").replace(" ", "_")
 
 @dataclass(frozen=True)
 class Hardware:

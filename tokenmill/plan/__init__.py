@@ -142,7 +142,7 @@ def _dtypes(args: argparse.Namespace, local: bool) -> tuple[str, str, str]:
     """(weights, KV, matmuls). Weights: --weight-dtype; auto is gguf where the engine serves a GGUF in its own
     blocks (--gguf-weights), else the engine's float dtype: bf16, on local-cpu bf16 with AVX512-BF16, else fp32.
     Beside GGUF blocks, the KV cache and the matmuls (dequantized tiles) are in that float dtype too."""
-    from tokenmill.config import cpu_has_avx512_bf16
+    from tokenmill.host import cpu_has_avx512_bf16
     from tokenmill.perf.memory import GGUF
     from tokenmill.models.shape import gguf_weight_dtype
 

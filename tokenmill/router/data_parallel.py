@@ -184,7 +184,7 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 
 def run_data_parallel(args: argparse.Namespace) -> int:
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
     from tokenmill.router.app import make_router
 
     n = args.data_parallel_size
@@ -262,7 +262,7 @@ def _kv_transfer_configs(args: argparse.Namespace, x: int, y: int) -> list[dict]
 
 def run_disaggregated(args: argparse.Namespace) -> int:
     """x prefill (kv_producer) and y decode (kv_consumer) instances, then the disaggregated router."""
-    from tokenmill.config import resolve_model_path
+    from tokenmill.models.resolution import resolve_model_path
     from tokenmill.router.app import make_router
 
     x, y = parse_disaggregate(args.disaggregate, args.data_parallel_size)

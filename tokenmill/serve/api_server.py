@@ -300,6 +300,7 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     # No torch here (the engine process has it; models/resolution_cache.py keeps a warm start free of it)
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.models.resolution import resolve_engine_config
     from tokenmill.serve.metrics import ServerMetrics
 
     ledger = ledger or Ledger("api")
@@ -309,7 +310,7 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
                          "hermes, llama3_json or mistral)")
     cors_config(args)  # a malformed CORS flag fails before the model loads
     config = EngineConfig.from_cli_args(args)
-    config.finalize(install_default=getattr(args, "install_default_model", False), ledger=ledger)
+    resolve_engine_config(config, getattr(args, "install_default_model", False), ledger)
     chat_template = _read_chat_template(args.chat_template)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)

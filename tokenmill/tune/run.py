@@ -40,7 +40,7 @@ def serve_option_strings() -> set[str]:
 def build_space(args: argparse.Namespace, device: str) -> dict[str, list]:
     import torch
 
-    from tokenmill.config import cpu_has_avx512_bf16
+    from tokenmill.host import cpu_has_avx512_bf16
 
     dims = {} if args.no_default_space else space.default_space(
         device, torch.cuda.device_count() if device == "cuda" else 1, cpu_has_avx512_bf16())
@@ -55,7 +55,8 @@ def build_space(args: argparse.Namespace, device: str) -> dict[str, list]:
 
 def machine_and_shape(args: argparse.Namespace, device: str):
     """(ModelShape, Machine) for pruning, or (None, None) with a warning when the model's shape is unknown."""
-    from tokenmill.config import cpu_has_avx512_bf16, resolve_model_path
+    from tokenmill.host import cpu_has_avx512_bf16
+    from tokenmill.models.resolution import resolve_model_path
     from tokenmill.plan import get_hardware, load_model_shape
     from tokenmill.perf.hardware import for_device
 

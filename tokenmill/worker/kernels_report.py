@@ -122,7 +122,7 @@ def _block_linears(model) -> list:
 
 def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
     """ggml type name -> its kernel, e.g. "avx512-vnni int8 dot (1-32 rows); bf16 tiles + torch GEMM (more)"."""
-    from tokenmill.config import cpu_has_native_bf16
+    from tokenmill.host import cpu_has_native_bf16
     from tokenmill.layers.quantization import ggml
 
     linears = _block_linears(model)

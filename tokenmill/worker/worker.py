@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 
-from tokenmill.config import EngineConfig, gguf_weights_for, kv_cache_torch_dtype, resolve_model_path, usable_cpus
+from tokenmill.config import EngineConfig, kv_cache_torch_dtype
 from tokenmill.distributed import init_distributed, stage_layers
+from tokenmill.host import usable_cpus
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.attention import cpu_kernels
@@ -16,6 +17,7 @@ from tokenmill.layers.attention.kv_quant import KVCacheQuant
 from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
+from tokenmill.models.resolution import gguf_weights_for, resolve_model_path
 from tokenmill.startup import Ledger
 from tokenmill.worker import kernels_report
 from tokenmill.worker.cpu_threads import ThreadSizer

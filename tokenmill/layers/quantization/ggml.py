@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.config import cpu_has_native_bf16
+from tokenmill.host import cpu_has_native_bf16
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 
