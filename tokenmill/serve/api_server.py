@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -36,23 +36,31 @@ from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, 
 from tokenmill.serve.serving import Admission, load_grammar_support, num_waiting
 from tokenmill.startup import Ledger
 
+if TYPE_CHECKING:  # annotations only: the engine client, tokenizer and dashboard load when the server starts
+    from transformers import PreTrainedTokenizerBase
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.serve.dashboard import DashboardStats
+    from tokenmill.serve.metrics import ServerMetrics
+
 logger = logging.getLogger("tokenmill")
 
 
 @dataclass
 class ServerState:
     args: argparse.Namespace
-    config: Any
-    engine: Any                     # AsyncLLM
-    tokenizer: Any
-    metrics: Any                    # ServerMetrics
+    config: EngineConfig
+    engine: AsyncLLM
+    tokenizer: PreTrainedTokenizerBase
+    metrics: ServerMetrics
     model_name: str
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
     ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
-    dashboard: Any = None           # serve.dashboard.DashboardStats, None with --no-dashboard
+    dashboard: Optional[DashboardStats] = None  # None with --no-dashboard
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
     admission: Admission = field(default_factory=Admission)  # sequences admitted, not yet sent to the engine
 
