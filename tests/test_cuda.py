@@ -116,7 +116,7 @@ def test_host_tier_restores_an_evicted_prefix(tiny):
 
 def test_disaggregated_pull_between_two_cuda_engines(tiny):
     path = tiny("llama")
-    from tokenmill.router.launchers import free_port
+    from tokenmill.fleet.launchers import free_port
 
     role = lambda r: {"kv_connector": "TokenmillConnector", "kv_role": r}  # noqa: E731
     port = free_port()

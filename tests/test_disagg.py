@@ -17,7 +17,7 @@ from tokenmill.config import EngineConfig, KVTransferConfig
 from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.messages import EngineCoreRequest, Request
 from tokenmill.kv_transfer.p2p_transport import TcpTransport
-from tokenmill.router.launchers import free_port
+from tokenmill.fleet.launchers import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

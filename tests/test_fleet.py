@@ -310,7 +310,7 @@ def test_ray_launcher_runs_serve_in_an_actor_and_reports_its_exit():
     """A Ray actor on the local Ray instance starts `tokenmill serve` on its node and reports its URL and
     pid; a replica that cannot start (a model that does not exist) is reported dead, not hanging."""
     ray = pytest.importorskip("ray")
-    from tokenmill.router.launchers import RayLauncher
+    from tokenmill.fleet.launchers import RayLauncher
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:

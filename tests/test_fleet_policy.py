@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.router.autoscale import Autoscaler, Signals, Target, parse_targets
-from tokenmill.router.groups import GroupSpec, group_weights, parse_group
-from tokenmill.router.launchers import parse_launch
+from tokenmill.fleet.autoscale import Autoscaler, Signals, Target, parse_targets
+from tokenmill.fleet.groups import GroupSpec, group_weights, parse_group
+from tokenmill.fleet.launchers import parse_launch
 from tokenmill.router.metrics import LatencyWindow
 
 
@@ -153,14 +153,14 @@ def test_router_flags_build_the_fleets():
     """--launch is the autoscaled `default` fleet, a --group with a serve command a fleet of one replica;
     nothing starts until the router runs."""
     from tokenmill.cli import build_parser
-    from tokenmill.router.app import make_fleets, make_router
+    from tokenmill.fleet.router_command import make_fleets, router_from_args
 
     argv = ["router", "--launch", "tokenmill serve --dtype float32", "--min-replicas", "1", "--max-replicas", "3",
             "--target", "ttft_p90=2s", "--group", "canary=tokenmill serve --dtype float32 --max-num-seqs 8:10%",
             "--replica-threads", "1"]
     args = build_parser("router").parse_args(argv)
     groups = [parse_group(v) for v in args.group]
-    router = make_router(args, args.replica, args.prefill, args.decode, groups)
+    router = router_from_args(args, groups)
     assert router.weights == pytest.approx({"canary": 0.1, "default": 0.9}) and router.pool.replicas == []
     default, canary = make_fleets(args, router, groups)
     assert (default.group, default.argv, default.size) == ("default", ["--dtype", "float32"], 1)
@@ -169,7 +169,7 @@ def test_router_flags_build_the_fleets():
                                                                                1, None)
     bad = build_parser("router").parse_args(["router", "--replica", "http://a:1", "--max-replicas", "3"])
     with pytest.raises(ValueError, match="need --launch"):
-        make_fleets(bad, make_router(bad, bad.replica), [])
+        make_fleets(bad, router_from_args(bad, []), [])
 
 
 def test_upgrade_command_errors_are_one_line(capsys):

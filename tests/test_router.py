@@ -321,7 +321,7 @@ def test_router_config_errors():
 
 def test_data_parallel_replica_flags_round_trip():
     from tokenmill.config import EngineConfig
-    from tokenmill.router.data_parallel import _LAUNCHER_DESTS, add_data_parallel_args, flags_of
+    from tokenmill.fleet.data_parallel import _LAUNCHER_DESTS, add_data_parallel_args, flags_of
     from tokenmill.serve.args import add_serve_args
 
     p = argparse.ArgumentParser()

@@ -101,7 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     """args.prestarted: the engine process main() started before building the parser (engine/prestart.py)."""
     if args.disaggregate is not None or args.data_parallel_size != 1:
         args.prestarted.cancel()  # these start their own `tokenmill serve` processes
-        from tokenmill.router.data_parallel import run_data_parallel, run_disaggregated
+        from tokenmill.fleet.data_parallel import run_data_parallel, run_disaggregated
 
         return (run_disaggregated if args.disaggregate is not None else run_data_parallel)(args)
     from tokenmill.serve.api_server import run_server
@@ -113,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from tokenmill.router.app import run_router
+    from tokenmill.fleet.router_command import run_router
 
     return run_router(args)
 
@@ -192,7 +192,7 @@ def _add_generate_parser(sub) -> None:
 
 
 def _add_serve_parser(sub) -> None:
-    from tokenmill.router.serve_command import add_serve_command_args
+    from tokenmill.fleet.serve_command import add_serve_command_args
 
     srv = sub.add_parser("serve", help=_COMMANDS["serve"])
     add_serve_command_args(srv)
@@ -200,7 +200,7 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_router_parser(sub) -> None:
-    from tokenmill.router.app import add_router_args
+    from tokenmill.fleet.router_command import add_router_args
 
     rt = sub.add_parser("router", help=_COMMANDS["router"])
     add_router_args(rt)
@@ -208,14 +208,14 @@ def _add_router_parser(sub) -> None:
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from tokenmill.router.admin import run_upgrade
+    from tokenmill.fleet.admin import run_upgrade
 
     print("\n".join(run_upgrade(args)))
     return 0
 
 
 def _add_upgrade_parser(sub) -> None:
-    from tokenmill.router.admin import add_upgrade_args
+    from tokenmill.fleet.admin import add_upgrade_args
 
     up = sub.add_parser("upgrade", help=_COMMANDS["upgrade"])
     add_upgrade_args(up)

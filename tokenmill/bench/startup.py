@@ -27,7 +27,7 @@ from typing import Optional
 
 import httpx
 
-from tokenmill.router.launchers import free_port, stop_process
+from tokenmill.fleet.launchers import free_port, stop_process
 
 _POLL_S = 0.05
 

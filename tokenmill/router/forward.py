@@ -68,7 +68,7 @@ def routing_text(body: dict) -> str:
 class Router:
     def __init__(self, config: RouterConfig, client: Optional[httpx.AsyncClient] = None,
                  groups: Optional[dict[str, str]] = None, weights: Optional[dict[str, float]] = None) -> None:
-        """groups: replica url -> its group name; weights: group -> share of requests (see groups.py)."""
+        """groups: replica url -> its group name; weights: group -> share of requests (see fleet/groups.py)."""
         self.config = config
         self.client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5.0, read=None, write=60.0, pool=None),  # generations may run long

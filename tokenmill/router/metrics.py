@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 # Why a request went to a decode instance without KV transfer params: the prefill instance answered without
 # them (no connector there), every prefill instance failed, or a batch of prompts (not split into requests).
 FALLBACK_REASONS = ("no_kv_transfer_params", "prefill_failed", "batch")
-# What the fleet (fleet.py) did to its replicas.
+# What the fleet (fleet/fleet.py) did to its replicas.
 FLEET_EVENTS = ("started", "start_failed", "replaced", "drained", "scaled_up", "scaled_down")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
 

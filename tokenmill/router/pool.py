@@ -3,7 +3,7 @@
 Every interval each replica's /health is probed and, when it answers, its /metrics scraped for load
 (`tokenmill:num_requests_running` + `num_requests_waiting`) and KV capacity. A replica that fails a probe
 is taken out of rotation and put back as soon as a probe succeeds again; `failures` counts the misses in a row
-(the fleet replaces a replica it launched after a few, fleet.py). The forwarding path reports failures too:
+(the fleet replaces a replica it launched after a few, fleet/fleet.py). The forwarding path reports failures too:
 a refused connection takes a replica out at once; other transport errors ask for an immediate probe.
 Replicas join and leave at run time (add, remove); a draining one is probed but gets no new requests.
 """

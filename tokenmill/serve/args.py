@@ -1,5 +1,5 @@
 """`tokenmill serve`'s own flags (the HTTP server, tool calling, request limits); the engine's are
-EngineConfig.add_cli_args, and router/serve_command.py puts the two together. Kept apart from api_server.py so
+EngineConfig.add_cli_args, and fleet/serve_command.py puts the two together. Kept apart from api_server.py so
 that checking a serve command line imports no server."""
 from __future__ import annotations
 

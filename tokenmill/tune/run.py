@@ -32,7 +32,7 @@ def parse_budget(text: Optional[str]) -> Optional[float]:
 
 
 def serve_option_strings() -> set[str]:
-    from tokenmill.router.serve_command import serve_flags
+    from tokenmill.fleet.serve_command import serve_flags
 
     return serve_flags()
 

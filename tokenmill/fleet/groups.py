@@ -4,7 +4,7 @@ SPEC is either comma-separated replica URLs (`canary=http://10.0.0.3:8000:5%`) o
 command the router launches one replica of and keeps alive (`canary=tokenmill serve new-model:5%`). The
 --replica / --launch replicas form the group `default`. Groups with a percentage get it; the others share
 what is left equally. Per request the router draws a group by weight among those with a healthy replica,
-then its policy picks a replica inside the group (forward.py), and /metrics labels latency and errors by group.
+then its policy picks a replica inside the group (router/forward.py), and /metrics labels latency and errors by group.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from tokenmill.router.launchers import parse_launch
+from tokenmill.fleet.launchers import parse_launch
 
 
 @dataclass

@@ -81,7 +81,7 @@ def parse_launch(command: str, flag: str = "--launch") -> list[str]:
         raise ValueError(f"{flag}: {reserved[0]} is set by the launcher (one engine per replica, on a free port); "
                          "leave it out")
     # inside: the serve parser imports the OpenAI app (and its engine client) only where a command is launched
-    from tokenmill.router.serve_command import check_serve_argv
+    from tokenmill.fleet.serve_command import check_serve_argv
 
     try:
         check_serve_argv(argv)

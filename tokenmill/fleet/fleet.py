@@ -9,7 +9,7 @@ Every interval the fleet
   requests, those in flight finish, and only then is it stopped.
 A rolling upgrade replaces the replicas one at a time: start the new one, wait until healthy, add it, drain
 and stop an old one. Requests are never dropped by the fleet: a retired replica has none left, and a dead
-one's requests are retried elsewhere by forward.py (or end with an error event if they had started
+one's requests are retried elsewhere by router/forward.py (or end with an error event if they had started
 streaming).
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Optional
 
 import httpx
 
-from tokenmill.router.autoscale import Autoscaler, Signals
+from tokenmill.fleet.autoscale import Autoscaler, Signals
+from tokenmill.fleet.launchers import Launcher, ReplicaHandle
 from tokenmill.router.forward import Router
-from tokenmill.router.launchers import Launcher, ReplicaHandle
 from tokenmill.router.pool import Replica
 
 logger = logging.getLogger("tokenmill")

@@ -8,7 +8,7 @@ import contextlib
 import io
 
 from tokenmill.config import EngineConfig
-from tokenmill.router.data_parallel import add_data_parallel_args
+from tokenmill.fleet.data_parallel import add_data_parallel_args
 from tokenmill.serve.args import add_serve_args
 
 

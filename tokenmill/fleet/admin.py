@@ -11,19 +11,20 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import asdict
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.fleet.fleet import Fleet
+from tokenmill.fleet.launchers import parse_launch
 from tokenmill.http.auth import check_admin
 from tokenmill.http.errors import APIError, bad_request
-from tokenmill.router.fleet import Fleet
 from tokenmill.router.forward import Router
-from tokenmill.router.launchers import parse_launch
 
 
 def _json(body: dict) -> Response:
@@ -91,6 +92,13 @@ def mount_router_admin(app: FastAPI, router: Router, fleets: list[Fleet], admin_
             raise bad_request(str(e), "launch") from None
         except RuntimeError as e:
             raise APIError(500, str(e), code="upgrade_failed") from None
+
+
+def admin_mount(router: Router, fleets: list[Fleet], admin_key: Optional[str],
+                drain_timeout: float) -> Callable[[FastAPI], None]:
+    """The /admin endpoints as a mount for router/app.py's build_router_app (its `mounts`)."""
+    return functools.partial(mount_router_admin, router=router, fleets=fleets, admin_key=admin_key,
+                             drain_timeout=drain_timeout)
 
 
 def add_upgrade_args(p) -> None:

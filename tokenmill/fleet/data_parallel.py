@@ -1,5 +1,5 @@
 """`tokenmill serve --data-parallel-size N`: N engine replicas and the router in front of them, one command;
-`tokenmill serve --disaggregate xPyD`: x prefill and y decode instances and the disaggregated router (disagg.py).
+`tokenmill serve --disaggregate xPyD`: x prefill and y decode instances and the disaggregated router (router/disagg.py).
 
 Each replica is a `tokenmill serve` subprocess with the user's engine flags on its own 127.0.0.1 port and
 an equal share of the CPU threads (or its own GPU); the router listens on the user's --host/--port. The
@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from tokenmill.config import check_data_parallel_size
-from tokenmill.router.launchers import cpu_count, free_port, start_serve_process, stop_process, thread_env
+from tokenmill.fleet.launchers import cpu_count, free_port, start_serve_process, stop_process, thread_env
 
 logger = logging.getLogger("tokenmill")
 
@@ -202,6 +202,7 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
                          build_router) -> int:
     """Start n `tokenmill serve` instances (argv, plus extra[i] for instance i), wait until all are healthy,
     then serve build_router(urls) -> (router, description) on the user's --host/--port; stop them after."""
+    from tokenmill.fleet.admin import admin_mount
     from tokenmill.http.cors import cors_config
     from tokenmill.http.server import bind_listening_socket
     from tokenmill.router.app import serve_router
@@ -220,7 +221,8 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
                     args.port)
         return serve_router(router, sock, args.api_key, args.shutdown_timeout, args.uvicorn_log_level,
                             not getattr(args, "no_dashboard", False), cors, max_body_bytes=args.max_request_body_bytes,
-                            body_timeout=args.request_body_timeout)
+                            body_timeout=args.request_body_timeout,
+                            mounts=[admin_mount(router, [], None, 300.0)])  # /admin/*, disabled (no admin key)
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
