@@ -17,6 +17,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 
 from tokenmill import __version__  # noqa: E402
+from tokenmill.config import KV_CACHE_DTYPES, EngineConfig  # noqa: E402 - a leaf: argparse and dataclasses
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -52,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    from tokenmill.config import EngineConfig
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.engine.core import EngineCore
     from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
     from tokenmill.engine.output_processor import OutputProcessor, RequestState
@@ -66,6 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
     sp = SamplingParams(n=1, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed_sample, ignore_eos=args.ignore_eos)
     if args.chat:
+        # imported when this subcommand runs, not at start (module docstring)
         from tokenmill.chat_template import render_chat_template
 
         text = render_chat_template(tok, [{"role": "user", "content": args.prompt}])
@@ -101,9 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
     """args.prestarted: the engine process main() started before building the parser (engine/prestart.py)."""
     if args.disaggregate is not None or args.data_parallel_size != 1:
         args.prestarted.cancel()  # these start their own `tokenmill serve` processes
+        # imported when this subcommand runs, not at start (module docstring)
         from tokenmill.fleet.data_parallel import run_data_parallel, run_disaggregated
 
         return (run_disaggregated if args.disaggregate is not None else run_data_parallel)(args)
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.serve.api_server import run_server
     from tokenmill.startup import Ledger
 
@@ -113,6 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.fleet.router_command import run_router
 
     return run_router(args)
@@ -120,6 +125,7 @@ def _router(args: argparse.Namespace) -> int:
 
 # -- tokenmill eval ----------------------------------------------------------------------------------
 def _eval_quality(args: argparse.Namespace) -> int:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.eval.quality import evaluate, format_table, iter_quantizations
 
     spec = args.quantization
@@ -136,6 +142,7 @@ def _eval_quality(args: argparse.Namespace) -> int:
 
 
 def _is_quantized_gguf(model) -> bool:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.models import default_model, gguf
 
     path = default_model.default_model_path() if model in (None, "default") else model
@@ -143,8 +150,6 @@ def _is_quantized_gguf(model) -> bool:
 
 
 def _add_eval_parser(sub) -> None:
-    from tokenmill.config import KV_CACHE_DTYPES
-
     ev = sub.add_parser("eval", help=_COMMANDS["eval"])
     kinds = ev.add_subparsers(dest="eval_command", required=True)
     q = kinds.add_parser("quality", help="perplexity, top-1 agreement and KL divergence of quantized variants "
@@ -173,8 +178,6 @@ def _add_eval_parser(sub) -> None:
 
 
 def _add_generate_parser(sub) -> None:
-    from tokenmill.config import EngineConfig
-
     gen = sub.add_parser("generate", help=_COMMANDS["generate"])
     EngineConfig.add_cli_args(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
@@ -192,6 +195,7 @@ def _add_generate_parser(sub) -> None:
 
 
 def _add_serve_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.fleet.serve_command import add_serve_command_args
 
     srv = sub.add_parser("serve", help=_COMMANDS["serve"])
@@ -200,6 +204,7 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_router_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.fleet.router_command import add_router_args
 
     rt = sub.add_parser("router", help=_COMMANDS["router"])
@@ -208,6 +213,7 @@ def _add_router_parser(sub) -> None:
 
 
 def _upgrade(args: argparse.Namespace) -> int:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.fleet.admin import run_upgrade
 
     print("\n".join(run_upgrade(args)))
@@ -215,6 +221,7 @@ def _upgrade(args: argparse.Namespace) -> int:
 
 
 def _add_upgrade_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.fleet.admin import add_upgrade_args
 
     up = sub.add_parser("upgrade", help=_COMMANDS["upgrade"])
@@ -223,6 +230,7 @@ def _add_upgrade_parser(sub) -> None:
 
 
 def _bench_matrix(args: argparse.Namespace) -> int:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.tune.matrix import matrix_main
 
     rc, lines = matrix_main(args)
@@ -231,6 +239,7 @@ def _bench_matrix(args: argparse.Namespace) -> int:
 
 
 def _add_matrix_parser(p: argparse.ArgumentParser) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.tune.matrix import add_matrix_args
 
     add_matrix_args(p)
@@ -238,6 +247,7 @@ def _add_matrix_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bench_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.bench import add_bench_parser
 
     add_bench_parser(sub, more=[("matrix", "baseline and each technique alone and combined: speedups beside the "
@@ -245,12 +255,14 @@ def _add_bench_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.plan import add_plan_args
 
     add_plan_args(sub.add_parser("plan", help=_COMMANDS["plan"]))
 
 
 def _tune(args: argparse.Namespace) -> int:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.tune.run import tune_main
 
     rc, lines = tune_main(args)
@@ -259,6 +271,7 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _add_tune_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.tune import add_tune_args
 
     tn = sub.add_parser("tune", help=_COMMANDS["tune"])
@@ -267,6 +280,7 @@ def _add_tune_parser(sub) -> None:
 
 
 def _add_quantize_parser(sub) -> None:
+    # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.models.export import add_quantize_parser
 
     add_quantize_parser(sub)
@@ -359,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in _COMMANDS), None)
     engine = None
     if command == "serve" and not {"-h", "--help"} & set(argv):
+        # imported when this subcommand runs, not at start (module docstring)
         from tokenmill.engine.prestart import PrestartedEngine
 
         engine = PrestartedEngine()  # first thing: its imports overlap all of ours (engine/prestart.py)

@@ -21,8 +21,14 @@ import threading
 import time
 from typing import Optional
 
-from tokenmill.config import check_data_parallel_size
+from tokenmill.config import check_data_parallel_size, peer_address
+from tokenmill.fleet.admin import admin_mount
 from tokenmill.fleet.launchers import cpu_count, free_port, start_serve_process, stop_process, thread_env
+from tokenmill.http.cors import cors_config
+from tokenmill.http.server import bind_listening_socket
+from tokenmill.kv_transfer.p2p_params import advertised_host
+from tokenmill.models.resolution import resolve_model_path
+from tokenmill.router.app import add_router_policy_args, make_router, serve_router
 
 logger = logging.getLogger("tokenmill")
 
@@ -34,8 +40,6 @@ _LAUNCHER_DESTS = {"data_parallel_size", "router_policy", "router_load_weight", 
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.router.app import add_router_policy_args
-
     g = p.add_argument_group("data parallel")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="run N engine replicas (each its own process, threads split between them) behind a "
@@ -184,9 +188,6 @@ def _raise_on_sigterm(signum, frame) -> None:
 
 
 def run_data_parallel(args: argparse.Namespace) -> int:
-    from tokenmill.models.resolution import resolve_model_path
-    from tokenmill.router.app import make_router
-
     n = args.data_parallel_size
     check_data_parallel_size(n)
     # Validate the router's flags before starting anything; the replicas' URLs are known once they run.
@@ -202,11 +203,6 @@ def _serve_behind_router(args: argparse.Namespace, argv: list[str], n: int, gpus
                          build_router) -> int:
     """Start n `tokenmill serve` instances (argv, plus extra[i] for instance i), wait until all are healthy,
     then serve build_router(urls) -> (router, description) on the user's --host/--port; stop them after."""
-    from tokenmill.fleet.admin import admin_mount
-    from tokenmill.http.cors import cors_config
-    from tokenmill.http.server import bind_listening_socket
-    from tokenmill.router.app import serve_router
-
     cors = cors_config(args)  # the router's; a malformed flag fails before anything starts
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -246,9 +242,6 @@ def parse_disaggregate(value: str, data_parallel_size: int = 1) -> tuple[int, in
 def _kv_transfer_configs(args: argparse.Namespace, x: int, y: int) -> list[dict]:
     """--kv-transfer-config for each instance: the user's config (if any) with its role and a free port; the
     decode instances' allowed_peers list the prefill instances' KV addresses (they pull from no one else)."""
-    from tokenmill.config import peer_address
-    from tokenmill.kv_transfer.p2p_params import advertised_host
-
     base = args.kv_transfer_config
     base = dict(json.loads(base) if isinstance(base, str) else base or {})
     base.setdefault("kv_connector", "TokenmillConnector")
@@ -264,9 +257,6 @@ def _kv_transfer_configs(args: argparse.Namespace, x: int, y: int) -> list[dict]
 
 def run_disaggregated(args: argparse.Namespace) -> int:
     """x prefill (kv_producer) and y decode (kv_consumer) instances, then the disaggregated router."""
-    from tokenmill.models.resolution import resolve_model_path
-    from tokenmill.router.app import make_router
-
     x, y = parse_disaggregate(args.disaggregate, args.data_parallel_size)
     fake = [f"http://127.0.0.1:{i + 1}" for i in range(x + y)]
     make_router(args, [], fake[:x], fake[x:])  # the router's flags are checked before anything starts

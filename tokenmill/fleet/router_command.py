@@ -12,7 +12,9 @@ from tokenmill.fleet.autoscale import Autoscaler, parse_targets
 from tokenmill.fleet.fleet import Fleet
 from tokenmill.fleet.groups import GroupSpec, group_weights, parse_group
 from tokenmill.fleet.launchers import cpu_count, make_launcher, parse_launch
+from tokenmill.http.auth import ADMIN_KEY_HELP
 from tokenmill.http.cors import cors_config
+from tokenmill.http.server import bind_listening_socket
 from tokenmill.router.app import add_replica_args, add_routing_args, make_router, router_config, serve_router
 from tokenmill.router.forward import Router
 
@@ -20,8 +22,6 @@ logger = logging.getLogger("tokenmill")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.http.auth import ADMIN_KEY_HELP
-
     add_replica_args(p)
     p.add_argument("--group", action="append", default=[], metavar="NAME=SPEC[:PCT%]",
                    help="a replica group with its share of requests: SPEC is URL[,URL...] or a 'tokenmill serve "
@@ -102,8 +102,6 @@ def make_fleets(args: argparse.Namespace, router: Router, groups: list[GroupSpec
 
 
 def run_router(args: argparse.Namespace) -> int:
-    from tokenmill.http.server import bind_listening_socket
-
     groups = [parse_group(v) for v in args.group]
     if not (args.replica or args.prefill or args.decode or args.launch or groups):
         raise ValueError("the router needs --replica URLs, or --prefill and --decode URLs (or --launch "

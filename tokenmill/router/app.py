@@ -26,7 +26,11 @@ from tokenmill.http.body_limit import BodyLimitMiddleware, add_body_args
 from tokenmill.http.cors import CorsConfig, add_cors, add_cors_args
 from tokenmill.http.disconnect import until_disconnected
 from tokenmill.http.errors import install_error_handlers
+from tokenmill.http.server import DrainingServer
+from tokenmill.router.dashboard import mount_router_dashboard
+from tokenmill.router.disagg import DisaggRouter
 from tokenmill.router.forward import Router
+from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 
 logger = logging.getLogger("tokenmill")
 
@@ -108,8 +112,6 @@ def make_router(args: argparse.Namespace, replicas: list[str], prefill: list[str
         raise ValueError("a disaggregated router needs at least one --prefill and one --decode URL")
     if args.prefill_timeout <= 0:
         raise ValueError(f"--prefill-timeout must be positive, got {args.prefill_timeout}")
-    from tokenmill.router.disagg import DisaggRouter
-
     return DisaggRouter(router_config(args, [*prefill, *decode]), prefill, decode, args.prefill_timeout)
 
 
@@ -162,8 +164,6 @@ def build_router_app(router: Router, api_key: Optional[str] = None, dashboard: b
         mount(app)
 
     if dashboard:  # before the catch-all forward
-        from tokenmill.router.dashboard import mount_router_dashboard
-
         mount_router_dashboard(app, router)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
@@ -186,9 +186,6 @@ def serve_router(router: Router, sock: socket.socket, api_key: Optional[str], sh
                  services: Sequence[Service] = ()) -> int:
     """Run the router on an already bound socket until SIGINT/SIGTERM (then drain, return 0)."""
     import uvicorn
-
-    from tokenmill.http.server import DrainingServer
-    from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every forwarded request and probe at INFO
     app = build_router_app(router, api_key, dashboard, cors, max_body_bytes, body_timeout, mounts=mounts,
