@@ -90,20 +90,20 @@ def test_percentiles_nearest_rank():
 
 
 def test_window_drops_old_requests(monkeypatch):
-    from tokenmill.engine.async_llm import RequestStream
+    from tokenmill.engine.output_processor import RequestTimes
 
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
 
-    def stream(ttft: float, gaps: list[float]) -> RequestStream:
-        s = RequestStream("r", None, ["r"], 1, arrival=now[0] - ttft - sum(gaps), first_token=now[0] - sum(gaps))
-        s.token_times = [(s.first_token, 1)] + [(s.first_token + sum(gaps[:i + 1]), 1) for i in range(len(gaps))]
-        return s
+    def stream(ttft: float, gaps: list[float]) -> RequestTimes:
+        first = now[0] - sum(gaps)
+        return RequestTimes(arrival=first - ttft, first_token=first, token_times=[(first, 1)] + [
+            (first + sum(gaps[:i + 1]), 1) for i in range(len(gaps))])
 
     w = LatencyWindow(seconds=10, max_requests=3, max_gaps=16)
     for ttft in (5.0, 1.0, 3.0, 2.0):  # the oldest falls off (max_requests), its gaps with it
         w.add(stream(ttft, [0.5, 0.5]), ttft + 1.0)
-    w.add(RequestStream("aborted", None, ["a"], 1), 0.2)  # no first token: counted, not in the percentiles
+    w.add(RequestTimes(), 0.2)  # no first token: counted, not in the percentiles
     p = w.percentiles()
     assert (p["ttft"]["p99"], p["ttft"]["p50"], p["e2e"]["p50"]) == (3.0, 2.0, 3.0)
     assert (p["requests"], p["without_token"], list(w.itl)) == (3, 1, [0.5] * 6)
@@ -122,12 +122,12 @@ def test_window_drops_old_requests(monkeypatch):
 def _drive_hooks(stats, requests, clock) -> None:
     """Call DashboardStats' hooks in the order AsyncLLM does for `requests`, each (arrival, first token or
     None, [later delta times], end or None: still open): first token, inter-token gaps, then on_finished
-    with the request's RequestStream when it ends (finished, or aborted with or without a first token)."""
-    from tokenmill.engine.async_llm import RequestStream
+    with the request's RequestTimes when it ends (finished, or aborted with or without a first token)."""
+    from tokenmill.engine.output_processor import RequestTimes
 
     events = []
     for i, (arrival, first, deltas, end) in enumerate(requests):
-        s = RequestStream(f"r{i}", None, [f"r{i}"], 10, arrival=arrival)
+        s = RequestTimes(arrival=arrival)
         times = ([first] if first is not None else []) + deltas
         events += [(t, 0, s) for t in times if end is None or t <= end]
         if end is not None:
@@ -136,17 +136,13 @@ def _drive_hooks(stats, requests, clock) -> None:
         clock[0] = t
         if kind == 0:
             if s.first_token is None:
-                s.first_token = t
                 stats.on_first_token(t - s.arrival)
             else:
                 stats.on_inter_token(t - s.last_token)
-            s.last_token = t
-            s.num_generation_tokens += 1
-            s.token_times.append((t, 1))
+            s.on_tokens(t, t, 1)
         else:
-            s.finished = True
             stats.on_finished(["abort" if s.first_token is None else "length"], t - s.arrival, 10,
-                              s.num_generation_tokens, s)
+                              len(s.token_times), s)
 
 
 @pytest.mark.parametrize("seed", range(8))

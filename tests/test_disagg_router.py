@@ -56,7 +56,7 @@ def test_finished_output_carries_kv_transfer_params():
     params = SamplingParams(max_tokens=1, detokenize=False)
     proc.add_request(RequestState("r", None, [1, 2, 3], params, None, delta=True), ["r"])
     where = {"do_remote_prefill": True, "remote_block_ids": [0], "remote_port": 1}
-    (out,), _ = proc.process([EngineCoreOutput("r", [7], finish_reason=FinishReason.LENGTH,
+    ((_, out),), _ = proc.process([EngineCoreOutput("r", [7], finish_reason=FinishReason.LENGTH,
                                                kv_transfer_params=where)])
     assert out.finished and out.kv_transfer_params == where
 

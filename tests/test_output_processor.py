@@ -22,12 +22,13 @@ def test_delta_mode_sends_all_prompt_logprobs_once_after_chunked_prefill():
     # Chunk 2 finishes the prompt and samples the first token.
     outs, _ = proc.process([EngineCoreOutput("r", [7], new_prompt_logprobs=[_entry(t) for t in prompt[6:]])])
     assert len(outs) == 1
-    plp = outs[0].prompt_logprobs
+    plp = outs[0][1].prompt_logprobs
     assert plp[0] is None and len(plp) == len(prompt)
     assert [next(iter(d)) for d in plp[1:]] == prompt[1:]
-    outs, _ = proc.process([EngineCoreOutput("r", [8], finish_reason=int(FinishReason.LENGTH))])
-    assert outs[0].prompt_logprobs is None and outs[0].outputs[0].token_ids == [8]
-    assert outs[0].finished and outs[0].outputs[0].finish_reason == "length"
+    ((state, out),), _ = proc.process([EngineCoreOutput("r", [8], finish_reason=int(FinishReason.LENGTH))])
+    assert out.prompt_logprobs is None and out.outputs[0].token_ids == [8]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert state.request_id == "r" and "r" not in proc.requests  # the pair is the last place it is seen
 
 
 TEXT = "The quick brown fox jumps over the lazy dog. Hello, world!"
@@ -49,7 +50,7 @@ def _feed(tok, params, delta):
     for i, t in enumerate(ids):
         finish = int(FinishReason.LENGTH) if i == len(ids) - 1 else None
         outs, to_abort = proc.process([EngineCoreOutput("r", [t], finish_reason=finish)])
-        steps.append(outs)
+        steps.append([ro for _, ro in outs])
         if to_abort:
             assert to_abort == ["r"]
             aborted_at = i

@@ -83,7 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
     while engine.has_unfinished_requests():
         outs, to_abort = proc.process(engine.step())
         engine.abort_requests(to_abort)
-        for ro in outs:
+        for _, ro in outs:
             for c in ro.outputs:
                 if first is None and c.token_ids:
                     first = time.perf_counter()

@@ -56,7 +56,7 @@ class LLM:
             return self._run(order, use_tqdm)
         except BaseException:
             for rid in order:  # a failure (or Ctrl-C) must not leave requests holding KV blocks
-                self.engine.abort_requests(self.processor.abort(rid))
+                self.engine.abort_requests(self.processor.abort(rid)[1])
             while self.engine.scheduler.requests or self.engine.scheduler.pending:  # not blocks held for
                 self.engine.step()                                                 # a KV transfer
             raise
@@ -124,7 +124,7 @@ class LLM:
             finished, to_abort = self.processor.process(outputs)
             if to_abort:
                 self.engine.abort_requests(to_abort)
-            for ro in finished:
+            for _, ro in finished:
                 results[order[ro.request_id]] = ro
                 remaining -= 1
                 if bar is not None:

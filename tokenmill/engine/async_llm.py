@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Union
 
 import msgspec
@@ -48,39 +48,6 @@ class RequestFailedError(RuntimeError):
     """The engine failed while running this request (and only this one: the engine keeps serving)."""
 
 
-@dataclass
-class RequestStream:
-    """One user request in flight: its outputs queue and the timings the metrics need."""
-    request_id: str
-    queue: asyncio.Queue
-    engine_ids: list[str]
-    num_prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
-    arrival_wall: float = field(default_factory=time.time)
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    num_generation_tokens: int = 0
-    finish_reasons: list[str] = field(default_factory=list)  # of samples finished so far (n > 1)
-    finished: bool = False
-    num_cached_tokens: int = 0
-    token_times: list[tuple[float, int]] = field(default_factory=list)  # (monotonic time, new tokens): dashboard
-    # The request ledger (wall clock, for --enable-request-timing): first scheduled (engine side), first token
-    # seen here, and time spent detokenizing steps that carried this request's tokens.
-    scheduled_wall: Optional[float] = None
-    first_token_wall: Optional[float] = None
-    detokenize_s: float = 0.0
-
-    def timing(self, now_wall: float) -> dict[str, float]:
-        """Server-side seconds of a finished request: queue (arrival -> first scheduled), prefill (-> first
-        token here), decode (-> finished), detokenize (incremental detokenization, within prefill and decode),
-        total (arrival -> finished)."""
-        scheduled = self.scheduled_wall if self.scheduled_wall is not None else now_wall
-        first = self.first_token_wall if self.first_token_wall is not None else now_wall
-        return {"queue": max(scheduled - self.arrival_wall, 0.0), "prefill": max(first - scheduled, 0.0),
-                "decode": max(now_wall - first, 0.0), "detokenize": self.detokenize_s,
-                "total": max(now_wall - self.arrival_wall, 0.0)}
-
-
 class AsyncLLM:
     def __init__(self, config: EngineConfig, tokenizer=None, stat_logger=None, log_level: int = logging.INFO,
                  ledger: Optional[Ledger] = None, prestarted: Optional[PrestartedEngine] = None) -> None:
@@ -90,8 +57,6 @@ class AsyncLLM:
         ready message (self.ready.startup)."""
         self.config = config
         self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
-        self.streams: dict[str, RequestStream] = {}
-        self.engine_to_user: dict[str, str] = {}
         self.unscheduled: set[str] = set()  # engine ids sent but not yet run: the waiting queue as we know it
         self.stats: Optional[EngineStats] = None
         self.ready: Optional[EngineReady] = None
@@ -259,7 +224,7 @@ class AsyncLLM:
             return
         self.dead = reason
         self._unwatch_exit()  # this engine is done with: the restart ends and replaces it
-        logger.error("engine is dead: %s; failing %d open request(s) and %s", reason, len(self.streams),
+        logger.error("engine is dead: %s; failing %d open request(s) and %s", reason, len(self.requests),
                      "restarting it" if restart else "stopping the server")
         self._fail_all(EngineDeadError(reason))
         if self._output_task is not None and self._output_task is not asyncio.current_task():
@@ -302,14 +267,17 @@ class AsyncLLM:
         self._fail_all(EngineDeadError(reason))
 
     def _fail_all(self, exc: Exception) -> None:
-        for s in list(self.streams.values()):
-            s.queue.put_nowait(exc)
-        self.streams.clear()
-        self.engine_to_user.clear()
+        for state in list(self.requests.values()):
+            state.queue.put_nowait(exc)
         self.unscheduled.clear()
         self.processor.clear()
 
     # -- requests ------------------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The open user requests by id (the output processor's records)."""
+        return self.processor.requests
+
     @property
     def num_waiting(self) -> int:
         return len(self.unscheduled)
@@ -330,67 +298,59 @@ class AsyncLLM:
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                     queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,
-                    kv_transfer_params: Optional[dict] = None) -> RequestStream:
-        """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned stream's
+                    kv_transfer_params: Optional[dict] = None) -> RequestState:
+        """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned record's
         queue, which several requests may share. Raises ValueError for an invalid request.
         kv_transfer_params (disaggregated prefill/decode) goes to every engine request of it."""
         self.check_alive()
-        if request_id in self.streams:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
                        cache_salt, time.time(), kv_transfer_params)
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
-        stream = RequestStream(request_id, queue if queue is not None else asyncio.Queue(), ids, len(prompt_ids))
-        self.processor.add_request(RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True),
-                                   ids)
-        self.streams[request_id] = stream
-        for eid in ids:
-            self.engine_to_user[eid] = request_id
+        state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True,
+                             queue=queue if queue is not None else asyncio.Queue())
+        self.processor.add_request(state, ids)
         self.unscheduled.update(ids)
         self._in.send_multipart([ADD, payload])
-        return stream
+        return state
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                        cache_salt: Optional[str] = None,
                        kv_transfer_params: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
         """Yields merged deltas until the request finishes; aborts it if the consumer stops early."""
-        stream = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt,
-                                  kv_transfer_params=kv_transfer_params)
+        state = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt,
+                                 kv_transfer_params=kv_transfer_params)
         try:
             while True:
-                for out in await next_outputs(stream.queue):
+                for out in await next_outputs(state.queue):
                     yield out
                     if out.finished:
                         return
         finally:
-            if not stream.finished:
+            if self.requests.get(request_id) is state:  # not finished: the consumer stopped early
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone); its KV blocks return to the pool at the engine's next step."""
-        stream = self.streams.pop(request_id, None)
-        if stream is None or stream.finished:
+        state, ids = self.processor.abort(request_id)
+        if state is None:
             return
-        stream.finished = True
-        ids = self.processor.abort(request_id)
-        for eid in stream.engine_ids:
-            self.engine_to_user.pop(eid, None)
-            self.unscheduled.discard(eid)
+        self.unscheduled.difference_update(state.engine_ids)
         if self.stat_logger is not None:
-            self.stat_logger.on_finished(["abort"], time.monotonic() - stream.arrival, stream.num_prompt_tokens,
-                                         stream.num_generation_tokens, stream)
+            self.stat_logger.on_finished(["abort"], time.monotonic() - state.times.arrival, len(state.prompt_ids),
+                                         state.num_generation_tokens, state.times)
         if ids and self.dead is None and not self._shutting_down:
             self._in.send_multipart([ABORT, self._encoder.encode(ids)])
 
     def _fail_request(self, engine_id: str, reason: str, rejected: bool) -> None:
         """One engine request failed: its whole user request (all samples) ends with the error."""
-        rid = self.engine_to_user.get(engine_id)
-        stream = self.streams.get(rid) if rid is not None else None
-        if stream is not None:
-            self.abort(rid)
-            stream.queue.put_nowait(RequestRejectedError(reason) if rejected else RequestFailedError(reason))
+        state = self.processor.request_of(engine_id)
+        if state is not None:
+            self.abort(state.request_id)
+            state.queue.put_nowait(RequestRejectedError(reason) if rejected else RequestFailedError(reason))
 
     # -- output loop ---------------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -411,13 +371,34 @@ class AsyncLLM:
         """Requests that ran for the first time in this step: their queue time."""
         for eid, t in scheduled:
             self.unscheduled.discard(eid)
-            rid = self.engine_to_user.get(eid)
-            if rid is not None:
-                stream = self.streams[rid]
-                if stream.scheduled_wall is None:
-                    stream.scheduled_wall = t
+            state = self.processor.request_of(eid)
+            if state is not None:
+                if state.times.scheduled_wall is None:
+                    state.times.scheduled_wall = t
                 if self.stat_logger is not None:
-                    self.stat_logger.on_scheduled(max(t - stream.arrival_wall, 0.0))
+                    self.stat_logger.on_scheduled(max(t - state.times.arrival_wall, 0.0))
+
+    def _deliver(self, state: RequestState, ro: RequestOutput, now: float, now_wall: float, detok_s: float) -> None:
+        """One request's output to its queue, with its times and the metrics' events."""
+        sl, times = self.stat_logger, state.times
+        times.detokenize_s += detok_s
+        n_new = sum(len(c.token_ids) for c in ro.outputs)
+        if n_new:
+            last = times.last_token
+            times.on_tokens(now, now_wall, n_new)
+            if sl is not None:
+                if last is None:
+                    sl.on_first_token(now - times.arrival)
+                else:
+                    sl.on_inter_token(now - last)
+                sl.on_generation_tokens(n_new)
+        if ro.finished:
+            ro.metrics["timing"] = times.timing(now_wall)
+            self.unscheduled.difference_update(state.engine_ids)
+            if sl is not None:
+                sl.on_finished(state.finish_reasons, now - times.arrival, len(state.prompt_ids),
+                               state.num_generation_tokens, times)
+        state.queue.put_nowait(ro)
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
         now = time.monotonic()
@@ -434,40 +415,8 @@ class AsyncLLM:
         now_wall = time.time()
         if to_abort:  # stop strings matched: the engine must free those requests
             self._in.send_multipart([ABORT, self._encoder.encode(to_abort)])
-        for ro in outputs:
-            stream = self.streams.get(ro.request_id)
-            if stream is None:
-                continue
-            stream.detokenize_s += detok_s
-            n_new = sum(len(c.token_ids) for c in ro.outputs)
-            if n_new:
-                if stream.first_token is None:
-                    stream.first_token = now
-                    stream.first_token_wall = now_wall
-                    if sl is not None:
-                        sl.on_first_token(now - stream.arrival)
-                elif sl is not None:
-                    sl.on_inter_token(now - stream.last_token)
-                stream.last_token = now
-                stream.num_generation_tokens += n_new
-                stream.token_times.append((now, n_new))
-                stream.num_cached_tokens = ro.num_cached_tokens or 0
-                if sl is not None:
-                    sl.on_generation_tokens(n_new)
-            if ro.finished:
-                stream.finished = True
-                ro.metrics["timing"] = stream.timing(now_wall)
-                del self.streams[ro.request_id]
-                for eid in stream.engine_ids:
-                    self.engine_to_user.pop(eid, None)
-                    self.unscheduled.discard(eid)
-                if sl is not None:
-                    sl.on_finished(stream.finish_reasons + [c.finish_reason for c in ro.outputs if c.finish_reason],
-                                   now - stream.arrival, stream.num_prompt_tokens, stream.num_generation_tokens,
-                                   stream)
-            elif sl is not None:
-                stream.finish_reasons += [c.finish_reason for c in ro.outputs if c.finish_reason]
-            stream.queue.put_nowait(ro)
+        for state, ro in outputs:
+            self._deliver(state, ro, now, now_wall, detok_s)
         if msg.stats is not None:
             self.stats = msg.stats
             if sl is not None:

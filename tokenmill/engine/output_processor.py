@@ -1,8 +1,13 @@
 """Front-side processing of engine outputs: incremental detokenization, stop strings, logprobs,
-and the fan-in of n>1 samples. Runs in the API process (or the offline LLM), never in the engine loop."""
+and the fan-in of n>1 samples. Runs in the API process (or the offline LLM), never in the engine loop.
+
+RequestState is the front's one record of a user request: its samples, what was sent of them, and (in the API
+process) the queue its outputs go to and the times its metrics and the dashboard read."""
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.messages import EngineCoreOutput, FinishReason, PositionLogprobs
@@ -56,9 +61,42 @@ class _SampleState:
         self.detok: Optional[IncrementalDetokenizer] = None
 
 
+@dataclass
+class RequestTimes:
+    """When a request's events happened (monotonic seconds; *_wall: wall clock, for --enable-request-timing):
+    arrival, first scheduled (engine side), first and last token seen here, each output's (time, new tokens),
+    and the time spent detokenizing steps that carried this request's tokens."""
+    arrival: float = field(default_factory=time.monotonic)
+    arrival_wall: float = field(default_factory=time.time)
+    scheduled_wall: Optional[float] = None
+    first_token: Optional[float] = None
+    first_token_wall: Optional[float] = None
+    last_token: Optional[float] = None
+    token_times: list[tuple[float, int]] = field(default_factory=list)  # the dashboard's per-request view
+    detokenize_s: float = 0.0
+
+    def on_tokens(self, now: float, now_wall: float, n_new: int) -> None:
+        if self.first_token is None:
+            self.first_token, self.first_token_wall = now, now_wall
+        self.last_token = now
+        self.token_times.append((now, n_new))
+
+    def timing(self, now_wall: float) -> dict[str, float]:
+        """Server-side seconds of a finished request: queue (arrival -> first scheduled), prefill (-> first
+        token here), decode (-> finished), detokenize (incremental detokenization, within prefill and decode),
+        total (arrival -> finished)."""
+        scheduled = self.scheduled_wall if self.scheduled_wall is not None else now_wall
+        first = self.first_token_wall if self.first_token_wall is not None else now_wall
+        return {"queue": max(scheduled - self.arrival_wall, 0.0), "prefill": max(first - scheduled, 0.0),
+                "decode": max(now_wall - first, 0.0), "detokenize": self.detokenize_s,
+                "total": max(now_wall - self.arrival_wall, 0.0)}
+
+
 class RequestState:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                 tokenizer, delta: bool) -> None:
+                 tokenizer, delta: bool, queue: Optional[asyncio.Queue] = None) -> None:
+        """queue (AsyncLLM): where this request's outputs (or the exception that ended it) go; several
+        requests may share one."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -74,8 +112,8 @@ class RequestState:
         self.num_cached_tokens = 0
         self.kv_transfer_params: Optional[dict] = None  # reported with the finished output
         self.embedding: Optional[bytes] = None  # --task embed: the pooled vector, reported when finished
-        self.arrival = time.monotonic()
-        self.first_token_time: Optional[float] = None
+        self.queue = queue
+        self.times = RequestTimes()
 
     def add_sample(self, index: int, engine_id: str) -> None:
         s = _SampleState(index, engine_id)
@@ -90,6 +128,19 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.num_unfinished == 0
+
+    @property
+    def engine_ids(self) -> list[str]:
+        return [s.engine_id for s in self.samples]
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        """Of the samples finished so far (n > 1: one each)."""
+        return [s.finish_reason for s in self.samples if s.finish_reason is not None]
 
     def _decoded(self, token_id: int) -> Optional[str]:
         return self.tok.decode([token_id]) if self.tok is not None else None
@@ -116,8 +167,6 @@ class RequestState:
         self.dirty[s.index] = s
         stopped = False
         for i, t in enumerate(out.new_token_ids):
-            if self.first_token_time is None:
-                self.first_token_time = time.monotonic()
             s.token_ids.append(t)
             if s.logprobs is not None and out.new_logprobs:
                 d = self._logprob_dict(out.new_logprobs[i])
@@ -202,8 +251,9 @@ class OutputProcessor:
             state.add_sample(i, eid)
             self.engine_ids[eid] = (state, state.samples[-1])
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (request outputs to deliver, engine ids to abort because a stop string ended them)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[tuple[RequestState, RequestOutput]], list[str]]:
+        """Returns ((request, its output) to deliver, engine ids to abort because a stop string ended them). A
+        finished request is forgotten here: its output's pair is the last place it is seen."""
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for out in outputs:
@@ -224,7 +274,7 @@ class OutputProcessor:
             if state.finished:
                 del self.requests[rid]
             if ro is not None:
-                results.append(ro)
+                results.append((state, ro))
         return results, to_abort
 
     def clear(self) -> None:
@@ -232,12 +282,18 @@ class OutputProcessor:
         self.requests.clear()
         self.engine_ids.clear()
 
-    def abort(self, request_id: str) -> list[str]:
-        """Forget a user request; returns the engine ids the engine must abort."""
+    def abort(self, request_id: str) -> tuple[Optional[RequestState], list[str]]:
+        """Forget a user request; returns it (None if unknown or already finished) and the engine ids the
+        engine must abort."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return []
+            return None, []
         ids = [s.engine_id for s in state.samples if s.finish_reason is None]
         for eid in ids:
             self.engine_ids.pop(eid, None)
-        return ids
+        return state, ids
+
+    def request_of(self, engine_id: str) -> Optional[RequestState]:
+        """The open user request that an engine request (one sample) belongs to."""
+        entry = self.engine_ids.get(engine_id)
+        return entry[0] if entry is not None else None

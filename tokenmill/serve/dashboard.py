@@ -2,9 +2,9 @@
 snapshots a few times a second.
 
 Data comes from what the API process already receives: AsyncLLM's metric hooks (tokens, and each request's
-stream when it ends, for TTFT, ITL and E2E; fanned out to ServerMetrics and to DashboardStats), the
+event times when it ends, for TTFT, ITL and E2E; fanned out to ServerMetrics and to DashboardStats), the
 EngineStats that arrive with every step (KV blocks, prefix-cache and speculation counters, and the engine's
-per-step records, engine/step_records.py) and the open requests' streams (running and waiting: what the
+per-step records, engine/step_records.py) and the open requests' records (running and waiting: what the
 API has sent and the engine has or has not yet scheduled, the same count the request table is made of).
 One producer task builds each snapshot once and hands it to every open stream, so more viewers cost almost
 nothing more, and it runs only while one is open.
@@ -30,6 +30,8 @@ from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import FastAPI
 from starlette.responses import Response, StreamingResponse
+
+from tokenmill.engine.output_processor import RequestTimes
 
 logger = logging.getLogger("tokenmill")
 
@@ -65,20 +67,21 @@ class LatencyWindow:
         self.itl: deque = deque()
         self.without_token: deque = deque()  # when requests without a first token ended
 
-    def add(self, stream, e2e: float) -> None:
-        """A request ended `e2e` seconds after it arrived; `stream` is its AsyncLLM RequestStream."""
+    def add(self, times: Optional[RequestTimes], e2e: float) -> None:
+        """A request ended `e2e` seconds after it arrived; `times` are its event times."""
         now = time.monotonic()
-        if stream is None or stream.first_token is None:
+        if times is None or times.first_token is None:
             self.without_token.append(now)
             return
-        times = [t for t, _ in stream.token_times]
+        ttft = times.first_token - times.arrival
+        times = [t for t, _ in times.token_times]
         gaps = [b - a for a, b in zip(times, times[1:])]
         share = max(1, self.max_gaps // 8)
         if len(gaps) > share:  # a very long output: evenly spaced quantiles of its gaps stand for all of them
             gaps.sort()
             gaps = [gaps[i * len(gaps) // share] for i in range(share)]
         self.times.append(now)
-        self.ttft.append(stream.first_token - stream.arrival)
+        self.ttft.append(ttft)
         self.e2e.append(max(e2e, self.ttft[-1]))  # the caller's clock read: the invariant must not hang on it
         self.num_gaps.append(len(gaps))
         self.itl.extend(gaps)
@@ -130,8 +133,8 @@ class DashboardStats:
         self.generation_tokens += n
 
     def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
-                    stream=None) -> None:
-        self.finished.add(stream, e2e)
+                    times: Optional[RequestTimes] = None) -> None:
+        self.finished.add(times, e2e)
         self.finished_requests += len(reasons) or 1
         self.prompt_tokens += prompt_tokens
 
@@ -172,9 +175,9 @@ class StatFanout:
             t.on_generation_tokens(n)
 
     def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
-                    stream=None) -> None:
+                    times: Optional[RequestTimes] = None) -> None:
         for t in self.targets:
-            t.on_finished(reasons, e2e, prompt_tokens, generation_tokens, stream)
+            t.on_finished(reasons, e2e, prompt_tokens, generation_tokens, times)
 
     def on_engine_stats(self, s) -> None:
         for t in self.targets:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from starlette.responses import Response
 
+from tokenmill.engine.output_processor import RequestState
 from tokenmill.serve.dashboard import DashboardStats, mount
 
 MAX_STEPS_SHOWN = 120    # step timeline bars per snapshot
@@ -22,7 +23,7 @@ RATE_WINDOW_S = 2.0      # tok/s over this much of the recent past
 class EngineView:
     def __init__(self, state: Any, stats: DashboardStats) -> None:
         self.state, self.stats = state, stats
-        self.seen: dict[str, Any] = {}            # request id -> RequestStream, open as of the last snapshot
+        self.seen: dict[str, RequestState] = {}   # request id -> its record, open as of the last snapshot
         self.finished: deque = deque(maxlen=RECENT_FINISHED)
         self.rates: deque = deque()               # (monotonic time, generation tokens, prompt tokens)
 
@@ -30,25 +31,25 @@ class EngineView:
     def snapshot(self) -> dict:
         now = time.monotonic()
         st, engine = self.stats, self.state.engine
-        streams = dict(engine.streams)
+        requests = dict(engine.requests)
         for rid, s in self.seen.items():
-            if rid not in streams:
+            if rid not in requests:
                 self.finished.append(s)
-        self.seen = streams
-        opened = self._open(streams)
+        self.seen = requests
+        opened = self._open(requests)
         return {"t": time.time(), "engine": self._engine_state(opened), "latency": st.latency(),
-                "throughput": self._throughput(now, streams), "num_steps": st.num_steps,
+                "throughput": self._throughput(now, requests), "num_steps": st.num_steps,
                 "steps": st.recent_steps(MAX_STEPS_SHOWN), "requests": self._requests(now, opened),
                 "alive": engine.dead is None}
 
-    def _open(self, streams: dict) -> list[tuple[Any, int, int]]:
+    def _open(self, requests: dict[str, RequestState]) -> list[tuple[RequestState, int, int]]:
         """Every open request with its sequences waiting (sent, not yet scheduled) and running (scheduled,
         not finished): the one count both the tiles and the table are made of, so they cannot disagree. The
         engine's stats are not used here: they lag what the API has sent (they said 0 waiting while the table
         listed 8) and count sequences the table cannot name. A preempted sequence counts as running."""
         unscheduled = self.state.engine.unscheduled
         out = []
-        for s in streams.values():
+        for s in requests.values():
             waiting = sum(e in unscheduled for e in s.engine_ids)
             out.append((s, waiting, max(len(s.engine_ids) - waiting - len(s.finish_reasons), 0)))
         return out
@@ -80,15 +81,16 @@ class EngineView:
                      if s.spec_num_drafts else [], "k": s.spec_k},
         }
 
-    def _throughput(self, now: float, streams: dict) -> dict:
+    def _throughput(self, now: float, requests: dict[str, RequestState]) -> dict:
         st = self.stats
         self.rates.append((now, st.generation_tokens, st.prompt_tokens))
         while len(self.rates) > 2 and self.rates[1][0] < now - RATE_WINDOW_S:
             self.rates.popleft()
         t0, g0, p0 = self.rates[0]
         dt = now - t0
-        per_user = [(s.num_generation_tokens - 1) / (s.last_token - s.first_token) for s in streams.values()
-                    if s.first_token is not None and s.last_token > s.first_token and s.num_generation_tokens > 1]
+        per_user = [(n - 1) / (t.last_token - t.first_token) for t, n in
+                    ((s.times, s.num_generation_tokens) for s in requests.values())
+                    if t.first_token is not None and t.last_token > t.first_token and n > 1]
         return {"generation_tok_s": (st.generation_tokens - g0) / dt if dt > 0 else 0.0,
                 "prompt_tok_s": (st.prompt_tokens - p0) / dt if dt > 0 else 0.0,
                 "per_user_tok_s": statistics.median(per_user) if per_user else None,
@@ -111,24 +113,24 @@ class EngineView:
         return rows
 
     @staticmethod
-    def _row(s, state: str, now: float, waiting: int, running: int) -> dict:
-        times = s.token_times
-        itl = times[-1][0] - times[-2][0] if len(times) > 1 else None
+    def _row(s: RequestState, state: str, now: float, waiting: int, running: int) -> dict:
+        t = s.times
+        itl = t.token_times[-1][0] - t.token_times[-2][0] if len(t.token_times) > 1 else None
         return {"id": s.request_id, "state": state, "sequences": len(s.engine_ids), "waiting": waiting,
-                "running": running, "prompt_tokens": s.num_prompt_tokens,
+                "running": running, "prompt_tokens": len(s.prompt_ids),
                 "output_tokens": s.num_generation_tokens, "cached_tokens": s.num_cached_tokens,
-                "ttft": s.first_token - s.arrival if s.first_token is not None else None, "itl": itl,
-                "age": (s.last_token if state == "finished" and s.last_token else now) - s.arrival}
+                "ttft": t.first_token - t.arrival if t.first_token is not None else None, "itl": itl,
+                "age": (t.last_token if state == "finished" and t.last_token else now) - t.arrival}
 
     # -- one request, the configuration ------------------------------------------------------------
     def request_detail(self, rid: str) -> Optional[dict]:
         # open now, open at the last snapshot (finished since: not yet in `finished`), or recently finished
-        s = self.state.engine.streams.get(rid) or self.seen.get(rid) or next(
+        s = self.state.engine.requests.get(rid) or self.seen.get(rid) or next(
             (f for f in self.finished if f.request_id == rid), None)
         if s is None:
             return None
-        return {"id": rid, "prompt_tokens": s.num_prompt_tokens, "cached_tokens": s.num_cached_tokens,
-                "tokens": [[t - s.arrival, n] for t, n in list(s.token_times)]}
+        return {"id": rid, "prompt_tokens": len(s.prompt_ids), "cached_tokens": s.num_cached_tokens,
+                "tokens": [[t - s.times.arrival, n] for t, n in list(s.times.token_times)]}
 
     def config(self, batch: int) -> dict:
         c, ready = self.state.config, self.state.engine.ready

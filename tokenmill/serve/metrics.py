@@ -6,8 +6,11 @@ time) arrives with every step's outputs, so scraping costs the engine nothing.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tokenmill.engine.output_processor import RequestTimes
 from tokenmill.messages import EngineStats
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -115,8 +118,8 @@ class ServerMetrics:
         self.generation_tokens.inc(n)
 
     def on_finished(self, reasons: list[str], e2e: float, prompt_tokens: int, generation_tokens: int,
-                    stream=None) -> None:
-        """stream: the request's AsyncLLM RequestStream (the dashboard reads its token times; not needed here)."""
+                    times: Optional[RequestTimes] = None) -> None:
+        """times: the request's event times (the dashboard reads its token times; not needed here)."""
         for reason in reasons:
             counter = self.success.get(reason)
             if counter is not None:

@@ -185,7 +185,7 @@ class Generation:
         self.num_generated = 0
         self.kv_transfer_params: Optional[dict] = None  # what a finished engine request returned
         self.timing_enabled = bool(getattr(state.args, "enable_request_timing", False))
-        self.timings: list[dict[str, float]] = []  # of finished prompts (AsyncLLM's RequestStream.timing)
+        self.timings: list[dict[str, float]] = []  # of finished prompts (RequestTimes.timing)
         self._request_kw = {"cache_salt": cache_salt, "kv_transfer_params": kv_transfer_params}
         self._pending = deque(range(len(prompts)))  # prompts not yet sent to the engine
         self._unstarted: dict[str, int] = {}        # sent, no output yet: engine id -> prompt tokens x n
