@@ -31,6 +31,8 @@ from typing import Any, Awaitable, Callable, Optional
 from fastapi import FastAPI
 from starlette.responses import Response, StreamingResponse
 
+from tokenmill.http.errors import APIError
+
 logger = logging.getLogger("tokenmill")
 
 WINDOW_S = 60.0           # latency percentiles over the requests that ended in this sliding window
@@ -277,8 +279,6 @@ def mount(app: FastAPI, kind: str, build_snapshot, info: Callable[[], Any],
     @app.get("/dashboard/static/{name}")
     async def static(name: str) -> Response:
         if name not in pages:
-            from tokenmill.http.errors import APIError
-
             raise APIError(404, f"no dashboard file {name!r}", code="not_found")
         return Response(pages[name], media_type=types[name.rsplit(".", 1)[1]], headers=no_store)
 
