@@ -40,7 +40,6 @@ RANK = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 # Arrows against the order that the tree still has (importer unit, imported unit): why each is still there.
 DEBT: dict[tuple[str, str], str] = {}
 
-
 def module_name(path: pathlib.Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
@@ -162,3 +161,28 @@ def test_imports_follow_the_layers():
 def test_no_cycles_between_packages():
     cycles = package_cycles(graph(), skip=DEBT)
     assert not cycles, f"packages importing each other (around a loop): {cycles}"
+
+
+def test_function_level_imports_say_why():
+    """An import of a tokenmill module kept inside a function (start-up time, an optional dependency, a cycle)
+    says why: a comment on its line, or a comment line right above the run of import lines it is in."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        lines, tree = text.splitlines(), ast.parse(text, filename=str(path))
+        spans = [(n.lineno, n.end_lineno) for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        import_lines = {i for a, b in spans for i in range(a, b + 1)}
+        inner = {n.lineno: n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f) if isinstance(n, ast.Import) and any(a.name.split(".")[0] == "tokenmill"
+                                                                           for a in n.names)
+                 or isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").split(".")[0] == "tokenmill")}
+        for node in inner.values():
+            above = node.lineno - 1
+            while above in import_lines:
+                above -= 1
+            if not any("#" in line for line in lines[node.lineno - 1:node.end_lineno]) \
+                    and not (above and lines[above - 1].lstrip().startswith("#")):
+                bad.append(f"tokenmill/{rel}:{node.lineno}")
+    assert not bad, ("imports inside functions with no comment saying why (hoist them, or say why they stay):\n  "
+                     + "\n  ".join(sorted(bad)))

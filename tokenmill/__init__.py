@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    if name == "LLM":  # lazy: importing the package must not pull in the engine (torch) for light tools
-        from tokenmill.llm import LLM
+    if name == "LLM":
+        from tokenmill.llm import LLM  # imports torch: `import tokenmill` and the light tools must not
 
         return LLM
     raise AttributeError(name)

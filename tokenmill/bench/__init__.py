@@ -8,7 +8,7 @@ import json
 
 
 def offline_main(args: argparse.Namespace) -> int:
-    from tokenmill.bench.offline import run_offline, summary_line
+    from tokenmill.bench.offline import run_offline, summary_line  # as in add_bench_parser
 
     result = run_offline(args.model_flag or args.model, args)
     text = json.dumps(result, indent=2)
@@ -23,6 +23,8 @@ def offline_main(args: argparse.Namespace) -> int:
 def add_bench_parser(sub, more=()) -> None:
     """Adds `bench` with its subcommands to the CLI's subparsers; `more`: (name, help, add_args) of
     subcommands that tools above bench contribute (the technique matrix, which lives in tune/)."""
+    # Only `tokenmill bench` needs these: tune and plan import bench.serve and bench.report, so this package,
+    # and would load bench.startup's httpx and rich (~90 ms), bench.serve's asyncio, bench.offline (~2 ms)
     from tokenmill.bench.offline import add_offline_args
     from tokenmill.bench.serve import add_serve_args, serve_main, sweep_main
     from tokenmill.bench.startup import add_startup_args

@@ -16,6 +16,8 @@ import random
 import time
 from typing import Any, Optional
 
+from tokenmill import SamplingParams
+
 logger = logging.getLogger("tokenmill")
 
 
@@ -46,8 +48,6 @@ def load_average() -> float:
 
 
 def run_tokenmill(llm, workload) -> dict[str, float]:
-    from tokenmill import SamplingParams
-
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     t = time.perf_counter()
@@ -62,8 +62,7 @@ def run_tokenmill(llm, workload) -> dict[str, float]:
 
 def run_single_stream(llm, prompt_len: int = 128, out_len: int = 128) -> dict[str, float]:
     """Decode rate of one request alone: time from its first to its last token."""
-    from tokenmill import SamplingParams
-    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.messages import EngineCoreRequest  # messages and step (~9 ms): `bench --help` imports this module
 
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
@@ -135,9 +134,10 @@ def add_offline_args(p: argparse.ArgumentParser, compare_transformers: bool) -> 
 def run_offline(model: Optional[str], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    # The engine and the kernels import torch, perf.hardware takes ~3 ms: `bench --help` imports this module
     from tokenmill import LLM
-    from tokenmill.worker.kernels_report import kernels_required
     from tokenmill.perf.hardware import copy_bandwidth, read_bandwidth
+    from tokenmill.worker.kernels_report import kernels_required
 
     n = 64 if args.quick else args.num_requests
     bw = copy_bandwidth()

@@ -408,7 +408,7 @@ async def _scrape_counters(client, cfg: ServeConfig) -> tuple[Optional[dict], Op
     another engine)."""
     import httpx
 
-    from tokenmill.serve.metrics import spec_decode_counters
+    from tokenmill.serve.metrics import spec_decode_counters  # prometheus_client: `bench --help` skips it
 
     try:
         resp = await client.get(cfg.api_base + "/metrics", headers=cfg.headers, timeout=10)

@@ -238,7 +238,7 @@ def _peer(args: argparse.Namespace) -> Optional[Peer]:
     if not os.access(args.llama_server_bin, os.X_OK):
         raise ValueError(f"--llama-server-bin {args.llama_server_bin}: not an executable file")
     if args.model is None:
-        from tokenmill.models.default_model import default_model_path
+        from tokenmill.models.default_model import default_model_path  # importlib.metadata: `bench --help` skips it
 
         gguf = default_model_path()
     elif args.model.endswith(".gguf") and os.path.isfile(args.model):

@@ -147,7 +147,7 @@ def stage_layers(num_layers: int, counts: Optional[list[int]] = None) -> tuple[i
     (ParallelConfig.layers_per_stage, which also validates a --pp-layer-partition); default an even split."""
     pp = _state.pp_size
     if counts is None:
-        from tokenmill.config import ParallelConfig
+        from tokenmill.config import ParallelConfig  # ~11 ms: `tokenmill quantize` imports this module without it
 
         counts = ParallelConfig(pipeline_parallel_size=pp).layers_per_stage(num_layers)
     if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:

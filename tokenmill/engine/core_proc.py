@@ -90,7 +90,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     encoder = msgspec.msgpack.Encoder()
     code = 0
     try:
-        from tokenmill.engine.core import EngineCore
+        from tokenmill.engine.core import EngineCore  # imports torch: the API process imports this module
 
         if ledger is None:  # interpreter, spawn bootstrap (unpickling the config) and imports, up to here
             ledger = Ledger("engine")
@@ -102,7 +102,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
         _EngineLoop(engine, inp, out, encoder, parent_pid).run()
         engine.shutdown()  # worker ranks and KV connectors, explicitly: the exit below skips interpreter teardown
     except Exception as e:  # noqa: BLE001 - report anything to the API process before dying
-        from tokenmill.executor.base import WorkerDiedError
+        from tokenmill.executor.base import WorkerDiedError  # the API process imports this module without it
 
         died = isinstance(e, WorkerDiedError)  # its message says it all; a traceback would bury it
         logger.error("engine core failed:%s", f" {e}" if died else f"\n{traceback.format_exc()}")

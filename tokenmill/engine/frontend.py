@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.messages import EngineCoreRequest
+from tokenmill.models import resolution_cache
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -17,8 +18,6 @@ PromptType = Union[str, dict, list[int]]
 def load_tokenizer(config: EngineConfig):
     """The model's tokenizer: the class the last start's record names (no AutoConfig, so no torch), else
     AutoTokenizer's choice, which then completes the record (models/resolution_cache.py)."""
-    from tokenmill.models import resolution_cache
-
     mc = config.model
     tokenizer = None
     if not mc.skip_tokenizer_init:

@@ -19,8 +19,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Optional
 
-from tokenmill.host import cpu_key
-from tokenmill.perf.hardware import Hardware
+from tokenmill.host import cache_root, cpu_key
+from tokenmill.perf.hardware import Hardware, for_device, measure_local_cpu
+from tokenmill.perf.memory import ModelShape, normalize_dtype
+from tokenmill.perf.roofline import scheduled_cost
 
 logger = logging.getLogger("tokenmill")
 
@@ -32,8 +34,6 @@ STEP_FIELDS = ("t", "seconds", "prefill", "decode", "batch", "mfu", "mbu")
 def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
     """This CPU's fp32 peak and bandwidth as the engine process measured them (with its thread count),
     once per machine (about 2 s), then read from the cache. measure=False: None if not measured yet."""
-    from tokenmill.perf.hardware import measure_local_cpu
-
     path = _cpu_figures_path()
     try:
         with open(path) as f:
@@ -48,8 +48,6 @@ def local_cpu_figures(measure: bool = True) -> Optional[Hardware]:
 
 
 def _cpu_figures_path() -> str:
-    from tokenmill.host import cache_root
-
     return os.path.join(cache_root(), "hardware", cpu_key() + ".json")
 
 
@@ -67,8 +65,6 @@ def _write_cpu_figures(path: str, hw: Hardware) -> None:
 def device_figures(device: str) -> Optional[Hardware]:
     if device == "cpu":
         return local_cpu_figures()
-    from tokenmill.perf.hardware import for_device
-
     return for_device(device)
 
 
@@ -77,8 +73,6 @@ class StepRecorder:
     so a stats consumer that stops reading never grows the engine's memory)."""
 
     def __init__(self, config: Any, maxlen: int = 256) -> None:
-        from tokenmill.perf.memory import ModelShape, normalize_dtype
-
         self.shape = ModelShape.from_hf_config(config.model.hf_config)
         self.dtype = normalize_dtype(str(config.model.torch_dtype))
         kv = getattr(config.cache, "kv_cache_dtype", "auto")
@@ -99,8 +93,6 @@ class StepRecorder:
         return self._cached_free
 
     def record(self, sched: Any, seconds: float) -> None:
-        from tokenmill.perf.roofline import scheduled_cost
-
         decode = sum(len(r.token_ids) for r in sched.scheduled if len(r.token_ids) - r.num_spec <= 1)
         mfu = mbu = -1.0
         if self.hw is not None and seconds > 0:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from tokenmill.models.shape import engine_shape
+from tokenmill.perf.hardware import for_device
 from tokenmill.perf.memory import normalize_dtype
 from tokenmill.perf.roofline import Cost, scheduled_cost
 
@@ -18,8 +19,6 @@ class StepStatsLogger:
     figures (measured on the spot for the CPU, from the catalog for a known GPU)."""
 
     def __init__(self, config: Any) -> None:
-        from tokenmill.perf.hardware import for_device
-
         self.dtype = normalize_dtype(str(config.model.torch_dtype))  # activations, KV and the FLOP/s figure
         self.shape, self.weight_dtype = engine_shape(config.model.hf_config, self.dtype)
         kv = getattr(config.cache, "kv_cache_dtype", "auto")

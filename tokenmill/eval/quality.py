@@ -27,15 +27,17 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
 
+from tokenmill.config import EngineConfig
 from tokenmill.layers import batch_invariant
-
-if TYPE_CHECKING:
-    from tokenmill.config import EngineConfig
+from tokenmill.layers.quantization.gguf_blocks import block_bytes
+from tokenmill.models.flat_batch import flat_batch
+from tokenmill.models.resolution import resolve_engine_config
+from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger("tokenmill")
 
@@ -81,8 +83,6 @@ class _Scorer:
     """Runs whole sequences through a worker's model as single prefills and returns log-probs [L, V]."""
 
     def __init__(self, config, decode_kernels: bool = False) -> None:
-        from tokenmill.worker.worker import Worker
-
         self.decode_kernels = decode_kernels  # score through the decode kernels (see the module doc)
         self.worker = Worker(config)
         self.block_size = config.cache.block_size
@@ -91,8 +91,6 @@ class _Scorer:
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
-        from tokenmill.models.flat_batch import flat_batch
-
         L = len(ids)
         table = np.arange(-(-L // self.block_size), dtype=np.int64)[None, :]
         input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), table,
@@ -106,8 +104,6 @@ class _Scorer:
             batch_invariant.enable(False)
 
     def weight_bytes(self) -> int:
-        from tokenmill.layers.quantization.gguf_blocks import block_bytes
-
         seen, total = set(), 0
         for p in self.worker.model.parameters():
             if id(p) not in seen:
@@ -118,9 +114,6 @@ class _Scorer:
 
 def _config(model: Optional[str], quantization: Optional[str], kv_cache_dtype: str, dtype: str, window: int,
             device: str, quantize_lm_head: bool = False):
-    from tokenmill.config import EngineConfig
-    from tokenmill.models.resolution import resolve_engine_config
-
     native = quantization in (GGUF_VARIANT, GGUF_DECODE)  # other variants of a GGUF start from its floats
     return resolve_engine_config(EngineConfig.from_kwargs(model=model, quantization=None if native else quantization,
                                     quantize_lm_head=quantize_lm_head, kv_cache_dtype=kv_cache_dtype,

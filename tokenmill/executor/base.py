@@ -52,13 +52,15 @@ class Executor:
     def create(config: EngineConfig) -> "Executor":
         backend = config.parallel.distributed_executor_backend or "uniproc"
         if backend == "mp":
-            from tokenmill.executor.multiproc import MultiprocExecutor
+            from tokenmill.executor.multiproc import MultiprocExecutor  # cycle at import time: it imports this module
 
             return MultiprocExecutor(config)
         if backend == "ray":
-            from tokenmill.executor.ray import RayExecutor
+            from tokenmill.executor.ray import RayExecutor  # cycle at import time: executor.ray imports this module
 
             return RayExecutor(config)
+        # Cycle at import time (each backend imports this module); and uniproc imports torch, which the API
+        # process must not (it imports this module through engine/core_proc.py)
         from tokenmill.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

@@ -374,6 +374,7 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, commands_add
         if worker is not None:
             worker.shutdown()
             if code != COLLECTIVE_FAILED:  # a broken world's teardown could wait on the lost peer
+                # torch.distributed (~2 ms): the engine process imports this module too; only ranks need it
                 from tokenmill.distributed import destroy_distributed
 
                 destroy_distributed()
@@ -384,7 +385,7 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, commands_add
 
 
 def _start_worker(rank: int, config: EngineConfig, init_method: str):
-    from tokenmill.worker.worker import Worker, init_worker_process
+    from tokenmill.worker.worker import Worker, init_worker_process  # models and layers: not in the engine process
 
     local_rank = rank % max(1, _cuda_count()) if config.device == "cuda" else 0
     init_worker_process(config, rank, init_method, local_rank)

@@ -52,7 +52,7 @@ class _RayWorker:
             [str(g) for g in ray.get_gpu_ids()]
 
     def free_port(self) -> int:
-        from tokenmill.executor.multiproc import free_port
+        from tokenmill.executor.multiproc import free_port  # zmq: only rank 0's actor, not the engine process
 
         return free_port()
 
@@ -60,6 +60,7 @@ class _RayWorker:
               local_rank: int) -> None:
         if visible_devices is not None:  # all of this node's ranks' GPUs, so NCCL can use peer-to-peer copies
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        # The model stack imports torch: in the actor's process only, after CUDA_VISIBLE_DEVICES above
         from tokenmill.worker.worker import Worker, init_worker_process
 
         logging.basicConfig(level=log_level, format=f"%(levelname)s %(name)s[rank {rank}]: %(message)s")

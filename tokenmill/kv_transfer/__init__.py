@@ -28,17 +28,18 @@ def make_scheduler_connector(config: EngineConfig, bytes_per_block: int) -> Opti
     """The engine's connector (the configured ones composed), or None when none is configured."""
     offload = transfer = None
     if config.cache.kv_offloading_bytes:
+        # ~8 ms with messages: `serve --help`, the router and the API process import this package (p2p_params)
         from tokenmill.kv_transfer.offload_scheduler import OffloadingScheduler
 
         offload = OffloadingScheduler(config.cache.block_size, *_capacity(config, bytes_per_block))
     if config.kv_transfer is not None:
-        from tokenmill.kv_transfer.p2p_scheduler import TransferScheduler
+        from tokenmill.kv_transfer.p2p_scheduler import TransferScheduler  # as above
 
         transfer = TransferScheduler(config.kv_transfer, config.cache.block_size,
                                      config.model.hf_config.vocab_size)
     if offload is None and transfer is None:
         return None
-    from tokenmill.kv_transfer.composite import CompositeScheduler
+    from tokenmill.kv_transfer.composite import CompositeScheduler  # imports torch: the API process must not
 
     return CompositeScheduler(offload, transfer)
 
@@ -46,16 +47,16 @@ def make_scheduler_connector(config: EngineConfig, bytes_per_block: int) -> Opti
 def make_worker_connector(config: EngineConfig, bytes_per_block: int) -> Optional[KVConnectorWorker]:
     offload = transfer = None
     if config.cache.kv_offloading_bytes:
-        from tokenmill.kv_transfer.offload_worker import OffloadingWorker
+        from tokenmill.kv_transfer.offload_worker import OffloadingWorker  # imports torch, as above
 
         num_host_blocks, _ = _capacity(config, bytes_per_block)
         offload = OffloadingWorker(config, num_host_blocks)
     if config.kv_transfer is not None:
-        from tokenmill.kv_transfer.p2p_worker import TransferWorker
+        from tokenmill.kv_transfer.p2p_worker import TransferWorker  # imports torch, as above
 
         transfer = TransferWorker(config)
     if offload is None and transfer is None:
         return None
-    from tokenmill.kv_transfer.composite import CompositeWorker
+    from tokenmill.kv_transfer.composite import CompositeWorker  # imports torch, as above
 
     return CompositeWorker(offload, transfer)

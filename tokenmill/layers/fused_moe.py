@@ -42,6 +42,8 @@ from torch import nn
 from tokenmill.distributed import ep_rank, ep_size, tp_all_reduce, tp_rank, tp_size
 from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.quantization import kernels
+from tokenmill.layers.quantization.int8 import quantize_int8
 
 
 class UnquantizedMoEMethod:
@@ -78,9 +80,6 @@ class Int8MoEMethod(UnquantizedMoEMethod):
     (activations on a 16-bit grid); larger ones widen the expert's weight once and use MKL."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from tokenmill.layers.quantization import kernels
-        from tokenmill.layers.quantization.int8 import quantize_int8
-
         for name in ("w13", "w2"):
             pairs = [quantize_int8(w) for w in getattr(layer, f"{name}_weight").data]
             q = torch.stack([p[0] for p in pairs])
@@ -91,8 +90,6 @@ class Int8MoEMethod(UnquantizedMoEMethod):
                                            for e in range(q.shape[0])])
 
     def _linear(self, layer: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        from tokenmill.layers.quantization import kernels
-
         q, s = getattr(layer, f"{name}_weight")[expert], getattr(layer, f"{name}_scale")[expert]
         run = getattr(self, f"{name}_runs")[expert]
         if run is not None and x.is_cpu and (batch_invariant.enabled() or x.shape[0] <= kernels.FUSED_MAX_ROWS):

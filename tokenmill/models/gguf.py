@@ -431,14 +431,14 @@ class BlockTensor:
 
     def splits_at(self, cols: tuple[int, int]) -> bool:
         """Whether columns [start, start + count) fall on whole blocks (a row-parallel rank's slice)."""
-        from tokenmill.layers.quantization import ggml
+        from tokenmill.layers.quantization import ggml  # imports torch: the API process and plan import this module
 
         values = ggml.block_size(self.ggml_type)[0]
         return cols[0] % values == 0 and cols[1] % values == 0
 
     def part(self, rows: tuple[int, int], cols: tuple[int, int]):
         """Rows [start, start + count) and columns [start, start + count) as a ggml.Part (a strided view)."""
-        from tokenmill.layers.quantization import ggml
+        from tokenmill.layers.quantization import ggml  # imports torch, as in splits_at
 
         values, nbytes = ggml.block_size(self.ggml_type)
         (r0, nr), (c0, nc) = rows, cols

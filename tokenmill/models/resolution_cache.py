@@ -24,6 +24,10 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import tokenmill
+from tokenmill.config_snapshot import ConfigSnapshot, snapshot
+from tokenmill.host import cache_root, cpu_key
+
 logger = logging.getLogger("tokenmill")
 
 FORMAT = 1
@@ -51,9 +55,6 @@ def _stamp(folder: str) -> list:
 
 
 def key(model_dir: str, tokenizer: str, requested_dtype: Any, device: str) -> str:
-    import tokenmill
-    from tokenmill.host import cpu_key
-
     try:
         transformers_version = importlib.metadata.version("transformers")
     except importlib.metadata.PackageNotFoundError:
@@ -66,8 +67,6 @@ def key(model_dir: str, tokenizer: str, requested_dtype: Any, device: str) -> st
 
 
 def _path(k: str) -> str:
-    from tokenmill.host import cache_root
-
     return os.path.join(cache_root(), "resolved", f"{k}.pkl")
 
 
@@ -86,8 +85,6 @@ def load(k: str) -> Optional[Resolution]:
 
 def save(k: str, hf_config: Any, dtype: str, tokenizer: Any) -> None:
     """Write the record (atomically; a failure only costs the next start its shortcut)."""
-    from tokenmill.config_snapshot import ConfigSnapshot, snapshot
-
     snap = hf_config if isinstance(hf_config, ConfigSnapshot) else snapshot(hf_config)
     cls = type(tokenizer)
     res = Resolution(snap, dtype, f"{cls.__module__}:{cls.__qualname__}")

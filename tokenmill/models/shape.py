@@ -14,14 +14,14 @@ from tokenmill.perf.memory import PRESET_ALIASES, GGUF, PRESETS, ModelShape, nor
 
 def gguf_bytes(path: str, config: dict) -> GgufBytes:
     """Tally the file's tensors as the engine loads them for the model `config` (models/gguf.read_config)."""
-    from tokenmill.models.gguf import GgufWeights
+    from tokenmill.models.gguf import GgufWeights  # numpy (~60 ms): `plan --help` imports this module
 
     return tally(path, GgufWeights(os.path.abspath(path), config).entries)
 
 
 def default_gguf() -> Optional[str]:
     """The built-in default model's GGUF file, where its package is installed."""
-    from tokenmill.models.default_model import default_model_path
+    from tokenmill.models.default_model import default_model_path  # importlib.metadata: `plan --help` skips it
 
     try:
         return default_model_path()
@@ -35,7 +35,7 @@ def gguf_weight_dtype(model: Optional[str], gguf_weights: str = "auto") -> Optio
     path = default_gguf() if model in (None, "default") else model
     if not path or not path.endswith(".gguf") or not os.path.isfile(path):
         return None
-    from tokenmill.models.gguf import weights_mode
+    from tokenmill.models.gguf import weights_mode  # numpy, as in gguf_bytes
 
     return GGUF if weights_mode(path, gguf_weights) == "native" else None
 
@@ -47,7 +47,7 @@ def load_model_shape(model: Optional[str]) -> ModelShape:
     if model is None or model == "default":
         model = default_gguf() or "SmolLM2-135M"
     if model.endswith(".gguf") and os.path.isfile(model):
-        from tokenmill.models.gguf import read_config
+        from tokenmill.models.gguf import read_config  # numpy, as in gguf_bytes
 
         config = read_config(model)
         shape = ModelShape.from_hf_config(config, name=os.path.basename(model).removesuffix(".gguf"))

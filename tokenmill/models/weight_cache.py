@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from tokenmill.host import cache_root
+
 logger = logging.getLogger("tokenmill")
 
 FORMAT_VERSION = 1
@@ -51,8 +53,6 @@ def cache_key(files: list[str], model_cls: str, dtype: torch.dtype, layer_range,
 
 
 def cache_path(key: str) -> str:
-    from tokenmill.host import cache_root
-
     return os.path.join(cache_root(), "weights", f"{key}.safetensors")
 
 

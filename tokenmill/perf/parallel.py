@@ -41,14 +41,14 @@ class Split:
 
 
 def layers_per_stage(num_layers: int, pp: int) -> list[int]:
-    from tokenmill.config import ParallelConfig  # the engine's own partition
+    from tokenmill.config import ParallelConfig  # the engine's own partition; ~11 ms, which `plan --help` skips
 
     return ParallelConfig(pipeline_parallel_size=pp).layers_per_stage(num_layers)
 
 
 def check_split(shape: ModelShape, split: Split) -> None:
     """Refuse, in one line, a split the engine would refuse (its own head-divisibility rule)."""
-    from tokenmill.config import ParallelConfig
+    from tokenmill.config import ParallelConfig  # ~11 ms, which `plan --help` skips
 
     if split.tp < 1 or split.pp < 1:
         raise ValueError(f"--tensor-parallel-size and --pipeline-parallel-size must be at least 1, "

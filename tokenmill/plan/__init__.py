@@ -13,10 +13,11 @@ import json
 import sys
 from typing import Optional
 
-from tokenmill.models.shape import load_model_shape
+from tokenmill.host import cpu_has_avx512_bf16
+from tokenmill.models.shape import gguf_weight_dtype, load_model_shape
 from tokenmill.perf.hardware import (CATALOG, INTERCONNECTS, Hardware, get_hardware, get_interconnect,
                                      hardware_names, measure_local_cpu)
-from tokenmill.perf.memory import PRESETS, ModelShape, memory_plan, normalize_dtype
+from tokenmill.perf.memory import GGUF, PRESETS, ModelShape, memory_plan, normalize_dtype
 from tokenmill.perf.parallel import Split, check_split, choose_split
 from tokenmill.perf.roofline import default_compute_dtype, format_plan, make_plan
 from tokenmill.plan.trace_report import add_trace_args, run_trace
@@ -142,10 +143,6 @@ def _dtypes(args: argparse.Namespace, local: bool) -> tuple[str, str, str]:
     """(weights, KV, matmuls). Weights: --weight-dtype; auto is gguf where the engine serves a GGUF in its own
     blocks (--gguf-weights), else the engine's float dtype: bf16, on local-cpu bf16 with AVX512-BF16, else fp32.
     Beside GGUF blocks, the KV cache and the matmuls (dequantized tiles) are in that float dtype too."""
-    from tokenmill.host import cpu_has_avx512_bf16
-    from tokenmill.perf.memory import GGUF
-    from tokenmill.models.shape import gguf_weight_dtype
-
     float_dtype = "fp32" if local and not cpu_has_avx512_bf16() else "bf16"
     weight = args.weight_dtype
     if weight == "auto":
@@ -183,7 +180,7 @@ def resolve_split(args: argparse.Namespace, shape: ModelShape, hw: Hardware,
 
 
 def run_disagg(args: argparse.Namespace, shape: ModelShape) -> int:
-    from tokenmill.plan.disagg import Traffic, disagg_plan, format_disagg, parse_xpyd
+    from tokenmill.plan.disagg import Traffic, disagg_plan, format_disagg, parse_xpyd  # ~7 ms: only --disaggregate
 
     x, y = parse_xpyd(args.disaggregate)
     if args.pp not in (None, 1) or args.num_nodes is not None or args.devices_per_node is not None \

@@ -421,7 +421,7 @@ def _kv_link(shape: ModelShape, hw: Hardware, kv_dtype: str, ranks: int) -> Inte
     `ranks` processes' share of the threads (kv_link.py)."""
     if hw.name != "local-cpu":
         return default_links(hw)[1]
-    from tokenmill.plan.kv_link import measure_kv_loopback
+    from tokenmill.plan.kv_link import measure_kv_loopback  # imports torch: only a local-cpu plan measures it
 
     return measure_kv_loopback(shape, kv_dtype, threads=int(hw.details.get("threads", 1)) // ranks)
 

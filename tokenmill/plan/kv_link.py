@@ -14,7 +14,10 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
+from tokenmill.kv_transfer.host_pool import HostBlockPool
+from tokenmill.kv_transfer.p2p_transport import Blocks, TcpTransport
 from tokenmill.perf.hardware import Interconnect
 from tokenmill.perf.memory import ModelShape
 
@@ -28,8 +31,6 @@ class _KVSource:
         self.pool = pool
 
     def read_blocks(self, request_id: str, block_ids: list[int], kv_fingerprint: str):
-        from tokenmill.kv_transfer.p2p_transport import Blocks
-
         return Blocks(self.pool.copy_out(block_ids))
 
     def done(self, request_id: str) -> None:
@@ -38,8 +39,6 @@ class _KVSource:
 
 def measure_kv_loopback(shape: ModelShape, kv_dtype: str, threads: int = 1, block_size: int = 16,
                         probe_bytes: int = PROBE_BYTES, reps: int = 3) -> Interconnect:
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, threads))
     try:
@@ -49,11 +48,6 @@ def measure_kv_loopback(shape: ModelShape, kv_dtype: str, threads: int = 1, bloc
 
 
 def _probe(shape: ModelShape, kv_dtype: str, block_size: int, probe_bytes: int, reps: int) -> Interconnect:
-    import torch
-
-    from tokenmill.kv_transfer.host_pool import HostBlockPool
-    from tokenmill.kv_transfer.p2p_transport import TcpTransport
-
     layers = max(1, shape.num_layers)
     per_layer = max(1, shape.kv_bytes_per_token(kv_dtype) // (2 * layers))   # one token's K (or V) in a layer
     block_bytes = 2 * layers * per_layer * block_size

@@ -65,7 +65,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
 
 def parse_trace_slo(text: str) -> tuple[str, float]:
     """'ttft_p99=2s' -> ('ttft', 2.0): one P99 of a metric the replay models."""
-    from tokenmill.bench.report import parse_slo, slo_key
+    from tokenmill.bench.report import parse_slo, slo_key  # bench and bench.report, ~7 ms: `plan --help` skips them
 
     slo = parse_slo(text)
     if len(slo) != 1:
@@ -103,7 +103,7 @@ def replica_from_bench(path: str, metric: str) -> Replica:
 def run_trace(args: argparse.Namespace) -> int:
     if args.make_trace:
         return make_trace(args)
-    from tokenmill.bench.serve import parse_list
+    from tokenmill.bench.serve import parse_list  # asyncio, ssl, subprocess (~45 ms): only a trace replay needs it
 
     metric, slo_s = parse_trace_slo(args.slo)
     if (args.replica_bench is None) == (args.replica_capacity is None):
@@ -227,7 +227,7 @@ def format_trace(res: dict[str, Any], trace: Trace, metric: str, chose: bool) ->
 
 
 def plot_trace(rows: list[Row], slo_s: float, metric: str, path: str, title: str) -> Optional[str]:
-    from tokenmill.bench.report import pyplot
+    from tokenmill.bench.report import pyplot  # as in parse_trace_slo: `plan --help` skips bench
 
     plt = pyplot()
     if plt is None:

@@ -24,16 +24,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import tokenmill
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.http.auth import APIKeyMiddleware, check_admin
 from tokenmill.http.body_limit import BodyLimitMiddleware
 from tokenmill.http.cors import add_cors, cors_config
 from tokenmill.http.errors import APIError, bad_request, install_error_handlers
 from tokenmill.http.server import DrainingServer, bind_listening_socket
+from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.serve.args import request_limits
+from tokenmill.serve.dashboard import DashboardStats, StatFanout
+from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 from tokenmill.serve.drain import DrainMiddleware, DrainState
+from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
-from tokenmill.serve.serving import Admission, load_grammar_support, num_waiting
+from tokenmill.serve.serving import (Admission, json_response, load_grammar_support, num_waiting, off_loop,
+                                     tokenize_text)
 from tokenmill.startup import Ledger
 
 if TYPE_CHECKING:  # annotations only: the engine client, tokenizer and dashboard load when the server starts
@@ -89,7 +96,7 @@ def build_app(state: ServerState) -> FastAPI:
     _mount_generation_routes(app, state)
     _mount_token_routes(app, state)
     if state.dashboard is not None:
-        from tokenmill.serve.dashboard_engine import mount_engine_dashboard
+        from tokenmill.serve.dashboard_engine import mount_engine_dashboard  # ~4 ms: --no-dashboard skips it
 
         mount_engine_dashboard(app, state, state.dashboard)
     _add_middleware(app, state)
@@ -157,16 +164,12 @@ def _mount_server_routes(app: FastAPI, state: ServerState) -> None:
         if state.drain.draining:
             return state.drain.refusal().response()
         if detail:
-            from tokenmill.serve.serving import json_response
-
             return json_response({"status": "ok", "engine_restarts": engine.num_restarts,
                                   "num_requests_waiting": num_waiting(state), "startup": state.ledger.as_dict()})
         return Response(status_code=200)
 
     @app.api_route("/admin/drain", methods=["GET", "POST"])
     async def drain(raw: Request) -> Response:
-        from tokenmill.serve.serving import json_response
-
         check_admin(raw, state.args.admin_key)
         if raw.method == "POST" and not state.drain.draining:
             logger.info("draining: no new requests; %d in flight", state.drain.in_flight)
@@ -175,8 +178,6 @@ def _mount_server_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/version")
     async def version() -> Response:
-        from tokenmill.serve.serving import json_response
-
         return json_response({"version": tokenmill.__version__,
                               "batch_invariant": bool(state.config.batch_invariant),
                               "kernels": state.engine.ready.kernels})
@@ -192,8 +193,6 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
     """The OpenAI endpoints: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses."""
     @app.get("/v1/models")
     async def models() -> Response:
-        from tokenmill.serve.serving import json_response
-
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                 "root": state.config.model.model or state.config.model.model_dir, "parent": None,
                 "max_model_len": state.config.model.max_model_len, "permission": []}
@@ -201,7 +200,7 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        from tokenmill.serve.completions import create_completion
+        from tokenmill.serve.completions import create_completion  # ~4 ms: at the first request, not at start
 
         state.check_task("generate")
         await load_grammar_support(req)
@@ -209,7 +208,7 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        from tokenmill.serve.chat import create_chat_completion
+        from tokenmill.serve.chat import create_chat_completion  # with the tool parsers ~18 ms: not at start
 
         state.check_task("generate")
         await load_grammar_support(req)
@@ -217,14 +216,14 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request) -> Response:
-        from tokenmill.serve.embeddings import create_embedding
+        from tokenmill.serve.embeddings import create_embedding  # numpy: only an embedding model needs it
 
         state.check_task("embed")
         return await create_embedding(state, req, raw)
 
     @app.post("/v1/responses")
     async def responses(req: ResponsesRequest, raw: Request) -> Response:
-        from tokenmill.serve.responses import create_response
+        from tokenmill.serve.responses import create_response  # with serve.chat ~20 ms: not at start
 
         state.check_task("generate")
         await load_grammar_support(req)
@@ -241,8 +240,7 @@ def _mount_token_routes(app: FastAPI, state: ServerState) -> None:
     """/tokenize and /detokenize."""
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> Response:
-        from tokenmill.serve.chat import render_request_chat, template_tools
-        from tokenmill.serve.serving import json_response, tokenize_text
+        from tokenmill.serve.chat import render_request_chat, template_tools  # ~18 ms: not at start
 
         state.check_model(req.model)
         tok = state.tokenizer
@@ -258,8 +256,6 @@ def _mount_token_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> Response:
-        from tokenmill.serve.serving import json_response, off_loop
-
         state.check_model(req.model)
         vocab = state.config.model.hf_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -305,12 +301,7 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     prestarted: an engine process the CLI started first thing (engine/prestart.py)."""
     import uvicorn
 
-    # No torch here (the engine process has it; models/resolution_cache.py keeps a warm start free of it)
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.models.resolution import resolve_engine_config
-    from tokenmill.serve.metrics import ServerMetrics
-
+    # No torch in this process (the engine process has it; models/resolution_cache.py keeps a warm start free of it)
     ledger = ledger or Ledger("api")
     ledger.mark_since_last("imports")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -324,8 +315,6 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     metrics = ServerMetrics(config.model.served_model_name)
     dashboard = stat_logger = None
     if config.step_records:
-        from tokenmill.serve.dashboard import DashboardStats, StatFanout
-
         dashboard = DashboardStats()
         stat_logger = StatFanout(metrics, dashboard)
     try:
@@ -342,8 +331,6 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:
-        from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
-
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
         server = DrainingServer.make(uv, on_deadline=lambda: engine.fail_open_requests(

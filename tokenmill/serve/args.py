@@ -10,6 +10,7 @@ from tokenmill.http.auth import ADMIN_KEY_HELP
 from tokenmill.http.body_limit import add_body_args
 from tokenmill.http.cors import add_cors_args
 from tokenmill.serve.protocol import RequestLimits
+from tokenmill.serve.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -38,8 +39,6 @@ def _add_server_args(g) -> None:
 
 
 def _add_tool_args(g) -> None:
-    from tokenmill.serve.tool_parsers import TOOL_PARSERS
-
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (OpenAI's default with tools): the model decides whether to call "
                         "tools, and its output is read with --tool-call-parser")

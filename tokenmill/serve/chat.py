@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tokenmill.chat_template import render_chat_template
 from tokenmill.http.disconnect import until_disconnected
 from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
@@ -66,9 +67,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
     if add_generation_prompt and continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true",
                           "continue_final_message")
-    try:
-        from tokenmill.chat_template import render_chat_template  # bounded sandbox: request templates are untrusted
-
+    try:  # render_chat_template: a bounded sandbox, request templates are untrusted
         text = render_chat_template(tokenizer, conv, chat_template=template,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message, tools=tools,

@@ -32,6 +32,7 @@ from fastapi import FastAPI
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.engine.output_processor import RequestTimes
+from tokenmill.http.errors import APIError
 
 logger = logging.getLogger("tokenmill")
 
@@ -280,8 +281,6 @@ def mount(app: FastAPI, kind: str, build_snapshot, info: Callable[[], Any],
     @app.get("/dashboard/static/{name}")
     async def static(name: str) -> Response:
         if name not in pages:
-            from tokenmill.http.errors import APIError
-
             raise APIError(404, f"no dashboard file {name!r}", code="not_found")
         return Response(pages[name], media_type=types[name.rsplit(".", 1)[1]], headers=no_store)
 

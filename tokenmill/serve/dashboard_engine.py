@@ -11,8 +11,11 @@ from typing import Any, Optional
 from fastapi import FastAPI
 from starlette.responses import Response
 
+import tokenmill
 from tokenmill.engine.output_processor import RequestState
+from tokenmill.http.errors import APIError
 from tokenmill.serve.dashboard import DashboardStats, mount
+from tokenmill.serve.serving import json_response, off_loop
 
 MAX_STEPS_SHOWN = 120    # step timeline bars per snapshot
 MAX_OPEN_SHOWN = 64      # open requests in the table
@@ -152,6 +155,7 @@ class EngineView:
 
     def plan(self, batch: int) -> dict:
         """`tokenmill plan` for this model at the current batch and the prompt/output lengths seen so far."""
+        # models.shape and perf (~15 ms): only the config page plans; the API process starts without them
         from tokenmill.models.shape import engine_shape
         from tokenmill.perf.roofline import format_plan, make_plan
 
@@ -177,13 +181,13 @@ class EngineView:
 def _device_figures(device: str):
     """The engine's figures for its device, without touching the device from the API process: the CPU's
     cached measurement, or the catalog entry of the GPU nvidia-smi names."""
-    from tokenmill.engine.step_records import local_cpu_figures
+    from tokenmill.engine.step_records import local_cpu_figures  # perf, as in EngineView.plan
 
     if device == "cpu":
         return local_cpu_figures(measure=False)
     import subprocess
 
-    from tokenmill.perf.hardware import get_hardware
+    from tokenmill.perf.hardware import get_hardware  # perf, as in EngineView.plan
 
     try:
         name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -195,10 +199,6 @@ def _device_figures(device: str):
 
 
 def mount_engine_dashboard(app: FastAPI, state: Any, stats: DashboardStats) -> EngineView:
-    import tokenmill
-    from tokenmill.http.errors import APIError
-    from tokenmill.serve.serving import json_response, off_loop
-
     view = EngineView(state, stats)
     mount(app, "engine", view.snapshot, lambda: {"model": state.model_name, "version": tokenmill.__version__})
 

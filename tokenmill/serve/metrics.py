@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tokenmill.engine.output_processor import RequestTimes
 from tokenmill.messages import EngineStats
+from tokenmill.step.p2p_plan import PULL_SECONDS_BUCKETS
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -228,8 +229,6 @@ class _TransferCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        from tokenmill.step.p2p_plan import PULL_SECONDS_BUCKETS
 
         last, name = self.metrics._last, self.metrics._model_name
         kv = last.kv_connector if last is not None else {}

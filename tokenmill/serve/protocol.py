@@ -199,7 +199,7 @@ class SamplingRequest(RequestBody):
         if not chosen:
             return None
         name, so = chosen[0]
-        from tokenmill.structured import validate
+        from tokenmill.structured import validate  # ~5 ms: only a grammar needs it; `serve --help` imports this module
 
         check_grammar_size(so, limits, name)
         try:

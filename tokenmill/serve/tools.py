@@ -227,7 +227,7 @@ def plan_tools(tools: list[FunctionTool], tool_choice: Union[None, str, dict], p
 
 
 def _constraint(schema: dict, limits: Optional[RequestLimits], param: str) -> StructuredOutputsParams:
-    from tokenmill.structured import validate  # xgrammar: only when a constraint is built
+    from tokenmill.structured import validate  # ~5 ms (structured.manager): only when a constraint is built
 
     so = StructuredOutputsParams(json=json.dumps(schema))
     if limits is not None:

@@ -76,13 +76,13 @@ class Proposer:
 def make_proposer(config, target_model, backend) -> Proposer:
     spec = config.speculative
     if spec.method == "ngram":
-        from tokenmill.spec_decode.ngram import NgramProposer
+        from tokenmill.spec_decode.ngram import NgramProposer  # cycle at import time: it imports this package
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, config.model.max_model_len)
     if spec.method == "draft_model":
-        from tokenmill.spec_decode.draft_model import DraftModelProposer
+        from tokenmill.spec_decode.draft_model import DraftModelProposer  # cycle at import time, as ngram
 
         return DraftModelProposer(config, backend)
-    from tokenmill.spec_decode.eagle import EagleProposer
+    from tokenmill.spec_decode.eagle import EagleProposer  # cycle at import time, as ngram
 
     return EagleProposer(config, target_model, backend)

@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.models.flat_batch import block_table_array, flat_batch
+from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")
 
@@ -76,8 +77,6 @@ class DraftModelProposer(KVDrafter):
     wants_history = True
 
     def __init__(self, config, backend) -> None:
-        from tokenmill.models.loader import load_model
-
         spec, mc = config.speculative, config.model
         cfg = spec.draft_hf_config
         # A quantized draft (e.g. an int8 copy of the target itself): same tokenizer, a fraction of the bytes.

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+from tokenmill.bench.serve import add_workload_args
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.bench.serve import add_workload_args
-
     p.add_argument("model", nargs="?", default=None,
                    help="local Hugging Face directory or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"],

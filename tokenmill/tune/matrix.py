@@ -20,6 +20,9 @@ import statistics
 import time
 from typing import Any, Optional
 
+from tokenmill.bench.datasets import load_tokenizer
+from tokenmill.bench.report import parse_slo, pyplot
+from tokenmill.bench.serve import ServeConfig, add_workload_args, workload_kwargs
 from tokenmill.tune.space import NGRAM, describe, serve_flags
 
 logger = logging.getLogger("tokenmill")
@@ -90,7 +93,7 @@ def metric_value(summary: Optional[dict], metric: str) -> Optional[float]:
 
 def run_rounds(runner, combos: list[tuple[tuple, dict]], repeats: int, num_prompts: int) -> list[dict[str, dict]]:
     """Per round: label -> measurement record. Server groups rotate their order each round."""
-    from tokenmill.tune.trial import measure
+    from tokenmill.tune.trial import measure  # ~1.5 ms: `bench --help` imports this module
 
     groups = [list(g) for _, g in itertools.groupby(combos, key=lambda nc: tuple(serve_flags(nc[1])))]
     rounds = []
@@ -163,8 +166,6 @@ def format_matrix(rows: list[dict[str, Any]], metric: str) -> str:
 def plot_matrix(rows: list[dict[str, Any]], techniques: list[str], path: str, title: str) -> Optional[str]:
     """matrix.png: left, technique x technique (diagonal: the single speedup; off it: the pair's measured
     speedup, coloured by measured / product); right, every combination's speedup beside its product."""
-    from tokenmill.bench.report import pyplot
-
     plt = pyplot()
     if plt is None:
         return None
@@ -208,8 +209,6 @@ def plot_matrix(rows: list[dict[str, Any]], techniques: list[str], path: str, ti
 
 
 def add_matrix_args(p: argparse.ArgumentParser) -> None:
-    from tokenmill.bench.serve import add_workload_args
-
     p.add_argument("model", nargs="?", default=None, help="HF dir or .gguf (default: built-in default model)")
     p.add_argument("--techniques", default="int8,ngram,prefix,batch",
                    help=f"comma-separated, from {', '.join(TECHNIQUES)}")
@@ -233,10 +232,7 @@ def add_matrix_args(p: argparse.ArgumentParser) -> None:
 
 def matrix_main(args: argparse.Namespace) -> tuple[int, list[str]]:
     """Run the matrix; (exit code, the lines the CLI prints), as tune_main."""
-    from tokenmill.bench.datasets import load_tokenizer
-    from tokenmill.bench.report import parse_slo
-    from tokenmill.bench.serve import ServeConfig, workload_kwargs
-    from tokenmill.tune.trial import TrialRunner
+    from tokenmill.tune.trial import TrialRunner  # as in run_rounds
 
     if args.repeats < 1 or args.num_prompts < 1:
         raise ValueError("--repeats and --num-prompts must be at least 1")

@@ -13,8 +13,14 @@ import signal
 import time
 from typing import Any, Optional
 
+from tokenmill.bench.datasets import load_tokenizer
 from tokenmill.bench.report import parse_slo
 from tokenmill.bench.serve import ServeConfig, parse_list, parse_rate, workload_kwargs
+from tokenmill.fleet.serve_command import serve_flags
+from tokenmill.host import cpu_has_avx512_bf16
+from tokenmill.models.resolution import resolve_model_path
+from tokenmill.perf.hardware import for_device
+from tokenmill.plan import get_hardware, load_model_shape
 from tokenmill.tune import prune, report, search, space
 from tokenmill.tune.trial import ServerProcess, TrialRunner, measure
 
@@ -32,15 +38,11 @@ def parse_budget(text: Optional[str]) -> Optional[float]:
 
 
 def serve_option_strings() -> set[str]:
-    from tokenmill.fleet.serve_command import serve_flags
-
     return serve_flags()
 
 
 def build_space(args: argparse.Namespace, device: str) -> dict[str, list]:
     import torch
-
-    from tokenmill.host import cpu_has_avx512_bf16
 
     dims = {} if args.no_default_space else space.default_space(
         device, torch.cuda.device_count() if device == "cuda" else 1, cpu_has_avx512_bf16())
@@ -55,11 +57,6 @@ def build_space(args: argparse.Namespace, device: str) -> dict[str, list]:
 
 def machine_and_shape(args: argparse.Namespace, device: str):
     """(ModelShape, Machine) for pruning, or (None, None) with a warning when the model's shape is unknown."""
-    from tokenmill.host import cpu_has_avx512_bf16
-    from tokenmill.models.resolution import resolve_model_path
-    from tokenmill.plan import get_hardware, load_model_shape
-    from tokenmill.perf.hardware import for_device
-
     try:
         shape = load_model_shape(None if args.model is None else resolve_model_path(args.model))
     except (ValueError, OSError) as e:
@@ -145,8 +142,6 @@ def remeasure(runner: TrialRunner, baseline: dict, winner: dict, args, num_promp
 
 def tune_main(args: argparse.Namespace) -> tuple[int, list[str]]:
     import torch
-
-    from tokenmill.bench.datasets import load_tokenizer
 
     t_start = time.monotonic()
     if args.objective not in search.OBJECTIVES:

@@ -18,7 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from tokenmill.host import cpu_has_native_bf16
 from tokenmill.layers import cpu_build, cpu_fused, cpu_linear, matmul_plan
+from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers.linear import LinearBase
+from tokenmill.layers.quantization import ggml
+from tokenmill.layers.quantization import kernels as qkernels
+from tokenmill.models import cpu_stack
 
 logger = logging.getLogger("tokenmill")
 
@@ -29,11 +35,7 @@ UNPACKED = "unpacked-skinny-c/torch"  # a panel kernel exists but the packing bu
 
 def load_all_libraries() -> dict[str, str]:
     """Build and load every C kernel library (what an install must be able to do): name -> status."""
-    from tokenmill.layers.attention import cpu_kernels
-    from tokenmill.layers.quantization import ggml, kernels
-    from tokenmill.models import cpu_stack
-
-    loaders = (cpu_fused.available, cpu_linear.available, cpu_kernels.load, kernels.load, ggml.load,
+    loaders = (cpu_fused.available, cpu_linear.available, cpu_kernels.load, qkernels.load, ggml.load,
                cpu_stack.available)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:  # one compiler process per library, side by side
         list(pool.map(lambda load: load(), loaders))
@@ -43,8 +45,6 @@ def load_all_libraries() -> dict[str, str]:
 def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
     """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "block_types", "libraries",
     "fallbacks"} for this engine (block_types: each ggml type of its block weights -> the kernel running it)."""
-    from tokenmill.models import cpu_stack
-
     dtype = model.dtype  # (a later pipeline stage has no embedding)
     stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
     libraries = cpu_build.library_status()
@@ -88,8 +88,6 @@ def _attention(backend, device: str, dtype: torch.dtype, fallbacks: list[str]) -
 
 def _linear(model, fallbacks: list[str]) -> str:
     """The matmul paths of the model's linear layers, e.g. "panel-gemm-bf16" or "qlinear-c-int8 x14, ..."."""
-    from tokenmill.layers.linear import LinearBase
-
     paths = Counter(_linear_path(layer) for layer in model.modules() if isinstance(layer, LinearBase))
     unpacked = paths.get(UNPACKED, 0)
     if unpacked:
@@ -103,8 +101,6 @@ def _linear(model, fallbacks: list[str]) -> str:
 
 def _matmul_plan(model) -> dict[str, str]:
     """Row class -> the path serving it, over the packed linear layers (matmul_plan.py); {} when none."""
-    from tokenmill.layers.linear import LinearBase
-
     plans = [(name, layer.packed_weight.plan) for name, layer in model.named_modules()
              if isinstance(layer, LinearBase) and getattr(layer, "packed_weight", None) is not None]
     return matmul_plan.describe(plans) if plans else {}
@@ -122,9 +118,6 @@ def _block_linears(model) -> list:
 
 def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
     """ggml type name -> its kernel, e.g. "avx512-vnni int8 dot (1-32 rows); bf16 tiles + torch GEMM (more)"."""
-    from tokenmill.host import cpu_has_native_bf16
-    from tokenmill.layers.quantization import ggml
-
     linears = _block_linears(model)
     if not linears:
         return {}
@@ -145,8 +138,6 @@ def _linear_path(layer) -> str:
     method, weight = layer.quant_method, layer.weight
     blocks = getattr(method, "block_linear", None)
     if blocks is not None:  # ggml blocks: a GGUF's own, or int4
-        from tokenmill.layers.quantization import ggml
-
         return "ggml-" + "+".join(sorted({ggml.TYPE_NAMES[p.type] for p in blocks.parts}))
     if hasattr(method, "fmt"):  # quantization/base.py PackedLinearMethod
         if getattr(method, "run", None) is None or weight.device.type != "cpu":

@@ -18,6 +18,7 @@ from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
 from tokenmill.models.resolution import gguf_weights_for, resolve_model_path
+from tokenmill.spec_decode import make_proposer
 from tokenmill.startup import Ledger
 from tokenmill.worker import kernels_report
 from tokenmill.worker.cpu_threads import ThreadSizer
@@ -83,8 +84,6 @@ class Worker:
                                 ledger=self.ledger)
         self.drafter = None
         if config.speculative is not None:
-            from tokenmill.spec_decode import make_proposer
-
             self.drafter = make_proposer(config, self.model, self.backend)
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
                                   mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len, mc.pooler)

@@ -43,7 +43,7 @@ class AttentionBackend:
 
 
 def get_attention_backend(device: str) -> AttentionBackend:
-    from tokenmill.layers.attention.cpu import PagedAttentionBackend
+    from tokenmill.layers.attention.cpu import PagedAttentionBackend  # cycle at import time: cpu imports this module
 
     # SDPA over the paged cache serves both devices until a dedicated CUDA kernel lands.
     return PagedAttentionBackend(device)

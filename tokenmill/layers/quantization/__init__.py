@@ -14,7 +14,9 @@ from typing import Optional
 
 from torch import nn
 
+from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization.base import QuantizationConfig
+from tokenmill.layers.quantization.int8 import Int8Config
 
 logger = logging.getLogger("tokenmill")
 
@@ -36,14 +38,16 @@ def get_quant_config(method: Optional[str], hf_config=None) -> Optional[Quantiza
     if qc is not None:
         kind = qc.get("quant_method")
         if kind == "fp8":
-            from tokenmill.layers.quantization.fp8 import Fp8Config
+            from tokenmill.layers.quantization.fp8 import Fp8Config  # ~2 ms of engine start: fp8 checkpoints only
 
             return Fp8Config.from_checkpoint(qc)
         if kind == "compressed-tensors":
+            # Cycle at import time: compressed_tensors -> awq_gptq -> int4 -> fused_moe, which imports this package
             from tokenmill.layers.quantization.compressed_tensors import CompressedTensorsConfig
 
             return CompressedTensorsConfig.from_checkpoint(qc)
         if kind in ("awq", "gptq"):
+            # Cycle at import time: awq_gptq -> int4 -> fused_moe, which imports this package
             from tokenmill.layers.quantization.awq_gptq import AwqConfig, GptqConfig
 
             return (AwqConfig if kind == "awq" else GptqConfig).from_checkpoint(qc)
@@ -52,19 +56,17 @@ def get_quant_config(method: Optional[str], hf_config=None) -> Optional[Quantiza
     if method is None:
         return None
     if method in ("int8", "w8a8"):
-        from tokenmill.layers.quantization.int8 import Int8Config
-
         return Int8Config(activations=method == "w8a8")
     if method == "fp8":
-        from tokenmill.layers.quantization.fp8 import Fp8Config
+        from tokenmill.layers.quantization.fp8 import Fp8Config  # ~2 ms of engine start, as above
 
         return Fp8Config(online=True)
     if method in ("mxfp4", "nvfp4"):
-        from tokenmill.layers.quantization.fp4 import Fp4Config
+        from tokenmill.layers.quantization.fp4 import Fp4Config  # ~1 ms of engine start: fp4 only
 
         return Fp4Config(method)
     if method in ("int4", "int4-g128"):
-        from tokenmill.layers.quantization.int4 import Int4Config
+        from tokenmill.layers.quantization.int4 import Int4Config  # cycle at import time: int4 -> fused_moe -> here
 
         return Int4Config(method)
     raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(ONLINE_METHODS)}")
@@ -91,8 +93,6 @@ def apply_quantization(model: nn.Module, config: QuantizationConfig, quantize_lm
     """Install config's quant methods on the model's linear layers (before its weights load). Returns how
     many layers were quantized. Online methods skip the LM head unless quantize_lm_head: it keeps the model
     dtype and the float path (UnquantizedLinearMethod, CPU-packed; tied, it stays the embedding's tensor)."""
-    from tokenmill.layers.linear import LinearBase
-
     shared = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         shared.setdefault(id(p), []).append(name)
@@ -121,13 +121,13 @@ def _quantize_experts(model: nn.Module, config: QuantizationConfig) -> int:
     """MoE experts (layers/fused_moe.py) take int8 weight-only under --quantization int8 and Q4_1 blocks under
     int4 (where their sizes are whole groups); another online method leaves them in the model dtype, said
     once."""
-    from tokenmill.layers.fused_moe import FusedMoE, Int8MoEMethod
+    from tokenmill.layers.fused_moe import FusedMoE, Int8MoEMethod  # cycle at import time: it imports this package
 
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if not moes or not config.online:
         return 0
     if getattr(config, "name", None) in ("int4", "int4-g128"):
-        from tokenmill.layers.quantization.int4 import Int4MoEMethod
+        from tokenmill.layers.quantization.int4 import Int4MoEMethod  # cycle at import time, as Int4Config
 
         if all(Int4MoEMethod.fits(m, config.group) for m in moes):
             for moe in moes:

@@ -14,7 +14,7 @@ Either way `apply(layer, x, bias)` runs the layer's matmul from the packed tenso
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -22,10 +22,8 @@ from torch import nn
 from tokenmill.distributed import tp_all_reduce_max
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.cpu_memory import gather_in_huge_pages
+from tokenmill.layers.linear import Sharding, materialize
 from tokenmill.layers.quantization import kernels
-
-if TYPE_CHECKING:
-    from tokenmill.layers.linear import Sharding
 
 
 class QuantizationConfig:
@@ -48,11 +46,9 @@ def set_shard_loader(param: nn.Parameter, fn: Callable) -> nn.Parameter:
     return param
 
 
-def sharding_of(layer) -> "Sharding":
+def sharding_of(layer) -> Sharding:
     """Which part of the checkpoint's weight the layer holds (linear.Sharding; replicated for a layer that
     does not say)."""
-    from tokenmill.layers.linear import Sharding
-
     sharding = getattr(layer, "sharding", None)
     return sharding or Sharding.replicated(layer.in_features, getattr(layer, "shard_sizes", [layer.out_features]))
 
@@ -60,8 +56,6 @@ def sharding_of(layer) -> "Sharding":
 def per_shard_scalar_loader(layer, param, loaded, shard: int) -> None:
     """One scalar per logical projection of a merged layer (per-tensor scales of q/k/v, gate/up); the same on
     every tensor-parallel rank."""
-    from tokenmill.layers.linear import materialize
-
     param.data[shard] = materialize(loaded).reshape(-1)[0].to(param.dtype)
 
 

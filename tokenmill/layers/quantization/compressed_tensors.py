@@ -21,7 +21,7 @@ from torch import nn
 
 from tokenmill.layers.quantization.awq_gptq import pack_quantized_method
 from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader
-from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
+from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, _row_loader
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
 
 
@@ -70,8 +70,6 @@ class _Int8CheckpointMethod(Int8LinearMethod):
     """int8 `weight` + per-channel `weight_scale` [N, 1] as stored."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        from tokenmill.layers.quantization.fp8 import _row_loader
-
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
         layer.weight_scale = set_shard_loader(nn.Parameter(torch.empty(out_features, 1), requires_grad=False),
                                               _row_loader)

@@ -23,7 +23,8 @@ from torch import nn
 from tokenmill.distributed import tp_rank, tp_size
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import vocab_block, vocab_parallel_lookup
-from tokenmill.layers.quantization import ggml
+from tokenmill.layers.fused_moe import FusedMoE
+from tokenmill.layers.quantization import apply_quantization, ggml
 from tokenmill.layers.quantization.base import QuantizationConfig, set_shard_loader, sharding_of
 
 logger = logging.getLogger("tokenmill")
@@ -197,8 +198,6 @@ class GgufConfig(QuantizationConfig):
 def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
     """Before the GGUF's tensors load: block methods on the quantized linear layers, a BlockEmbedding for a
     quantized token embedding, and a tied head over its blocks. Returns the config and the layer count."""
-    from tokenmill.layers.quantization import apply_quantization
-
     config = GgufConfig(types, getattr(model, "start_layer", 0))
     count = apply_quantization(model, config)
     count += _install_experts(model, types)
@@ -217,8 +216,6 @@ def install(model: nn.Module, types: dict[str, int]) -> tuple[GgufConfig, int]:
 
 def _install_experts(model: nn.Module, types: dict[str, int]) -> int:
     """BlockMoEMethod on every MoE layer when the file's experts are quantized; the count of those layers."""
-    from tokenmill.layers.fused_moe import FusedMoE
-
     if not any(is_quantized(t) for name, t in types.items() if ".experts." in name):
         return 0
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]

@@ -61,7 +61,7 @@ def dequantize(fmt: int, w: torch.Tensor, scales: Optional[torch.Tensor], row_sc
 
 
 def _torch_dequantize(fmt, w, scales, row_scale, K, group, global_scale) -> torch.Tensor:
-    from tokenmill.layers.quantization import fp4
+    from tokenmill.layers.quantization import fp4  # cycle at import time: fp4 imports this module
 
     if fmt == QFMT_INT8:
         out = w.float()
