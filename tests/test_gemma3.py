@@ -96,6 +96,28 @@ def test_unsupported_variants_are_refused(tiny, field, value, message):
     assert "\n" not in str(info.value)
 
 
+def test_older_config_json_matches_transformers(tiny, tmp_path):
+    """A config.json in the pre-transformers-5 form (sliding_window_pattern instead of layer_types,
+    rope_theta + rope_local_base_freq + rope_scaling instead of rope_parameters), here describing the same
+    model: the engine on it gives the new form's reference tokens and logprobs."""
+    src = tiny("gemma3")
+    dst = str(tmp_path / "old")
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    for key in ("layer_types", "rope_parameters", "_sliding_window_pattern"):
+        config.pop(key, None)
+    # sliding_window_pattern 2: local, global, local, as the model's layer_types
+    config.update(sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=10000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    prompts = _prompts(400)[:4]
+    llm = LLM(dst, dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
+    _assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False),
+                    _hf_reference(src, prompts))
+
+
 def test_older_config_forms_give_the_same_rope():
     """rope_local_base_freq + rope_theta + rope_scaling (global layers only), as configs before transformers 5
     spell it, give each layer type the tables of the nested rope_parameters form."""
