@@ -4,6 +4,7 @@ The legacy types (Q4_0 ... Q8_0) are quantized from the tiny model's float weigh
 quantize K-quants or IQ4, so those tensors are random blocks whose fp16 scales are set to small finite values (any
 such bytes are a valid block; the scales are picked so the weights have roughly the float model's size).
 The GGUF's tokenizer is the tiny models' BPE, written as llama.cpp's converter writes a gpt2 tokenizer.
+`gemma3_gguf` writes a tiny Gemma 3 directory with llama.cpp's Gemma 3 conventions.
 """
 from __future__ import annotations
 
@@ -122,6 +123,83 @@ def quantized_gguf(arch: str, types, hidden: int = 256, intermediate: int = 512,
         if data.ndim == 2:
             data, raw = _encode(data, types[turn % len(types)], rng)
             turn += 1
+            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# -- Gemma 3, as llama.cpp's convert_hf_to_gguf.py writes it (conversion/gemma.py, Gemma3Model) ----------------
+_GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                 "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gemma3_metadata(w, config: dict) -> None:
+    """The converter's Gemma 3 keys: rope.freq_base is the global layers' (with their rope scaling),
+    rope.freq_base_swa the local ones'; attention.sliding_window. It writes no per-layer pattern (llama.cpp
+    then takes five local layers to one global); the tiny model's layer types differ, so its per-layer flags
+    go in attention.sliding_window_pattern, a key llama.cpp reads."""
+    import gguf
+
+    layers, rope = config["num_hidden_layers"], config["rope_parameters"]
+    w.add_block_count(layers)
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    if rope["full_attention"].get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if config.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
+    w.add_sliding_window(config["sliding_window"])
+    flags = [t == "sliding_attention" for t in config["layer_types"]]
+    if flags != [i % 6 < 5 for i in range(layers)]:
+        w.add_sliding_window_pattern(flags)
+
+
+def gemma3_gguf(hf_dir: str, type_name: str = "F32", seed: int = 0) -> str:
+    """A GGUF of the tiny Gemma 3 model in hf_dir: its 2-D weights in type_name, norms F32 as 1 + w (the
+    converter adds Gemma's 1), no output.weight (tied), llama.cpp's tensor names, the tiny BPE as gpt2."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    path = os.path.join(tempfile.mkdtemp(prefix="tokenmill-gguf-"), f"gemma3-{type_name}.gguf")
+    w = gguf.GGUFWriter(path, "gemma3")
+    _gemma3_metadata(w, config)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    add_gpt2_tokenizer(w, tok)
+    w.add_chat_template(tok.chat_template)
+    rng = np.random.default_rng(seed)
+    for name, data in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight":
+            continue
+        if name.endswith("norm.weight"):
+            data = data + np.float32(1.0)
+        if name in ("embed_tokens.weight", "norm.weight"):
+            gname = {"embed_tokens": "token_embd", "norm": "output_norm"}[name.split(".")[0]]
+        else:
+            parts = name.split(".")  # layers.i.<module>.weight
+            gname = f"blk.{parts[1]}.{_GEMMA3_LAYER['.'.join(parts[2:-1])]}"
+        gname += ".weight"
+        if data.ndim == 2:
+            data, raw = _encode(data.astype(np.float32), type_name, rng)
             w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
         else:
             w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))

@@ -47,8 +47,22 @@ MOE_ARCHS = {
                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                               norm_topk_prob=True, num_hidden_layers=4, decoder_sparse_step=2)),
 }
+# Gemma 3 (text), apart from ARCHS too: every field that sets it apart from the Llama family is set, to a value
+# where getting it wrong shows: local and global layers mixed (the global one in the middle), a sliding window
+# shorter than the test prompts, distinct rope bases with linear scaling on the global layer only, a
+# query_pre_attn_scalar other than head_dim, head_dim other than hidden / heads, a non-default rms_norm_eps.
+# Its norm weights are randomized after init (transformers zeroes them: 1 + w would be 1 everywhere).
+GEMMA_ARCHS = {
+    "gemma3": ("Gemma3TextConfig", dict(
+        tie_word_embeddings=True, num_hidden_layers=3, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+        rms_norm_eps=1e-5, sliding_window=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+        architectures=["Gemma3ForCausalLM"])),
+}
 _SEEDS = {arch: 1234 + i for i, arch in enumerate(sorted(ARCHS))}
 _SEEDS.update({arch: 2234 + i for i, arch in enumerate(sorted(MOE_ARCHS))})
+_SEEDS.update({arch: 3234 + i for i, arch in enumerate(sorted(GEMMA_ARCHS))})
 
 _cache: dict[str, str] = {}
 _root = None
@@ -85,7 +99,7 @@ def tiny_model(arch: str) -> str:
 
     path = os.path.join(_root_dir(), arch)
     tok = build_tokenizer(path)
-    cls_name, extra = ARCHS[arch] if arch in ARCHS else MOE_ARCHS[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS, **GEMMA_ARCHS}[arch]
     fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
@@ -97,6 +111,11 @@ def tiny_model(arch: str) -> str:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if arch in GEMMA_ARCHS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     model.save_pretrained(path)
     _cache[arch] = path
     return path

@@ -38,6 +38,35 @@ def test_add_rms_norm(dtype, T, H, with_residual):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H", [(1, 1152), (7, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_norm_float32_weight(dtype, T, H, with_residual):
+    """Gemma's (1 + w) RMSNorm: float32 weights, the product in float32 and one rounding (GemmaRMSNorm's torch
+    path, HF's Gemma3RMSNorm); the fused call serves float32 and bfloat16 activations."""
+    from tokenmill.layers.norm import GemmaRMSNorm
+
+    g = torch.Generator().manual_seed(T + H)
+    x, r = (torch.randn(T, H, generator=g).to(dtype) for _ in range(2))
+    norm = GemmaRMSNorm(H, 1e-6)
+    norm.load_shard(norm.weight, torch.randn(H, generator=g).to(dtype))
+    res = r if with_residual else None
+    with torch.inference_mode():
+        fused = norm(x, res)
+        available = cpu_fused.available
+        cpu_fused.available = lambda: False  # the torch path
+        try:
+            ref = norm(x, res)
+        finally:
+            cpu_fused.available = available
+    fused, ref = (fused, ref) if with_residual else ((fused, None), (ref, None))
+    assert fused[0].dtype == dtype
+    rtol = 2e-6 if dtype == torch.float32 else 2 ** -7  # bf16: at most one rounding step apart
+    torch.testing.assert_close(fused[0].float(), ref[0].float(), atol=2e-6, rtol=rtol)
+    if with_residual:
+        assert torch.equal(fused[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,I", [(1, 1536), (5, 13), (200, 64)])
 def test_silu_and_mul(dtype, T, I):
     x = (torch.randn(T, 2 * I, generator=torch.Generator().manual_seed(I)) * 4).to(dtype)

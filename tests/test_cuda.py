@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from models import ARCHS, MOE_ARCHS, hf_model
+from models import ARCHS, GEMMA_ARCHS, MOE_ARCHS, hf_model
 from tokenmill import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -42,7 +42,7 @@ def _cuda_llm(path, **kw):
     return LLM(path, device="cuda", **kw)
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MOE_ARCHS))
+@pytest.mark.parametrize("arch", sorted(ARCHS) + sorted(MOE_ARCHS) + sorted(GEMMA_ARCHS))
 def test_greedy_and_logprobs_match_transformers(tiny, arch):
     path = tiny(arch)
     llm = _cuda_llm(path, num_gpu_blocks_override=24, block_size=16, max_num_batched_tokens=64)

@@ -1,3 +1,5 @@
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -10,3 +12,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return cpu_fused.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dim -> gelu_tanh(gate) * up (Gemma's "gelu_pytorch_tanh", which is
+    torch's tanh-approximated GELU; llama.cpp's ggml_gelu is the same approximation)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# HF config activation names (hidden_act, Gemma's hidden_activation) -> the gated activation over [gate | up]
+_GATED = {"silu": silu_and_mul, "swish": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
+def gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _GATED:
+        raise ValueError(f"unsupported hidden activation {name!r} for a gated MLP (supported: {', '.join(_GATED)})")
+    return _GATED[name]

@@ -15,9 +15,11 @@ static inline float rbf(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 #define PARALLEL_MIN 65536 /* elements: below this an OpenMP fork costs more than it saves */
 
 /* x, residual, res_out, out: [T, H]; with residual != 0: res_out = x + residual, then
- * out = w * norm(res_out); else out = w * norm(x). norm(r) = r / sqrt(mean(r^2) + eps), in fp32. */
-#define DEFINE_ADD_RMS_NORM(NAME, T_, LOAD, ROUND, STORE, LOAD8, ROUND8, STORE8)                           \
-void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, int64_t T, int64_t H,         \
+ * out = w * norm(res_out); else out = w * norm(x). norm(r) = r / sqrt(mean(r^2) + eps), in fp32.
+ * w has type WT; NROUND rounds norm(r) before the product: Llama's RMSNorm rounds it to the model dtype
+ * (w bf16), Gemma's multiplies in fp32 by its float32 (1 + w) and rounds once (NROUND = IDENT, WT float). */
+#define DEFINE_ADD_RMS_NORM(NAME, T_, WT, LOAD, ROUND, STORE, LOAD8, ROUND8, STORE8, LOADW, LOADW8, NROUND, NROUND8) \
+void NAME(const T_ *x, const T_ *residual, T_ *res_out, const WT *w, T_ *out, int64_t T, int64_t H,         \
           float eps, int num_threads) {                                                                   \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * H >= PARALLEL_MIN)")      \
     for (int64_t t = 0; t < T; t++) {                                                                     \
@@ -49,8 +51,8 @@ void NAME(const T_ *x, const T_ *residual, T_ *res_out, const T_ *w, T_ *out, in
         const float inv = 1.0f / sqrtf(ms + eps);                                                         \
         const T_ *src = rr ? rr : xr;                                                                     \
         int64_t i = 0;                                                                                    \
-        for (; i < H8; i += 8) STORE8(o + i, LOAD8(w + i) * ROUND8(LOAD8(src + i) * inv));               \
-        for (; i < H; i++) o[i] = STORE(LOAD(w[i]) * ROUND(LOAD(src[i]) * inv));                          \
+        for (; i < H8; i += 8) STORE8(o + i, LOADW8(w + i) * NROUND8(LOAD8(src + i) * inv));             \
+        for (; i < H; i++) o[i] = STORE(LOADW(w[i]) * NROUND(LOAD(src[i]) * inv));                        \
     }                                                                                                     \
 }
 
@@ -98,8 +100,13 @@ void NAME(T_ *x, int64_t x_stride, const int64_t *positions, const float *cos_t,
 }
 
 #define IDENT(x) (x)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, IDENT, IDENT, IDENT, load8, IDENT, store8)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16, store8_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, float, IDENT, IDENT, IDENT, load8, IDENT, store8, IDENT, load8, IDENT,
+                    IDENT)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16,
+                    store8_bf16, bf16_to_f32, load8_bf16, rbf, round8_bf16)
+/* Gemma's norm on bf16 activations: float32 weights, one rounding (the f32 case is add_rms_norm_f32) */
+DEFINE_ADD_RMS_NORM(add_rms_norm_w32_bf16, uint16_t, float, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16,
+                    store8_bf16, IDENT, load8, IDENT, IDENT)
 DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT, load8, IDENT, store8)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16, store8_bf16)
 DEFINE_ROPE(rope_f32, float, IDENT, IDENT, IDENT)

@@ -23,6 +23,7 @@ def _load():
             getattr(lib, f"add_rms_norm_{sfx}").argtypes = [vp, vp, vp, vp, vp, i64, i64, f32, i32]
             getattr(lib, f"silu_mul_{sfx}").argtypes = [vp, vp, i64, i64, i32]
             getattr(lib, f"rope_{sfx}").argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i32]
+        lib.add_rms_norm_w32_bf16.argtypes = [vp, vp, vp, vp, vp, i64, i64, f32, i32]
         lib._typed = True
     return lib
 
@@ -49,13 +50,18 @@ def kernel(name: str, dtype: torch.dtype):
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(weight * norm(x + residual), x + residual), or (weight * norm(x), None) without a residual."""
+    """(weight * norm(x + residual), x + residual), or (weight * norm(x), None) without a residual. weight: x's
+    dtype (norm(.) rounded to it before the product, as Llama's RMSNorm), or float32 for bf16 x (one rounding
+    after the float32 product, as Gemma's)."""
     H = x.shape[-1]
+    name = "add_rms_norm" if weight.dtype == x.dtype else "add_rms_norm_w32"
+    if name == "add_rms_norm_w32" and (x.dtype, weight.dtype) != (torch.bfloat16, torch.float32):
+        raise ValueError(f"add_rms_norm: no kernel for {x.dtype} activations with {weight.dtype} weights")
     x = x.contiguous()
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     res_in = residual.contiguous() if residual is not None else None
-    kernel("add_rms_norm", x.dtype)(x.data_ptr(), res_in.data_ptr() if res_in is not None else None,
+    kernel(name, x.dtype)(x.data_ptr(), res_in.data_ptr() if res_in is not None else None,
                                  res_out.data_ptr() if res_out is not None else None, weight.data_ptr(),
                                  out.data_ptr(), x.numel() // H, H, eps, torch.get_num_threads())
     return out, res_out

@@ -32,6 +32,34 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: norm(x) * (1 + w), the product in float32 and cast back once (HF's Gemma3RMSNorm; Llama's
+    RMSNorm casts before multiplying). The parameter holds the multiplier 1 + w in float32, added once on load
+    (load_shard): a bfloat16 model then rounds only the output, as HF does, and no step pays for the add.
+    (llama.cpp's converter stores 1 + w in a GGUF; models/gguf.py takes the 1 off again so every source loads
+    the Hugging Face weight.) forward(x, residual) fuses the residual add as RMSNorm's does."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
+        self.eps = eps
+
+    def load_shard(self, param: nn.Parameter, loaded, shard: int = 0) -> None:
+        """loaded: the checkpoint's w (HF convention: the norm multiplies by 1 + w)."""
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(1.0 + loaded[...].float())
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if cpu_fused.usable(x):  # one C call, the same float32 product and rounding as below
+            out, new_residual = cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, new_residual)
+        if residual is not None:
+            x = x + residual
+        out = (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm with weight and bias (BERT-family encoders), computed in float32 and cast back.
     forward(x, residual) normalizes x + residual (post-norm residual blocks)."""

@@ -1,7 +1,14 @@
 """Rotary position embedding (neox/HF-llama layout: the two halves of head_dim rotate together).
 inv_freq comes from transformers' own rope initialisers, so every rope_type the config names
-(default, linear, dynamic-free llama3, yarn, longrope...) matches the reference."""
+(default, linear, dynamic-free llama3, yarn, longrope...) matches the reference.
+
+Gemma 3 gives each layer type its own rope: transformers 5 nests the parameters by layer type
+(`rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`); older configs say
+`rope_local_base_freq` for the sliding layers and `rope_theta` (+ `rope_scaling`) for the full ones.
+`rope_layer_type` names the variant a layer uses (None: one rope for every layer)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -10,20 +17,40 @@ from tokenmill.config_snapshot import ConfigSnapshot
 from tokenmill.layers import cpu_fused
 
 
-def _rope_parameters(config) -> dict:
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def rope_layer_type(config, layer_idx: int) -> Optional[str]:
+    """The layer type whose rope layer layer_idx uses, where the config gives layer types their own (Gemma 3);
+    None where one rope serves every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = any(isinstance(params.get(t), dict) for t in _LAYER_TYPES)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and (nested or getattr(config, "rope_local_base_freq", None) is not None):
+        return layer_types[layer_idx]
+    return None
+
+
+def _rope_parameters(config, layer_type: Optional[str] = None) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        if isinstance(params.get(layer_type), dict):
+            params = params[layer_type]
+        elif layer_type == "sliding_attention":  # older Gemma 3 configs: no scaling on the local layers
+            params = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = _rope_parameters(config)
+def compute_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
-    if rope_type == "default":
+    if rope_type in ("default", "linear"):  # linear: positions divided by the factor, i.e. inv_freq
         base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return (inv_freq if rope_type == "default" else inv_freq / params["factor"]), 1.0
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' is not supported (it changes with sequence length)")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -32,15 +59,16 @@ def compute_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     if isinstance(config, ConfigSnapshot):  # the engine process's copy: transformers wants its own object
         config = config.original()
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     # on the device the model is being built on (the loader's torch.device context), like the default branch
     return inv_freq.float().to(torch.get_default_device()), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: Optional[str] = None) -> None:
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)

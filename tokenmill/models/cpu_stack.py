@@ -9,7 +9,8 @@ block kernel (quantization/ggml.c) over the layer's parts: the call its Python `
 rows.
 
 `CpuStack.build` returns None where the stack does not apply as a whole (fp8/fp4 or unpacked linears, an
-8-bit KV cache, per-layer sliding windows, row-parallel biases, no C compiler; `unavailable` says which);
+8-bit KV cache, per-layer sliding windows, row-parallel biases, a non-SiLU MLP, a family whose layers differ
+(Gemma 3: `cpu_stack_unsupported`), no C compiler; `unavailable` says which);
 `run` returns None for a step it does not take (a prefill, hooks on the layers, more rows than some layer's
 measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
 kernels-report line for it.
@@ -24,6 +25,7 @@ import torch
 
 from tokenmill.distributed import pp_size, tp_size
 from tokenmill.layers import batch_invariant, cpu_fused, cpu_linear, matmul_plan
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
@@ -156,7 +158,7 @@ class CpuStack:
             return None
         if input_ids.shape[0] > self.max_rows and not batch_invariant.enabled():
             return None
-        x = self.model.embed_tokens(input_ids).contiguous()
+        x = self.model.embed(input_ids).contiguous()
         M = x.shape[0]
         out = torch.empty_like(x)
         act, f32 = self._scratch_for(M)
@@ -197,6 +199,9 @@ def unavailable(model, kv_caches: list[torch.Tensor]) -> Optional[tuple[str, boo
     """Why the stack cannot run `model` on these caches, or None if it can: (reason, fallback), fallback being
     True where the cause is a missing kernel or the packing budget (a slower path than this machine should
     take) rather than the model's own features."""
+    family = getattr(model, "cpu_stack_unsupported", None)  # a layer structure decoder_stack.c does not have
+    if family is not None:
+        return family, False
     if tp_size() > 1 or pp_size() > 1:  # the C stack has no collectives between its layers
         return "tensor/pipeline parallel (no all-reduce or stage hand-off inside the C stack)", False
     if model.norm.weight.device.type != "cpu":
@@ -252,6 +257,8 @@ def _layer_mismatch(model, layer, kv: torch.Tensor, kv0: torch.Tensor) -> Option
         return "layers differ in attention backend or rotary tables"
     if a.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
         return "biases on o_proj/down_proj"
+    if getattr(layer.mlp, "act", silu_and_mul) is not silu_and_mul:
+        return "an MLP activation other than SiLU"
     if (kv.dtype != dtype or not kv.is_contiguous() or kv.dim() != 5 or kv.shape[1] != a.num_kv_heads
             or kv.shape[4] != a.head_dim or kv.shape != kv0.shape):
         return "KV cache dtype or layout"

@@ -39,6 +39,7 @@ _ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # Mixture-of-experts tensors: the router, and the experts stacked [E, ...] in one tensor per projection.
 # A "llama" GGUF with experts is Mixtral.
@@ -57,6 +58,14 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer (llama.cpp's gguf-py constants: ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM)
+_ARCH_LAYER_NAMES = {"gemma3": {"post_attention_norm": "post_attention_layernorm",
+                                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
+# llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by the weight as stored);
+# the HF weight, which the model and transformers load, is the file's minus this.
+_NORM_SHIFT = {"gemma3": 1.0}
+# Metadata arrays kept (the others, e.g. the vocabulary, are skipped): llama.cpp's per-layer sliding-window flags
+_KEPT_ARRAYS = (".attention.sliding_window_pattern",)
 
 
 def weights_mode(gguf_path: str, requested: str = "auto") -> str:
@@ -180,7 +189,7 @@ class _Scan:
         self.meta = {}
         for _ in range(n_kv):
             key = self._string()
-            self.meta[key] = self._value(self._unpack("<I")[0])
+            self.meta[key] = self._value(self._unpack("<I")[0], keep=key.endswith(_KEPT_ARRAYS))
         infos = []
         for _ in range(n_tensors):
             name = self._string()
@@ -215,11 +224,13 @@ class _Scan:
         self.pos += n
         return out
 
-    def _value(self, kind: int):
+    def _value(self, kind: int, keep: bool = False):
         if kind == 8:
             return self._string()
-        if kind == 9:  # an array: skipped
+        if kind == 9:  # an array: skipped, or read where `keep` (a short array of numbers)
             elem, count = self._unpack("<IQ")
+            if keep and elem in _SCALARS:
+                return list(self._unpack(f"<{count}{_SCALARS[elem][1:]}"))
             if elem == 8:  # each string: its uint64 length, then its bytes
                 length, mm = struct.Struct("<Q").unpack_from, self.mm
                 for _ in range(count):
@@ -297,6 +308,8 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
                 f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
     elif scaling not in (None, "none"):
         raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
+    if arch == "gemma3":
+        _gemma3_config(path, config, meta)
     return config
 
 
@@ -316,18 +329,52 @@ def _moe_config(config: dict, arch: str, meta: dict, need, shapes: dict) -> None
                                                               if f"blk.{i}.ffn_gate.weight" in shapes])
 
 
+def _gemma3_config(path: str, config: dict, meta: dict) -> None:
+    """Gemma 3's fields as llama.cpp reads them (src/models/gemma3.cpp), in transformers 5's Gemma3TextConfig
+    terms. Sliding layers: every layer when gemma3.attention.sliding_window is set, unless
+    attention.sliding_window_pattern says otherwise (per-layer flags, or n: layer i slides when i % n < n - 1;
+    absent, n = 6: five local layers to one global, as Gemma 3 has); none without a window. rope.freq_base
+    (and any rope scaling) is the global layers', rope.freq_base_swa the local ones' (default 10000, unscaled).
+    The attention scale is not in the file: llama.cpp takes 1/sqrt(hidden / heads) for the 62-layer 27B and
+    1/sqrt(head_dim) otherwise, which is each released model's query_pre_attn_scalar."""
+    layers, window = config["num_hidden_layers"], meta.get("gemma3.attention.sliding_window") or 0
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if not window:
+        sliding = [False] * layers
+    elif isinstance(pattern, list):
+        if len(pattern) < layers:
+            raise ValueError(f"{path}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
+                             f"{layers} layers")
+        sliding = [bool(flag) for flag in pattern[:layers]]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    full = {"rope_type": "default", "rope_theta": config.pop("rope_theta"), **(config.pop("rope_scaling", None) or {})}
+    local = {"rope_type": "default", "rope_theta": meta.get("gemma3.rope.freq_base_swa", 10000.0)}
+    config.pop("hidden_act")
+    config.update(
+        hidden_activation="gelu_pytorch_tanh", sliding_window=window or None,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_parameters={"full_attention": full, "sliding_attention": local},
+        query_pre_attn_scalar=config["hidden_size"] // config["num_attention_heads"] if layers == 62
+        else config["head_dim"],
+        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping"))
+
+
 class _Entry(NamedTuple):
     """One model tensor of the GGUF file: its HF name and shape, the file tensor, the rows of it (an expert of
-    a stacked tensor, or None for all) and the head count whose Q/K rows llama.cpp permuted (or None)."""
+    a stacked tensor, or None for all), the head count whose Q/K rows llama.cpp permuted (or None) and what to
+    add to the file's values to get the HF weight (Gemma's norms: -1)."""
     hf_name: str
     shape: tuple
     tensor: Any
     expert: Optional[int]
     n_head: Optional[int]
+    shift: float = 0.0
 
 
 def _entries(path: str, reader, arch: str, config: dict):
     """The file's tensors as the HF model's, in file order (an expert stack becomes one entry per expert)."""
+    layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
@@ -339,8 +386,8 @@ def _entries(path: str, reader, arch: str, config: dict):
             continue
         if base in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[base]
-        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-            hf = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+        elif len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+            hf = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
         elif len(parts) == 3 and parts[0] == "blk" and config["model_type"] in _EXPERT_NAMES and \
                 parts[2] in (_ROUTER, *_EXPERT_STACKS):
             block, names = _EXPERT_NAMES[config["model_type"]]
@@ -357,7 +404,8 @@ def _entries(path: str, reader, arch: str, config: dict):
             n_head = config["num_attention_heads"]
         elif arch == "llama" and parts[-1] == "attn_k":
             n_head = config["num_key_value_heads"]
-        yield _Entry(f"{hf}.{suffix}", shape, t, None, n_head)
+        shift = -_NORM_SHIFT.get(arch, 0.0) if hf.endswith("norm") else 0.0
+        yield _Entry(f"{hf}.{suffix}", shape, t, None, n_head, shift)
 
 
 def _hf_tensors(path: str, reader, arch: str, config: dict):
@@ -370,6 +418,7 @@ def _hf_tensors(path: str, reader, arch: str, config: dict):
     def make(e: _Entry) -> np.ndarray:
         if e.expert is None:
             w = np.asarray(dequantize(e.tensor.data, e.tensor.tensor_type), dtype=np.float32).reshape(e.shape)
+            w = w + np.float32(e.shift) if e.shift else w
             return w if e.n_head is None else _unpermute_rope_rows(w, e.n_head)
         if stack.get("t") is not e.tensor:
             stack.update(t=e.tensor, w=np.asarray(dequantize(e.tensor.data, e.tensor.tensor_type),
@@ -499,6 +548,8 @@ class GgufWeights:
             out = BlockTensor(torch.from_numpy(data.reshape(rows, -1)), int(t.tensor_type), e.shape, self)
         if e.n_head is not None:
             out = _unpermute(out, e.n_head)
+        if e.shift:  # a norm (float in llama.cpp's files; a block one dequantized here): a copy of this small tensor
+            out = out[...].float() + e.shift
         if not isinstance(out, BlockTensor):
             self.bytes_read += out.numel() * out.element_size()
         return out

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the flat batch.
 
 The families differ only in switches read from the HF config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), explicit head_dim, sliding-window layers (Mistral, Qwen2), rope scaling, tied embeddings.
+(Qwen3), explicit head_dim, sliding-window layers (Mistral, Qwen2), rope scaling (one rope per layer type
+where the config nests it), the MLP's gated activation, tied embeddings. Families with another layer
+structure build on the same pieces through make_layer / make_norm / embed (gemma3.py, moe.py's make_mlp).
 """
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import IntermediateTensors, stage_layers, state, tp_size
-from tokenmill.layers.activation import silu_and_mul
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize,
                                     narrow)
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, rope_layer_type
 from tokenmill.models.cpu_stack import CpuStack
 
 
@@ -102,9 +104,11 @@ class MLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype)
+        # Gemma names it hidden_activation; the others hidden_act
+        self.act = gated_activation(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -140,11 +144,18 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"layer range {layer_range} is not a non-empty part of the model's {n} layers")
         first, last = self.start_layer == 0, self.end_layer == n
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        rotaries: dict[Optional[str], RotaryEmbedding] = {}  # one table per rope variant, shared by its layers
+
+        def rotary(i: int) -> RotaryEmbedding:
+            kind = rope_layer_type(config, i)
+            if kind not in rotaries:
+                rotaries[kind] = RotaryEmbedding(config, head_dim, max_positions, kind)
+            return rotaries[kind]
+
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first else None
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, backend, rotary, self.make_mlp(config, i, dtype))
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, backend, rotary(i))
                                     for i in range(self.start_layer, self.end_layer))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if last else None
+        self.norm = self.make_norm(config, dtype) if last else None
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # A linear layer like the others, so a quant_method can quantize it (online quantization leaves it in
         # the model dtype unless --quantize-lm-head); tied, it starts out sharing the embedding's tensor
@@ -158,9 +169,23 @@ class LlamaForCausalLM(nn.Module):
         self._stack_for: Optional[list[torch.Tensor]] = None
         self._stack: Optional[CpuStack] = None
 
+    def make_layer(self, config, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
+                   rotary: RotaryEmbedding) -> nn.Module:
+        """Decoder layer layer_idx: forward(x, residual, meta, kv_cache) -> (x, residual), the residual add
+        left to the next layer's first norm (families with another layer structure override this)."""
+        return DecoderLayer(config, layer_idx, dtype, backend, rotary, self.make_mlp(config, layer_idx, dtype))
+
     def make_mlp(self, config, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """Layer layer_idx's feed-forward block (MoE families override this)."""
         return MLP(config, dtype)
+
+    def make_norm(self, config, dtype: torch.dtype) -> nn.Module:
+        """The final norm, forward(x, residual) -> (normed, x + residual)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for input_ids (Gemma scales it)."""
+        return self.embed_tokens(input_ids)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
@@ -173,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                 hidden = stack.run(input_ids, meta)
                 if hidden is not None:
                     return hidden
-            x, residual = self.embed_tokens(input_ids), None
+            x, residual = self.embed(input_ids), None
         elif intermediate is None:
             raise ValueError(f"pipeline stage from layer {self.start_layer} needs the previous stage's "
                              "intermediate tensors")

@@ -1,10 +1,11 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from tokenmill.models import bert, llama, moe
+from tokenmill.models import bert, gemma3, llama, moe
 
 _REGISTRY = {
     "BertModel": bert.BertModel,
+    "Gemma3ForCausalLM": gemma3.Gemma3ForCausalLM,
     "LlamaForCausalLM": llama.LlamaForCausalLM,
     "MistralForCausalLM": llama.LlamaForCausalLM,
     "Qwen2ForCausalLM": llama.LlamaForCausalLM,

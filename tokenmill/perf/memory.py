@@ -60,6 +60,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over q and k heads
     qkv_bias: bool = False          # Qwen2
+    norms_per_layer: int = 2        # RMSNorms of hidden_size per layer (Gemma 3: four)
     # Mixture of experts: `num_dense_layers` layers keep a dense MLP, the rest route to experts.
     num_experts: int = 0
     experts_per_token: int = 0
@@ -124,7 +125,7 @@ class ModelShape:
     def _fixed_params(self) -> int:
         """Everything but the routed experts: counted whole for every token."""
         h = self.hidden_size
-        per_layer = self.attention_params() + 2 * h  # + input and post-attention norms
+        per_layer = self.attention_params() + self.norms_per_layer * h  # + e.g. input and post-attention norms
         total = self.num_layers * per_layer + h       # + final norm
         total += self.num_dense_layers * 3 * h * self.intermediate_size if self.is_moe else \
             self.num_layers * 3 * h * self.intermediate_size
@@ -223,15 +224,15 @@ class ModelShape:
             vocab = cfg["vocab_size"]
         except KeyError as e:
             raise ValueError(f"config lacks {e.args[0]!r}; tokenmill plan reads decoder-only transformer configs "
-                             "(Llama, Mistral, Qwen, Mixtral, DeepSeek)") from None
+                             "(Llama, Mistral, Qwen, Mixtral, DeepSeek, Gemma 3)") from None
         mtype = cfg.get("model_type", "")
         kw: dict[str, Any] = dict(
             name=name or cfg.get("_name_or_path") or mtype or "model", hidden_size=h, num_layers=layers,
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or h // heads, intermediate_size=cfg.get("intermediate_size") or 0,
             vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=mtype in ("qwen3", "qwen3_moe"), qkv_bias=mtype in ("qwen2", "qwen2_moe") or
-            bool(cfg.get("attention_bias", False)))
+            qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), qkv_bias=mtype in ("qwen2", "qwen2_moe") or
+            bool(cfg.get("attention_bias", False)), norms_per_layer=4 if mtype == "gemma3_text" else 2)
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 renamed Qwen's
         if cfg.get("n_routed_experts"):  # DeepSeek V2/V3
             freq = cfg.get("moe_layer_freq", 1) or 1
@@ -289,11 +290,20 @@ PRESETS: dict[str, dict] = {
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc",
                         tie_word_embeddings=False),
     "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, vocab=49152, tie=True),
+    # Five sliding-window (1024) layers to one global. kv_bytes_per_token counts every layer for now, as the KV
+    # cache allocates them: the local layers' tokens past the window still hold blocks until the KV manager
+    # frees them (a later step), and then this shape's KV accounting should count the window there.
+    "Gemma-3-27B": dict(model_type="gemma3_text", hidden_size=5376, num_hidden_layers=62, num_attention_heads=32,
+                        num_key_value_heads=16, head_dim=128, intermediate_size=21504, vocab_size=262208,
+                        tie_word_embeddings=True, sliding_window=1024, query_pre_attn_scalar=168,
+                        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                     for i in range(62)]),
 }
 PRESET_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M", "llama-3.1-8b-instruct": "Llama-3.1-8B",
                    "llama-3.1-70b-instruct": "Llama-3.1-70B", "llama-3.1-405b-instruct": "Llama-3.1-405B",
                    "mixtral-8x7b-instruct": "Mixtral-8x7B", "mixtral-8x7b-instruct-v0.1": "Mixtral-8x7B",
-                   "mixtral-8x7b-v0.1": "Mixtral-8x7B", "deepseek-v3-0324": "DeepSeek-V3", "deepseek-r1": "DeepSeek-V3"}
+                   "mixtral-8x7b-v0.1": "Mixtral-8x7B", "deepseek-v3-0324": "DeepSeek-V3", "deepseek-r1": "DeepSeek-V3",
+                   "gemma-3-27b-it": "Gemma-3-27B", "gemma-3-27b-pt": "Gemma-3-27B"}
 
 
 @dataclass

@@ -96,7 +96,7 @@ def layer_params_per_rank(shape: ModelShape, tp: int, moe: bool) -> float:
                + shape.num_experts * shape.expert_params() / tp)
     else:
         mlp = 3 * h * shape.intermediate_size / tp
-    return attention_params_per_rank(shape, tp) + mlp + 2 * h  # + the two RMSNorms
+    return attention_params_per_rank(shape, tp) + mlp + shape.norms_per_layer * h  # + the RMSNorms
 
 
 def vocab_table_per_rank(shape: ModelShape, tp: int) -> int:
