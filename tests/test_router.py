@@ -281,6 +281,24 @@ def test_failover_before_the_first_byte(front):
     assert fake.seen.count(C) == 3
 
 
+def test_a_client_library_failure_before_the_reply_fails_over(front):
+    """A pooled keep-alive connection to a replica that was just killed can make httpcore/anyio raise
+    AttributeError ('NoneType' object has no attribute 'getpeername') from the send, not a transport error (seen
+    in test_fleet's SIGKILL test as a 500). Nothing reached the client: the request goes to another replica."""
+    client, fake, router = front
+
+    def broken(base, request):
+        if base == A:
+            raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+        return _reply(base, request)
+
+    fake.handler = broken
+    router.index.insert(A, prefix_hashes("p " * 40, 16))
+    for stream in (False, True):
+        assert client.post("/v1/completions", json={"prompt": "p " * 40, "stream": stream}).status_code == 200
+    assert fake.seen.count(A) >= 1 and fake.seen[-1] != A
+
+
 def test_stream_cut_after_it_started_ends_with_an_error_event(front):
     client, fake, router = front
     fake.handler = lambda base, req: httpx.Response(200, headers={"content-type": "text/event-stream"},

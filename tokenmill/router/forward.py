@@ -227,6 +227,15 @@ class Router:
             replica.last_error = f"{type(e).__name__}: {e}"
             self.pool.report_failure(replica, e)
             return None
+        except Exception as e:  # noqa: BLE001 - see below
+            if upstream is not None:
+                raise
+            # The client failed before the replica answered: a pooled connection to a replica that just died
+            # can make httpcore/anyio raise AttributeError ('NoneType' ... 'getpeername') instead of a
+            # transport error. Nothing reached the client, so the request goes elsewhere like any failed send.
+            replica.last_error = f"{type(e).__name__}: {e}"
+            self.pool.report_failure(replica, e)
+            return None
         finally:
             if not relayed:
                 replica.in_flight -= 1
