@@ -20,6 +20,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None  # EBNF (GBNF dialect)
+    # A reasoning model's closing tag as token ids (--reasoning-parser): the grammar starts after the model has
+    # generated it, so that the reasoning before it is free text; None when the prompt already closed it.
+    reasoning_end: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

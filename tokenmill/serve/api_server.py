@@ -39,17 +39,14 @@ from tokenmill.serve.drain import DrainMiddleware, DrainState
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
+from tokenmill.serve.reasoning import ReasoningParser
+from tokenmill.serve.reasoning import get_parser as get_reasoning_parser
 from tokenmill.serve.serving import (Admission, json_response, load_grammar_support, num_waiting, off_loop,
                                      tokenize_text)
 from tokenmill.startup import Ledger
 
-if TYPE_CHECKING:  # annotations only: the engine client, tokenizer and dashboard load when the server starts
+if TYPE_CHECKING:  # an annotation only: transformers is not imported by this process on a warm start
     from transformers import PreTrainedTokenizerBase
-
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.serve.dashboard import DashboardStats
-    from tokenmill.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("tokenmill")
 
@@ -65,6 +62,7 @@ class ServerState:
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
+    reasoning: Optional[ReasoningParser] = None  # --reasoning-parser
     ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     dashboard: Optional[DashboardStats] = None  # None with --no-dashboard
@@ -326,8 +324,8 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
         raise
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
-                        args.tool_call_parser if args.enable_auto_tool_choice else None, ledger,
-                        dashboard=dashboard)
+                        args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard)
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:

@@ -10,6 +10,7 @@ from tokenmill.http.auth import ADMIN_KEY_HELP
 from tokenmill.http.body_limit import add_body_args
 from tokenmill.http.cors import add_cors_args
 from tokenmill.serve.protocol import RequestLimits
+from tokenmill.serve.reasoning import PARSERS as REASONING_PARSERS
 from tokenmill.serve.tool_parsers import TOOL_PARSERS
 
 
@@ -45,6 +46,11 @@ def _add_tool_args(g) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; mistral "
                         "[TOOL_CALLS]); 'required' and named tool_choice need no parser")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's output: its reasoning goes to message.reasoning_content (and "
+                        "reasoning), streamed as such deltas, and to a Responses reasoning item; tool calls and "
+                        "structured output apply to what follows it (qwen3: the model opens <think>...</think>; "
+                        "deepseek_r1: the chat template opens it)")
 
 
 def _add_process_args(g) -> None:

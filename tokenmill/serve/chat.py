@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -11,7 +12,9 @@ from tokenmill.chat_template import render_chat_template
 from tokenmill.http.disconnect import until_disconnected
 from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
+from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
@@ -140,7 +143,19 @@ async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str)
     plan = await plan_request_tools(state, req)
     params = req.to_sampling_params(state.limits, plan.constraint)
     prompt = await render_request_chat(state, req, plan.template_tools())
+    params = _grammar_after_reasoning(state, params, prompt)
     return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params), plan
+
+
+def _grammar_after_reasoning(state: "ServerState", params: SamplingParams, prompt: Prompt) -> SamplingParams:
+    """With --reasoning-parser, a grammar (response_format, structured_outputs, a tool constraint) constrains
+    the answer, not the thinking: the engine starts it once the model has generated the closing tag, unless
+    the prompt closed the reasoning already (qwen3 with enable_thinking false)."""
+    so, parser = params.structured_outputs, state.reasoning
+    if so is None or parser is None or parser.state_after(prompt.text) == "answer":
+        return params
+    end = state.tokenizer.encode(parser.end, add_special_tokens=False)
+    return msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(so, reasoning_end=end))
 
 
 async def create_chat_completion(state: "ServerState", req: ChatCompletionRequest, raw: Request) -> Response:
@@ -181,30 +196,43 @@ async def collect_chat(state: "ServerState", req: ChatCompletionRequest, gen: Ge
     choices = []
     for i in range(n):
         logprobs = chat_logprobs(state.tokenizer, tokens[i], lps[i], top_n) if req.logprobs else None
-        content, calls = plan.extract(texts[i])
-        choices.append({"index": i, "message": {"role": "assistant", "content": content, "refusal": None,
-                                                "tool_calls": [c.to_openai() for c in calls]},
-                        "logprobs": logprobs, "finish_reason": plan.finish_reason(finish[i], bool(calls)),
-                        "stop_reason": stop[i]})
+        prompt = gen.prompts[0].text
+        reasoning, answer = state.reasoning.split(texts[i], prompt) if state.reasoning else (None, texts[i])
+        content, calls = plan.extract(answer) if answer is not None else (None, [])
+        message = {"role": "assistant", "content": content, "refusal": None,
+                   "tool_calls": [c.to_openai() for c in calls]}
+        if state.reasoning:
+            message.update(reasoning_content=reasoning, reasoning=reasoning)
+        choices.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": plan.finish_reason(finish[i], bool(calls)), "stop_reason": stop[i]})
     return with_kv_transfer_params(
         {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
          "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen)
 
 
-def _stream_choices(c, tools: Optional[ToolCallStream], logprobs: Optional[dict]) -> list[dict]:
-    """The chunk choices for one engine output of one choice: its text as content, or (tools) as the
+def _stream_choices(c, text: str, tools: Optional[ToolCallStream], logprobs: Optional[dict]) -> list[dict]:
+    """The chunk choices for one engine output of one choice: its answer text as content, or (tools) as the
     content and tool_call deltas the parser lets out; the finish reason last."""
     if tools is None:
-        choice = {"index": c.index, "delta": {"content": c.text} if c.text or c.finish_reason is None else {},
+        choice = {"index": c.index, "delta": {"content": text} if text or c.finish_reason is None else {},
                   "logprobs": logprobs, "finish_reason": c.finish_reason}
         return [choice]
-    deltas = tools.feed(c.text) + (tools.finish() if c.finish_reason is not None else [])
+    deltas = tools.feed(text) + (tools.finish() if c.finish_reason is not None else [])
     choices = [{"index": c.index, "delta": d, "logprobs": logprobs if k == 0 else None, "finish_reason": None}
                for k, d in enumerate(deltas)]
     if c.finish_reason is not None or (not choices and logprobs is not None):
         choices.append({"index": c.index, "delta": {}, "logprobs": None if deltas else logprobs,
                         "finish_reason": ToolPlan.finish_reason(c.finish_reason, tools.called)})
     return choices
+
+
+def _split_delta(stream: ReasoningStream, text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, answer) of one output's text delta; the last one lets out what the stream held back."""
+    reasoning, answer = stream.feed(text)
+    if finished:
+        more_reasoning, more_answer = stream.finish()
+        reasoning, answer = reasoning + more_reasoning, answer + more_answer
+    return reasoning, answer
 
 
 async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Generation,
@@ -225,6 +253,8 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
 
     started = [False] * gen.params.n
     tool_streams = [plan.stream() for _ in range(gen.params.n)]
+    thinking = ([ReasoningStream(state.reasoning, gen.prompts[0].text) for _ in range(gen.params.n)]
+                if state.reasoning else None)
     async for _, ro in gen:
         for c in ro.outputs:
             if not c.text and not c.token_ids and c.finish_reason is None:
@@ -237,7 +267,16 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
                               "finish_reason": None}])
             logprobs = (chat_logprobs(state.tokenizer, c.token_ids, c.logprobs or [], top_n)
                         if req.logprobs else None)
-            for choice in _stream_choices(c, tool_streams[c.index], logprobs):
+            text = c.text
+            if thinking is not None:
+                reasoning, text = _split_delta(thinking[c.index], c.text, c.finish_reason is not None)
+                if reasoning:
+                    yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning, "reasoning": reasoning},
+                                  "logprobs": logprobs, "finish_reason": None}])
+                    logprobs = None
+                if not text and c.finish_reason is None and logprobs is None:
+                    continue
+            for choice in _stream_choices(c, text, tool_streams[c.index], logprobs):
                 if choice["finish_reason"] is not None:
                     choice["stop_reason"] = c.stop_reason
                     yield with_kv_transfer_params(chunk([choice]), gen)

@@ -230,17 +230,25 @@ def message_item(item_id: str, status: str, content: list[dict]) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A reasoning model's thinking (--reasoning-parser), as OpenAI's Responses API returns open models' reasoning."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if text else []}
+
+
 def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
     return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
 
 
 def output_items(message: dict, finish_reason: Optional[str]) -> list[dict]:
-    """A chat message as output items: its text as a message item (also when empty and nothing else came), then
-    one function_call item per tool call."""
+    """A chat message as output items: its reasoning (if any) as a reasoning item, its text as a message item
+    (also when empty and nothing else came), then one function_call item per tool call."""
     status = "incomplete" if finish_reason == "length" else "completed"
     text, calls = message.get("content") or "", message.get("tool_calls") or []
-    items = [message_item(new_id("msg"), status, [text_part(text)])] if text or not calls else []
+    items = [reasoning_item(new_id("rs"), message["reasoning_content"], status)] \
+        if message.get("reasoning_content") else []
+    items += [message_item(new_id("msg"), status, [text_part(text)])] if text or not calls else []
     for c in calls:
         items.append(function_call_item(new_id("fc"), c.get("id") or new_id("call"), c["function"]["name"],
                                         c["function"].get("arguments") or "", status))
@@ -282,8 +290,10 @@ class StreamTranslator:
         self.ctx = ctx
         self.seq = 0
         self.output: list[Optional[dict]] = []  # finished items by output index (None while open)
+        self.reasoning: Optional[_OpenText] = None  # the open reasoning item (--reasoning-parser)
         self.text: Optional[_OpenText] = None
         self.calls: dict[int, _OpenCall] = {}  # by the chat tool call's index
+        self.answered = False  # a message or function_call item was opened
         self.finish_reason: Optional[str] = None
         self.usage: Optional[dict] = None
 
@@ -301,6 +311,8 @@ class StreamTranslator:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning_delta(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text_delta(delta["content"])
             for tc in delta.get("tool_calls") or []:
@@ -310,7 +322,7 @@ class StreamTranslator:
         return events
 
     def finish(self) -> list[dict]:
-        events = self._text_delta("") if not self.output else []  # nothing came: an empty message, as unstreamed
+        events = self._text_delta("") if not self.answered else []  # no answer: an empty message, as unstreamed
         events += self._close_all()
         status, incomplete = finish_status(self.finish_reason)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
@@ -325,10 +337,32 @@ class StreamTranslator:
     def _item_status(self) -> str:
         return "incomplete" if self.finish_reason == "length" else "completed"
 
+    def _reasoning_delta(self, delta: str) -> list[dict]:
+        events = []
+        if self.reasoning is None:
+            r = self.reasoning = _OpenText(len(self.output), new_id("rs"))
+            self.output.append(None)
+            events.append(self._event("response.output_item.added", output_index=r.index,
+                                      item=reasoning_item(r.id, "", "in_progress")))
+        r = self.reasoning
+        r.text += delta
+        return events + [self._event("response.reasoning_text.delta", item_id=r.id, output_index=r.index,
+                                     content_index=0, delta=delta)]
+
+    def _close_reasoning(self) -> list[dict]:
+        r, self.reasoning = self.reasoning, None
+        if r is None:
+            return []
+        item = self.output[r.index] = reasoning_item(r.id, r.text, self._item_status())
+        return [self._event("response.reasoning_text.done", item_id=r.id, output_index=r.index, content_index=0,
+                            text=r.text),
+                self._event("response.output_item.done", output_index=r.index, item=item)]
+
     def _text_delta(self, delta: str) -> list[dict]:
         events = []
         if self.text is None:
-            events += self._close_calls()
+            events += self._close_reasoning() + self._close_calls()
+            self.answered = True
             t = self.text = _OpenText(len(self.output), new_id("msg"))
             self.output.append(None)
             events += [self._event("response.output_item.added", output_index=t.index,
@@ -347,7 +381,8 @@ class StreamTranslator:
         fn = tc.get("function") or {}
         call = self.calls.get(tc.get("index", 0))
         if call is None:
-            events += self._close_text()
+            events += self._close_reasoning() + self._close_text()
+            self.answered = True
             call = _OpenCall(len(self.output), new_id("fc"), tc.get("id") or new_id("call"), fn.get("name") or "")
             self.calls[tc.get("index", 0)] = call
             self.output.append(None)
@@ -383,7 +418,7 @@ class StreamTranslator:
         return events
 
     def _close_all(self) -> list[dict]:
-        return self._close_text() + self._close_calls()
+        return self._close_reasoning() + self._close_text() + self._close_calls()
 
 
 def sse_event(event: dict) -> bytes:

@@ -69,7 +69,8 @@ class StructuredOutputManager:
     """Engine-side, owned by the scheduler. Compiles each new grammar in a background thread (xgrammar
     releases the GIL), so a new schema never stalls the requests already running; keeps one matcher per
     constrained request; gives each sampled row its allowed-token bitmask and advances the matcher with the
-    sampled token. Nothing is loaded until the first constrained request arrives."""
+    sampled token. A reasoning model's request (so.reasoning_end) is left free until it has closed its
+    reasoning. Nothing is loaded until the first constrained request arrives."""
 
     def __init__(self, tokenizer_path: Optional[str], vocab_size: int) -> None:
         self.tokenizer_path = tokenizer_path
@@ -78,6 +79,9 @@ class StructuredOutputManager:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._grammars: dict[tuple[str, str], Future] = {}
         self._matchers: dict[str, object] = {}
+        # so.reasoning_end requests: request id -> its last output tokens while its reasoning is open, None
+        # once the closing tag has been generated (the grammar runs from there)
+        self._tails: dict[str, Optional[list[int]]] = {}
 
     def submit(self, so: StructuredOutputsParams) -> None:
         """Start compiling so's grammar (once per distinct grammar). Raises ValueError when structured output
@@ -133,7 +137,10 @@ class StructuredOutputManager:
 
     def bitmask(self, request_id: str, so: StructuredOutputsParams) -> Optional[torch.Tensor]:
         """[ceil(V/32)] int32 allowed-token bits for the request's next sampled token (its grammar is ready);
-        None once the grammar has terminated (e.g. ignore_eos): nothing is left to constrain."""
+        None while the request is still reasoning (so.reasoning_end not generated yet), and once the grammar
+        has terminated (e.g. ignore_eos): nothing is left to constrain."""
+        if self._reasoning(request_id, so):
+            return None
         m = self._matcher(request_id, so)
         if m.is_terminated():
             return None
@@ -147,9 +154,28 @@ class StructuredOutputManager:
             m = self._matchers[request_id] = _xgr().GrammarMatcher(self._grammars[so.key].result())
         return m
 
+    def _reasoning(self, request_id: str, so: StructuredOutputsParams) -> bool:
+        return bool(so.reasoning_end) and self._tails.setdefault(request_id, []) is not None
+
+    def _past_reasoning(self, request_id: str, tokens: list[int], so: StructuredOutputsParams) -> list[int]:
+        """The tokens the grammar sees: those after the reasoning's closing tag (none while it is open). The
+        last len(tag) - 1 tokens are kept so that a tag sampled across two steps is found."""
+        if not self._reasoning(request_id, so):
+            return tokens
+        end, seen = so.reasoning_end, self._tails[request_id] + tokens
+        for k in range(len(seen) - len(end) + 1):
+            if seen[k:k + len(end)] == end:
+                self._tails[request_id] = None
+                return seen[k + len(end):]
+        self._tails[request_id] = seen[len(seen) - len(end) + 1:] if len(end) > 1 else []
+        return []
+
     def accept(self, request_id: str, tokens: list[int], so: StructuredOutputsParams) -> None:
         """Advance the request's matcher over its new output tokens (sampled here, or a prefill instance's
         first token: then its matcher starts here); its grammar is compiled."""
+        tokens = self._past_reasoning(request_id, tokens, so)
+        if not tokens:
+            return
         m = self._matcher(request_id, so)
         for t in tokens:
             if not m.is_terminated() and not m.accept_token(t):
@@ -157,3 +183,4 @@ class StructuredOutputManager:
 
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._tails.pop(request_id, None)

@@ -1,0 +1,113 @@
+"""Reasoning output (`--reasoning-parser`): a thinking model's text split into its reasoning and its answer,
+whole (`split`) or as it streams (`ReasoningStream`), so that chat completions carry the thinking in
+`message.reasoning_content` (and `reasoning`) and the Responses API in a reasoning item.
+
+Both parsers read `<think> ... </think>`, as their models write it, and where the output starts comes from the
+prompt's end (ReasoningParser.state_after):
+- qwen3: the model opens the block itself (`<think>` leads its output); with `enable_thinking` false the
+  template puts an empty block in the prompt and the output is all answer. An output that does not open a
+  block is all answer. (Templates that open the block in the prompt, as Qwen3's 2507 thinking models' do,
+  want deepseek_r1.)
+- deepseek_r1: the template ends the prompt inside the block (`<think>\\n`), so the output starts in the
+  reasoning (a leading `<think>`, which older checkpoints still write, is dropped); text up to `</think>` is
+  reasoning, and an output cut before it is all reasoning.
+Tool calls and structured output apply to the answer only: the tool parsers read the answer text, and a
+grammar starts once the model has closed its reasoning (`reasoning_end`, structured/manager.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    starts_in_reasoning: bool  # the prompt leaves the model inside the block
+    start: str = "<think>"
+    end: str = "</think>"
+
+    def split(self, text: str, prompt: str = "") -> tuple[Optional[str], Optional[str]]:
+        """(reasoning, answer) of a whole output of `prompt`; None where a part is absent or empty."""
+        stream = ReasoningStream(self, prompt)
+        reasoning, answer = stream.feed(text)
+        more_reasoning, more_answer = stream.finish()
+        return (reasoning + more_reasoning) or None, (answer + more_answer) or None
+
+    def state_after(self, prompt: str) -> str:
+        """Where the output of `prompt` starts: 'answer' when the prompt ends by closing the reasoning (qwen3
+        with enable_thinking false), 'reasoning' when it left a block open (deepseek_r1's template), else 'open'
+        (a leading start tag opens one; deepseek_r1 reads an untagged output as reasoning)."""
+        if prompt.rstrip().endswith(self.end):
+            return "answer"
+        return "reasoning" if prompt.rfind(self.start) > prompt.rfind(self.end) else "open"
+
+
+PARSERS = {p.name: p for p in (ReasoningParser("qwen3", starts_in_reasoning=False),
+                               ReasoningParser("deepseek_r1", starts_in_reasoning=True))}
+
+
+def get_parser(name: Optional[str]) -> Optional[ReasoningParser]:
+    if name is None:
+        return None
+    if name not in PARSERS:
+        raise ValueError(f"unknown --reasoning-parser {name!r}; choose one of {', '.join(PARSERS)}")
+    return PARSERS[name]
+
+
+class ReasoningStream:
+    """Splits an output as it arrives: feed(delta) -> (reasoning delta, answer delta). A possible tag cut by a
+    delta boundary is held back until the next delta shows what it is (finish() lets it out)."""
+
+    def __init__(self, parser: ReasoningParser, prompt: str = "") -> None:
+        self.p = parser
+        self.state = parser.state_after(prompt)  # "open" (a leading start tag may come), "reasoning", "answer"
+        self.held = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text, self.held = self.held + delta, ""
+        reasoning, answer = [], []
+        while text:
+            if self.state == "open":
+                if self.p.start.startswith(text):  # still possibly the opening tag
+                    self.held = text
+                    break
+                opened = text.startswith(self.p.start)
+                if opened:
+                    text = text[len(self.p.start):]
+                self.state = "reasoning" if opened or self.p.starts_in_reasoning else "answer"
+            elif self.state == "reasoning":
+                text = self._reasoning(text, reasoning)
+            else:
+                answer.append(text)
+                text = ""
+        return "".join(reasoning), "".join(answer)
+
+    def _reasoning(self, text: str, out: list[str]) -> str:
+        """Emit reasoning up to the closing tag (or up to a possible start of it); returns what follows it."""
+        end = text.find(self.p.end)
+        if end >= 0:
+            out.append(text[:end])
+            self.state = "answer"
+            return text[end + len(self.p.end):]
+        keep = _partial_suffix(text, self.p.end)
+        out.append(text[:len(text) - keep])
+        self.held = text[len(text) - keep:]
+        return ""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output has ended."""
+        held, self.held = self.held, ""
+        if self.state == "reasoning" or (self.state == "open" and self.p.starts_in_reasoning):
+            return held, ""
+        if self.state == "open" and held == self.p.start:  # an output of just the opening tag
+            return "", ""
+        return "", held
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
