@@ -80,7 +80,8 @@ def layer_window(hf_config: Any, layer_idx: int) -> Optional[int]:
 
 def layer_windows(hf_config: Any) -> list[Optional[int]]:
     """Every decoder layer's window (layer_window)."""
-    n = (hf_config.get("num_hidden_layers") if isinstance(hf_config, dict) else hf_config.num_hidden_layers) or 0
+    n = (hf_config.get("num_hidden_layers") if isinstance(hf_config, dict)
+         else getattr(hf_config, "num_hidden_layers", None)) or 0
     return [layer_window(hf_config, i) for i in range(n)]
 
 

@@ -146,7 +146,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
-                            s.num_preemptions, kv.pool.num_free, kv.num_blocks, kv.num_external_queries,
+                            s.num_preemptions, kv.pool.num_free, kv.num_usable_blocks, kv.num_external_queries,
                             kv.num_external_hits, s.num_prompt_tokens_computed)
         if s.spec is not None:
             c = s.spec.counters

@@ -2,8 +2,9 @@
 
 Per step: input_ids[T], positions[T], slot_mapping[T], query_start_loc[B+1], seq_lens[B], block_table[B, nb]
 (a slot mapping and block table per KV group: step/kv_groups.py) are packed with numpy (no per-token Python),
-logits are computed only for rows that sample or report prompt logprobs. A request with k draft tokens runs them as its last k query tokens; its last k + 1 rows
-get logits and go through the rejection sampler instead of the plain sampler.
+logits are computed only for rows that sample or report prompt logprobs. A request with k draft tokens runs
+them as its last k query tokens; its last k + 1 rows get logits and go through the rejection sampler instead
+of the plain sampler.
 """
 from __future__ import annotations
 
