@@ -44,9 +44,10 @@ def _variant(src: str, dst: str, **changes) -> str:
 
 def test_greedy_matches_transformers_with_chunking_and_preemption(tiny):
     path = tiny("gemma3")
-    # test_model_exactness's setting: prompts of 1..300 tokens (the window is 24) in 64-token steps, and 24
-    # blocks of 16 for ~800 tokens of work, so preemption is certain
-    llm = LLM(path, dtype="float32", num_gpu_blocks_override=24, block_size=16, max_num_batched_tokens=64)
+    # test_model_exactness's setting: prompts of 1..300 tokens (the window is 24) in 64-token steps, and a cache
+    # too small for ~800 tokens of work, so preemption is certain: 40 blocks of 16 tokens and one layer slot (KV
+    # groups: the local layers give back what leaves their window, so 24 blocks of all 3 layers no longer preempt)
+    llm = LLM(path, dtype="float32", num_gpu_blocks_override=40, block_size=16, max_num_batched_tokens=64)
     prompts = _prompts(llm.config.model.hf_config.vocab_size)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
@@ -160,7 +161,8 @@ def test_tensor_parallel_matches_one_rank(tiny):
 
 def test_plan_preset_counts_what_transformers_builds():
     """tokenmill plan's Gemma-3-27B: the parameters of transformers' own model of that config (built on the meta
-    device), and KV bytes for every layer (the cache keeps the local layers' blocks past the window for now)."""
+    device), and a token's KV bytes in every layer (a sequence's count the local layers only up to the window:
+    tests/test_kv_groups.py)."""
     import transformers
 
     from tokenmill.models.shape import load_model_shape

@@ -29,7 +29,7 @@ def test_messages_round_trip():
     sp = SamplingParams(temperature=0.5, seed=3, logit_bias={5: -1.0}, stop_token_ids=[7])
     so = step.SchedulerOutput(
         new_requests=[step.NewRequest("a", [1, 2, 3], sp, 2, [])],
-        scheduled=[step.ScheduledRequest("a", [1, 2, 3], 0, [4, 9], [], True, token_bitmask=b"\xff" * 8)],
+        scheduled=[step.ScheduledRequest("a", [1, 2, 3], 0, [[4, 9], [5, 0]], [], True, token_bitmask=b"\xff" * 8)],
         finished_req_ids=["z"], num_batched_tokens=3,
         kv_connector_plan=step.ConnectorPlan(
             offload=OffloadPlan(disk_ops=[("write", b"h" * 16, 3)], saves=[(1, 2)], loads=[(0, 4)]),
@@ -52,10 +52,10 @@ def test_worker_copy_follows_deltas():
     states = RequestStates()
     sp = SamplingParams()
     states.apply(step.SchedulerOutput(new_requests=[step.NewRequest("a", [1, 2], sp, None, [])],
-                                      scheduled=[step.ScheduledRequest("a", [1, 2], 0, [7], [], True, new=True)]))
-    states.apply(step.SchedulerOutput(scheduled=[step.ScheduledRequest("a", [5], 2, [8], [5], True)]))
+                                      scheduled=[step.ScheduledRequest("a", [1, 2], 0, [[7]], [], True, new=True)]))
+    states.apply(step.SchedulerOutput(scheduled=[step.ScheduledRequest("a", [5], 2, [[8]], [5], True)]))
     st = states["a"]
-    assert st.block_ids == [7, 8] and st.output_token_ids == [5] and st.tokens_before(3) == [1, 2, 5]
+    assert st.block_ids == [[7, 8]] and st.output_token_ids == [5] and st.tokens_before(3) == [1, 2, 5]
     states.apply(step.SchedulerOutput(finished_req_ids=["a"]))
     assert "a" not in states
 

@@ -61,6 +61,30 @@ POOLING_METHODS = ("mean", "cls", "last")
 TASKS = ("auto", "generate", "embed")
 
 
+def layer_window(hf_config: Any, layer_idx: int) -> Optional[int]:
+    """Decoder layer layer_idx's sliding window (None: full attention), read as transformers reads the config:
+    `layer_types` where it is given (Gemma 3; Qwen2's max_window_layers), else `sliding_window` on every layer
+    unless `use_sliding_window` is False (Qwen2). Takes a config object or its dict (tokenmill plan)."""
+    if isinstance(hf_config, dict):
+        get = hf_config.get
+    else:
+        def get(key: str, default: Any = None) -> Any:
+            return getattr(hf_config, key, default)
+    window, layer_types = get("sliding_window"), get("layer_types")
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if get("use_sliding_window", True) is False:
+        return None
+    return window
+
+
+def layer_windows(hf_config: Any) -> list[Optional[int]]:
+    """Every decoder layer's window (layer_window)."""
+    n = (hf_config.get("num_hidden_layers") if isinstance(hf_config, dict)
+         else getattr(hf_config, "num_hidden_layers", None)) or 0
+    return [layer_window(hf_config, i) for i in range(n)]
+
+
 @dataclass
 class PoolerConfig:
     """--task embed: a prompt's final hidden states -> one vector (vLLM's pooling runner). An encoder
@@ -155,6 +179,9 @@ class CacheConfig:
     kv_offloading_size: Optional[float] = None
     kv_offloading_disk_dir: Optional[str] = None
     kv_offloading_disk_size: float = 50.0
+    # One KV group of every layer even where sliding-window layers could free the blocks that left their window
+    # (step/kv_groups.py; vLLM's flag): the window then only masks, as before KV groups.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def validate(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -622,6 +649,7 @@ class EngineConfig:
             gguf_weights=getattr(a, "gguf_weights", "auto"),
             kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
             kv_offloading_disk_size=a.kv_offloading_disk_size,
+            disable_hybrid_kv_cache_manager=getattr(a, "disable_hybrid_kv_cache_manager", False),
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             step_records=getattr(a, "no_dashboard", None) is False,  # serve's dashboard is on
@@ -711,6 +739,9 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="a disk tier below the host-RAM one: blocks the host tier evicts go to files "
                         "(checksummed) in a private folder under PATH, removed at exit")
     p.add_argument("--kv-offloading-disk-size", default=50.0, help="GiB of disk for that tier (default 50)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every block of sliding-window layers (one KV group of all layers; the window only "
+                        "masks) instead of freeing the blocks that left the window")
 
 
 def _add_quantization_args(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import msgspec
 
@@ -49,19 +49,22 @@ def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size:
 
 
 def check_fits(prompt_len: int, sp: SamplingParams, max_model_len: int, block_size: int, num_blocks: int,
-               pooling: bool = False) -> None:
+               pooling: bool = False, blocks_for: Optional[Callable[[int], int]] = None) -> None:
     """Reject at once what could never run, rather than letting it wait forever (the scheduler on admission,
     and the API process before anything streams). pooling (--task embed): the prompt is all a request runs,
-    and it may fill the whole context."""
+    and it may fill the whole context. blocks_for(tokens): the most blocks a request of that many tokens holds at
+    once (KV groups: step/kv_groups.py; default one block per block_size tokens)."""
+    blocks_for = blocks_for or (lambda n: -(-n // block_size))
     if prompt_len == 0:
         raise ValueError("the prompt is empty; it must contain at least one token")
     if pooling:
         if prompt_len > max_model_len:
             raise ValueError(f"the input has {prompt_len} tokens, but the model's maximum is {max_model_len}; "
                              "shorten it or set truncate_prompt_tokens")
-        if -(-prompt_len // block_size) > num_blocks:
-            raise ValueError(f"the input needs {prompt_len} tokens of KV cache but the whole cache holds "
-                             f"{num_blocks * block_size}; raise --kv-cache-memory-bytes")
+        if blocks_for(prompt_len) > num_blocks:
+            raise ValueError(f"the input needs {prompt_len} tokens of KV cache ({blocks_for(prompt_len)} blocks) but "
+                             f"the whole cache holds {num_blocks} blocks of {block_size} tokens; "
+                             "raise --kv-cache-memory-bytes")
         return
     if prompt_len >= max_model_len:
         raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context length is "
@@ -70,10 +73,10 @@ def check_fits(prompt_len: int, sp: SamplingParams, max_model_len: int, block_si
         raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({sp.max_tokens}) = "
                          f"{prompt_len + sp.max_tokens} exceeds the context length {max_model_len}")
     max_total = prompt_len + (sp.max_tokens if sp.max_tokens is not None else max_model_len - prompt_len)
-    blocks = -(-max_total // block_size)
+    blocks = blocks_for(max_total)
     if blocks > num_blocks:
         raise ValueError(f"the request needs up to {max_total} tokens of KV cache ({blocks} blocks) but the "
-                         f"whole cache holds {num_blocks * block_size} tokens; "
+                         f"whole cache holds {num_blocks} blocks of {block_size} tokens; "
                          "raise --kv-cache-memory-bytes or lower max_tokens")
 
 
@@ -126,7 +129,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # hash chain over full blocks of all_token_ids
         self.num_preemptions = 0
         self.num_prompt_logprobs_done = 0  # prompt positions whose logprobs were reported
-        # The worker's copy (tokenmill/step/): block ids and output tokens sent to it since admission
+        # The worker's copy (tokenmill/step/): block ids (per KV group: as many in each) and output tokens sent
+        # to it since admission
         self.num_blocks_sent = 0
         self.num_outputs_sent = 0
         sp = self.sampling_params

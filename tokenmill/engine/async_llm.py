@@ -32,6 +32,7 @@ from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, eng
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup import Ledger, timed
+from tokenmill.step.kv_groups import kv_layout
 
 logger = logging.getLogger("tokenmill")
 
@@ -56,6 +57,7 @@ class AsyncLLM:
         overlap). ledger (startup.Ledger) gets the "tokenizer" phase; the engine's own phases arrive with its
         ready message (self.ready.startup)."""
         self.config = config
+        self.kv_layout = kv_layout(config)  # KV groups, as the engine's scheduler has them (for check_fits)
         self.stat_logger = stat_logger  # duck-typed: serve.metrics.ServerMetrics
         self.unscheduled: set[str] = set()  # engine ids sent but not yet run: the waiting queue as we know it
         self.stats: Optional[EngineStats] = None
@@ -292,9 +294,9 @@ class AsyncLLM:
         """The checks EngineCore.add_request makes, run here too so that a bad request is refused before
         anything streams. (The engine still checks, and reports a rejection if it disagrees.)"""
         check_token_ids(prompt_ids, params, self.ready.vocab_size)
-        r = self.ready
-        check_fits(len(prompt_ids), params, r.max_model_len, r.block_size, r.num_blocks,
-                   self.config.model.pooler is not None)
+        r, layout, chunk = self.ready, self.kv_layout, self.config.scheduler.max_num_batched_tokens
+        check_fits(len(prompt_ids), params, r.max_model_len, r.block_size, layout.usable_blocks(r.num_blocks),
+                   self.config.model.pooler is not None, lambda n: layout.max_blocks(n, r.block_size, chunk))
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                     queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,

@@ -42,6 +42,9 @@ class EngineCore:
                         f", disk {cc.kv_offloading_disk_size:.4g} GiB under {cc.kv_offloading_disk_dir}"
                         if cc.kv_offloading_disk_dir else "")
         self.scheduler = Scheduler(config, num_blocks, connector)
+        layout = self.scheduler.kv_layout
+        if layout.frees_blocks or layout.one_group_reason:  # a model with sliding-window layers
+            logger.info("KV groups: %s", layout.describe())
         self.vocab_size = config.model.hf_config.vocab_size
         self.num_failed_steps = 0  # in a row; past MAX_FAILED_STEPS the engine itself is broken
         self.step_stats = None
@@ -143,7 +146,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
-                            s.num_preemptions, kv.pool.num_free, kv.num_blocks, kv.num_external_queries,
+                            s.num_preemptions, kv.pool.num_free, kv.num_usable_blocks, kv.num_external_queries,
                             kv.num_external_hits, s.num_prompt_tokens_computed)
         if s.spec is not None:
             c = s.spec.counters

@@ -6,6 +6,9 @@ is just "tokens it has minus tokens with KV", so prefill chunks and decodes are 
 When blocks run out the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed (prefix cache permitting, cheaply).
 
+KV groups (step/kv_groups.py): a request has a block list per group of layers; after each step, sliding-window
+groups give back the blocks no later query can see (update), and allocation counts the blocks every group needs.
+
 Speculative decoding: a decoding request with pending drafts runs them after its last token (k + 1 query
 tokens, under the same budget); their slots are allocated like any other (plus lookahead slots a
 KV-keeping drafter writes ahead), but only verified tokens ever enter the prefix cache. After the step the
@@ -47,6 +50,7 @@ from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode.controller import SpecController
 from tokenmill.step import NewRequest, ScheduledRequest, SchedulerOutput
+from tokenmill.step.kv_groups import kv_layout
 from tokenmill.structured import StructuredOutputManager
 
 logger = logging.getLogger("tokenmill")
@@ -63,8 +67,9 @@ class Scheduler:
         self.pooler = config.model.pooler
         self.whole_prompts = self.pooler is not None and self.pooler.whole_prompt
         self.connector = connector
+        self.kv_layout = kv_layout(config)  # the layers' KV groups (the workers compute the same)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
-                                 connector.on_evict if connector is not None else None)
+                                 connector.on_evict if connector is not None else None, self.kv_layout.windows)
         self.waiting: deque[Request] = deque()
         self.loading: list[Request] = []  # waiting for a KV connector's background transfers
         self.compiling: list[Request] = []  # waiting for their grammar to compile
@@ -90,7 +95,12 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------
     def check_fits(self, prompt_len: int, sp: SamplingParams) -> None:
-        check_fits(prompt_len, sp, self.max_model_len, self.block_size, self.kv.num_blocks, self.pooler is not None)
+        check_fits(prompt_len, sp, self.max_model_len, self.block_size, self.kv.num_usable_blocks,
+                   self.pooler is not None, self.blocks_for)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once (over all its KV groups)."""
+        return self.kv_layout.max_blocks(num_tokens, self.block_size, self.max_num_batched_tokens)
 
     def add_request(self, request: Request) -> None:
         """Raises ValueError (nothing queued) if the request's grammar cannot even start compiling."""
@@ -301,7 +311,7 @@ class Scheduler:
                     break
             self.waiting.popleft()
             if self.connector is not None:
-                first = len(hits)  # a hit may end inside a block (the prompt's last, from another instance)
+                first = num_hit // self.block_size  # the external hit may end inside a block (the prompt's last)
                 self.connector.on_allocated(
                     req, self.kv.block_ids(req.request_id, first)[:-(-num_ext // self.block_size)])
                 self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
@@ -324,9 +334,9 @@ class Scheduler:
             out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_id,
                                                req.output_token_ids))
             req.num_blocks_sent = req.num_outputs_sent = 0
-        new_blocks = self.kv.block_ids(req.request_id, req.num_blocks_sent)
+        new_blocks = self.kv.new_block_ids(req.request_id, req.num_blocks_sent)  # per KV group, as many each
         new_outputs = req.all_token_ids[req.num_prompt_tokens + req.num_outputs_sent:] if not new else []
-        req.num_blocks_sent += len(new_blocks)
+        req.num_blocks_sent += len(new_blocks[0]) if new_blocks else 0
         req.num_outputs_sent = req.num_output_tokens
         sample = start + n == req.num_tokens
         bitmask = None
@@ -469,7 +479,17 @@ class Scheduler:
         if self.spec is not None and sched.scheduled:
             self.spec.observe_step(sched.num_batched_tokens, sched.num_decodes, sched.spec_k,
                                    sched.num_draft_tokens, step_seconds)
+        if self.kv_layout.frees_blocks:
+            self._free_out_of_window(sched)
         return outs
+
+    def _free_out_of_window(self, sched: SchedulerOutput) -> None:
+        """The step's requests that run on give back the blocks of sliding-window layers that no later query
+        sees (num_computed_tokens is final now: rejected drafts are rolled back)."""
+        for s in sched.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.kv.free_out_of_window(req)
 
     def _back(self, sched: SchedulerOutput) -> None:
         """sched's result is in: its requests may be scheduled again, and those that finished meanwhile

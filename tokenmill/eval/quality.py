@@ -87,14 +87,19 @@ class _Scorer:
         self.worker = Worker(config)
         self.block_size = config.cache.block_size
         self.max_len = config.model.max_model_len
-        self.worker.initialize_cache(-(-self.max_len // self.block_size))
+        # each KV group (step/kv_groups.py) gets blocks of its own for the longest sequence
+        self.blocks_per_group = -(-self.max_len // self.block_size)
+        self.worker.initialize_cache(len(self.worker.kv_layout.groups) * self.blocks_per_group)
 
     @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         L = len(ids)
-        table = np.arange(-(-L // self.block_size), dtype=np.int64)[None, :]
-        input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), table,
-                                        self.block_size, self.worker.model.embed_tokens.weight.device)
+        layout, nb = self.worker.kv_layout, -(-L // self.block_size)
+        tables = np.stack([np.arange(g * self.blocks_per_group, g * self.blocks_per_group + nb, dtype=np.int64)[None, :]
+                           for g in range(len(layout.groups))])  # [G, 1, nb]
+        input_ids, meta, _ = flat_batch(np.asarray(ids, dtype=np.int64), np.array([L]), np.array([0]), tables,
+                                        self.block_size, self.worker.model.embed_tokens.weight.device,
+                                        layout.layer_group)
         model = self.worker.model
         batch_invariant.enable(self.decode_kernels)
         try:

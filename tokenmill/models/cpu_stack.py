@@ -233,6 +233,8 @@ def _model_mismatch(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
     """The model feature (or cache layout) the stack does not implement, or None."""
     if not kv_caches or len(kv_caches) != len(model.layers):
         return "no KV cache per layer"
+    if len({kv.data_ptr() for kv in kv_caches}) != len(kv_caches):  # the stack reads one block table for all
+        return "layers share KV tensors (KV groups of different windows)"
     first = model.layers[0].self_attn
     if not isinstance(first.backend, PagedAttentionBackend) or first.backend.kernel is None:
         return f"attention backend {first.backend.name} has no paged C kernel"

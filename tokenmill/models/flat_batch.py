@@ -1,7 +1,8 @@
 """Packing a step's requests into the flat batch of DESIGN.md §3 (shared by the model runner and drafters).
 
 input_ids[T], positions[T], slot_mapping[T], query_start_loc[B+1], seq_lens[B], block_table[B, nb], all
-built with numpy: no per-token Python.
+built with numpy: no per-token Python. With KV groups (step/kv_groups.py), a block table and slot mapping per
+group, each in its own AttentionMetadata (meta.for_layer picks a layer's).
 """
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ def block_table_array(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
     return table
 
 
+def group_block_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+    """[G, B, nb] from each request's block ids per KV group (a request has as many in every group)."""
+    return np.stack([block_table_array([groups[g] for groups in block_ids]) for g in range(len(block_ids[0]))])
+
+
 def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, block_table: np.ndarray,
-               block_size: int, device: torch.device):
-    """input_ids [T] (already packed); qlens/starts [B]; block_table [B, nb].
-    Returns (input_ids tensor, AttentionMetadata, query_start_loc as numpy [B+1])."""
+               block_size: int, device: torch.device, layer_group: Sequence[int] = ()):
+    """input_ids [T] (already packed); qlens/starts [B]; block_table [B, nb], or [G, B, nb] for G KV groups
+    with layer_group (model layer index -> group). Returns (input_ids tensor, AttentionMetadata (group 0's),
+    query_start_loc as numpy [B+1])."""
     B = len(qlens)
     qsl = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(qlens, out=qsl[1:])
@@ -32,8 +39,14 @@ def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, blo
     seq_lens = starts + qlens
     req_of_tok = np.repeat(np.arange(B), qlens)
     positions = starts[req_of_tok] + (np.arange(T) - qsl[req_of_tok])
-    slots = block_table[req_of_tok, positions // block_size] * block_size + positions % block_size
+    tables = block_table if block_table.ndim == 3 else block_table[None]
+    slots = tables[:, req_of_tok, positions // block_size] * block_size + positions % block_size  # [G, T]
     to = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
-    meta = AttentionMetadata(positions=to(positions), slot_mapping=to(slots), block_table=to(block_table),
-                             query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(), block_size=block_size)
-    return to(np.ascontiguousarray(input_ids, dtype=np.int64)), meta, qsl
+    grouped = len(tables) > 1
+    metas: list[AttentionMetadata] = []  # filled below: every group's metadata holds this one list
+    common = dict(positions=to(positions), query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
+                  block_size=block_size, cache={}, layer_group=tuple(layer_group) if grouped else (),
+                  group_metas=metas if grouped else [])
+    metas.extend(AttentionMetadata(slot_mapping=to(slots[g]), block_table=to(tables[g]), kv_group=g, **common)
+                 for g in range(len(tables)))
+    return to(np.ascontiguousarray(input_ids, dtype=np.int64)), metas[0], qsl

@@ -3,7 +3,7 @@ Llama decoder's pieces. Semantics follow transformers' modeling_gemma3.py:
 
 - Layers interleave sliding-window (local) and full (global) attention (`layer_types`; transformers derives it
   from the older `sliding_window_pattern`), each type with its own rope (llama.py builds one table per type:
-  layers/rotary.rope_layer_type). The window is llama.py's per-layer `_layer_window`.
+  layers/rotary.rope_layer_type). The window is config.layer_window's.
 - Every norm is Gemma's (1 + w) RMSNorm (layers/norm.GemmaRMSNorm), q and k included, and a layer has four:
   input and post-attention around the attention, pre- and post-feedforward around the MLP; the residual adds
   the post-norms' outputs. Here the add is left to the next norm, as in llama.py: the layer returns
@@ -14,8 +14,8 @@ Llama decoder's pieces. Semantics follow transformers' modeling_gemma3.py:
 - final_logit_softcapping, where set, caps the logits (cap * tanh(logits / cap)); Gemma 3 sets none.
   attn_logit_softcapping (Gemma 2's) and bidirectional attention are refused.
 
-The KV cache still holds every token of the local layers; freeing blocks that left the window is the KV
-manager's later step.
+The local and global layers are in separate KV groups (step/kv_groups.py): the local layers' blocks go back to
+the pool as they leave the window.
 """
 from __future__ import annotations
 

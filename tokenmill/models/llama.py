@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from tokenmill.config import layer_window
 from tokenmill.distributed import IntermediateTensors, stage_layers, state, tp_size
 from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
@@ -21,16 +22,6 @@ from tokenmill.layers.linear import (ColumnParallelLinear, QKVParallelLinear, Ro
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, rope_layer_type
 from tokenmill.models.cpu_stack import CpuStack
-
-
-def _layer_window(config, layer_idx: int) -> Optional[int]:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
 
 
 def _heads_divide(config, tp: int) -> bool:
@@ -56,8 +47,8 @@ class Attention(nn.Module):
         replicated = attention_tp_size(config) == 1
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scale = self.head_dim ** -0.5
-        self.window = _layer_window(config, layer_idx)
-        self.layer_idx = layer_idx
+        self.window = layer_window(config, layer_idx)
+        self.layer_idx = layer_idx  # of the whole model: it names the layer's KV group (meta.for_layer)
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         hd = self.head_dim
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -94,7 +85,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k, meta.cache)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.window, self.kv_quant)
+        o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.layer_idx), self.scale, self.window,
+                                 self.kv_quant)
         return self.o_proj(o.reshape(T, q_size))
 
 

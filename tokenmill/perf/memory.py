@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from tokenmill.config import layer_windows
 from tokenmill.perf.gguf_bytes import GgufBytes
 
 # Bytes per element. fp4 ignores its per-group scales (a few percent); int4 is stored as ggml Q4_1 blocks (an
@@ -47,6 +48,21 @@ def dtype_bytes(name: str) -> float:
     return float(key[len(GGUF_DTYPE):]) / 8 if key.startswith(GGUF_DTYPE) else DTYPE_BYTES[key]
 
 
+def kv_groups(windows: Sequence[Optional[int]]) -> tuple[int, list[tuple[Optional[int], tuple[int, ...]]]]:
+    """How the engine's KV cache groups layers of these per-layer windows (None: full attention), as
+    (layer slots per group, [(window, layer indices)] per group): one group when every layer is of one kind;
+    else every kind split into groups of as many layers as the smallest kind has (the last one padded), full
+    attention first (step/kv_groups.py holds the layout built on this)."""
+    kinds: dict[Optional[int], list[int]] = {}
+    for i, w in enumerate(windows):
+        kinds.setdefault(w, []).append(i)
+    if len(kinds) <= 1:
+        return len(windows), [(next(iter(kinds), None), tuple(range(len(windows))))]
+    slots = min(len(layers) for layers in kinds.values())
+    order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+    return slots, [(w, tuple(kinds[w][i:i + slots])) for w in order for i in range(0, len(kinds[w]), slots)]
+
+
 @dataclass(frozen=True)
 class ModelShape:
     name: str
@@ -76,6 +92,8 @@ class ModelShape:
     v_head_dim: int = 0
     # A GGUF file's tensors in their own types: the bytes behind weight dtype "gguf" (None for other models).
     gguf: Optional[GgufBytes] = None
+    # Each layer's sliding window (None: full attention); empty when no layer has one.
+    windows: tuple[Optional[int], ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -207,10 +225,38 @@ class ModelShape:
 
     # -- KV cache ----------------------------------------------------------------------------
     def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> int:
+        """One token's K/V in every layer (what a token costs while every layer keeps it)."""
         b = dtype_bytes(kv_dtype)
         if self.is_mla:  # one latent (kv_lora_rank) plus the shared rope key per layer, not per head
             return int(self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * b)
         return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * b)
+
+    @property
+    def kv_groups(self) -> tuple[int, list[tuple[Optional[int], tuple[int, ...]]]]:
+        """The engine's KV groups for this model (kv_groups above)."""
+        return kv_groups(self.windows or (None,) * self.num_layers)
+
+    def kv_bytes_per_block_token(self, kv_dtype: str = "bf16") -> float:
+        """Bytes per token of one KV block as the engine allocates it: its layer slots' K/V (all layers when the
+        model has one kind of layer)."""
+        return self.kv_bytes_per_token(kv_dtype) * self.kv_groups[0] / self.num_layers
+
+    def kv_slots_of(self, layers: range) -> int:
+        """Layer slots the engine allocates for these layers (a pipeline stage's): the slots their KV groups use,
+        one per layer when the model has one kind of layer."""
+        slot = {layer: i for _, group in self.kv_groups[1] for i, layer in enumerate(group)}
+        return len({slot[layer] for layer in layers})
+
+    def kv_block_tokens_per_seq(self, context_len: int) -> int:
+        """Block-tokens one sequence of context_len tokens holds over the KV groups: a full group every token, a
+        sliding one at most its window."""
+        return sum(context_len if w is None else min(context_len, w) for w, _ in self.kv_groups[1])
+
+    def kv_bytes_per_seq(self, kv_dtype: str, context_len: int) -> int:
+        """KV bytes of one sequence of context_len tokens: full layers x context + sliding layers x min(context,
+        window), the sliding layers counted in whole groups as the engine allocates them (Gemma-3-27B: 52 local
+        layers in 6 groups of 10 slots)."""
+        return int(self.kv_bytes_per_block_token(kv_dtype) * self.kv_block_tokens_per_seq(context_len))
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -226,7 +272,8 @@ class ModelShape:
             raise ValueError(f"config lacks {e.args[0]!r}; tokenmill plan reads decoder-only transformer configs "
                              "(Llama, Mistral, Qwen, Mixtral, DeepSeek, Gemma 3)") from None
         mtype = cfg.get("model_type", "")
-        kw: dict[str, Any] = dict(
+        windows = tuple(layer_windows(cfg))
+        kw: dict[str, Any] = dict(windows=windows if any(w is not None for w in windows) else (),
             name=name or cfg.get("_name_or_path") or mtype or "model", hidden_size=h, num_layers=layers,
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or h // heads, intermediate_size=cfg.get("intermediate_size") or 0,
@@ -290,9 +337,8 @@ PRESETS: dict[str, dict] = {
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc",
                         tie_word_embeddings=False),
     "SmolLM2-135M": _llama(576, 30, 9, 3, 1536, vocab=49152, tie=True),
-    # Five sliding-window (1024) layers to one global. kv_bytes_per_token counts every layer for now, as the KV
-    # cache allocates them: the local layers' tokens past the window still hold blocks until the KV manager
-    # frees them (a later step), and then this shape's KV accounting should count the window there.
+    # Five sliding-window (1024) layers to one global: a sequence's KV counts the local layers' only up to the
+    # window (kv_bytes_per_seq), as the engine's KV groups free the rest.
     "Gemma-3-27B": dict(model_type="gemma3_text", hidden_size=5376, num_hidden_layers=62, num_attention_heads=32,
                         num_key_value_heads=16, head_dim=128, intermediate_size=21504, vocab_size=262208,
                         tie_word_embeddings=True, sliding_window=1024, query_pre_attn_scalar=168,
@@ -309,7 +355,7 @@ PRESET_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M", "llama-3.1-8b-instruc
 @dataclass
 class MemoryPlan:
     weight_bytes: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int         # averaged over the context (sliding-window layers keep only their window)
     kv_bytes_per_seq: int
     memory_bytes: int               # all GPUs together
     usable_bytes: int               # x memory_utilization
@@ -322,8 +368,8 @@ def memory_plan(shape: ModelShape, weight_dtype: str, kv_dtype: str, context_len
     """What fits: KV gets whatever the weights leave of `memory_utilization` of all GPUs' memory.
     min_gpus: the fewest GPUs whose memory is at least 1.5x the weights (KV headroom of half the weights)."""
     weight = shape.weight_bytes(weight_dtype)
-    kv_tok = shape.kv_bytes_per_token(kv_dtype)
-    kv_seq = kv_tok * context_len
+    kv_seq = shape.kv_bytes_per_seq(kv_dtype, context_len)
+    kv_tok = kv_seq // max(context_len, 1)  # averaged over the context (sliding layers keep only their window)
     total = gpu_memory_bytes * num_gpus
     usable = int(total * memory_utilization)
     max_seqs = max(0, (usable - weight) // kv_seq) if kv_seq else 0

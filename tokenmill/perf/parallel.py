@@ -138,23 +138,26 @@ def activation_bytes(shape: ModelShape, tp: int, tokens: int, sampled: int, weig
 
 def device_memory(shape: ModelShape, split: Split, weight_dtype: str, kv_dtype: str, device_bytes: float,
                   memory_utilization: float, context_len: int, max_batched_tokens: int, batch: int) -> dict:
-    """Per pipeline stage: weights, KV bytes per token and activations on one of its devices, and how many
-    tokens of KV fit beside them; the engine gives every rank the same number of blocks, so the tightest stage
-    sets the run's capacity."""
+    """Per pipeline stage: weights, KV bytes per token of a block (the layer slots its layers use: every layer's
+    without KV groups) and activations on one of its devices, and how many tokens of blocks fit beside them; the
+    engine gives every rank the same number of blocks, so the tightest stage sets the run's capacity (a sequence
+    holds a block-token per token in a full KV group, up to its window in a sliding one)."""
     counts = layers_per_stage(shape.num_layers, split.pp)
     kv_share = 1.0 if shape.is_mla else kv_heads_per_rank(shape, split.tp) / shape.num_kv_heads
     act = activation_bytes(shape, split.tp, max_batched_tokens, batch, weight_dtype)
-    stages = []
+    stages, first = [], 0
     for n, params in zip(counts, stage_params(shape, split)):
         weights = params * shape.bytes_per_param(weight_dtype)  # a GGUF's blocks split in proportion
-        kv_tok = shape.kv_bytes_per_token(kv_dtype) * n / shape.num_layers * kv_share
+        slots = shape.kv_slots_of(range(first, first + n))
+        kv_tok = shape.kv_bytes_per_token(kv_dtype) * slots / shape.num_layers * kv_share
         free = device_bytes * memory_utilization - weights - act
         stages.append({"layers": n, "weight_bytes": int(weights), "kv_bytes_per_token": kv_tok,
                        "activation_bytes": int(act), "kv_tokens": max(0, int(free // kv_tok))})
+        first += n
     largest = max(range(split.pp), key=lambda i: stages[i]["weight_bytes"])
     kv_tokens = min(st["kv_tokens"] for st in stages)
     return {"stages": stages, "largest_stage": largest, "kv_tokens": kv_tokens,
-            "max_concurrent_seqs": kv_tokens // context_len}
+            "max_concurrent_seqs": kv_tokens // shape.kv_block_tokens_per_seq(context_len)}
 
 
 # -- communication -----------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ class DraftRequest:
     q0: int                     # row of computed[0] in the step's flat hidden states
     next_token: Optional[int]   # token at start_pos + len(computed): the new sample, or the next prompt token
     sampled: bool               # next_token was sampled this step (no KV anywhere yet)
-    block_ids: list[int]
+    block_ids: list[int]        # the target's (a KV-keeping drafter runs with one KV group: step/kv_groups.py)
     num_propose: int            # drafts wanted for the next step (0: only keep the drafter's state in sync)
     num_spec: int = 0           # drafts verified this step
     num_accepted: int = 0

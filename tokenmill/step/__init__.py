@@ -5,11 +5,13 @@ every rank.
 
 Deltas, not whole lists. A request's unchanging data (prompt, sampling parameters, EOS id) travels once, in
 a NewRequest, on its first step after it is (re)admitted; each later step carries only what changed since
-the request's previous step: blocks appended to its block table and tokens the engine appended to its
-output. Invariant: a worker's copy of a request (worker/request_states.py) equals its NewRequest plus the
-deltas of every step since, in order; the copy is dropped when the id is in finished_req_ids, and replaced
-when the request is sent as new again (preemption and failure roll-back free its blocks and re-admit it).
-Every rank therefore receives every step, including steps that schedule nothing but finish requests.
+the request's previous step: blocks appended to its block tables (one per KV group) and tokens the engine
+appended to its output. Invariant: a worker's copy of a request (worker/request_states.py) equals its
+NewRequest plus the deltas of every step since, in order; the copy is dropped when the id is in
+finished_req_ids, and replaced when the request is sent as new again (preemption and failure roll-back free its
+blocks and re-admit it). Every rank therefore receives every step, including steps that schedule nothing but
+finish requests. Blocks a sliding-window KV group gives back are not announced: the worker's copy keeps their
+stale ids, which attention never reads (engine/kv_cache_manager.py says why that is safe).
 
 Per-request step state that decides what the engine emits stays in the engine core: grammar matchers
 advance in the scheduler's update and their bitmask is shipped here; stop checks and max_tokens are the
@@ -44,7 +46,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     token_ids: list[int]          # the tokens to run this step: known tokens, then num_spec drafts
     start_pos: int                # = num_computed_tokens before this step
-    new_block_ids: list[int]      # appended to the block table since the request's previous step (all, if new)
+    # Per KV group (step/kv_groups.py), the blocks appended to its block table since the request's previous step
+    # (all, if new): as many in every group, [] when none. Blocks a sliding group gave back are not announced.
+    new_block_ids: list[list[int]]
     new_output_token_ids: list[int]  # appended to the output since the previous step (accepted tokens)
     sample: bool                  # this chunk reaches the end of the known tokens: sample the next one
     prompt_logprobs_from: int = 0  # prompt positions before this were already reported (preemption)

@@ -78,7 +78,7 @@ def predict(config: dict[str, Any], shape: ModelShape, machine: Machine, work: W
                                                   "pipeline_parallel_size"))
     peak, bw = _speed(machine, weight, dp, tp * pp)
     ctx = work.prefix_len + work.input_len + work.output_len
-    kv_tok = shape.kv_bytes_per_token(kv)
+    kv_seq = shape.kv_bytes_per_seq(kv, ctx)  # sliding-window layers keep only their window
     weights = shape.params_total * dtype_bytes(weight)
     if machine.shared:  # CPU: the KV cache is what --kv-cache-memory-bytes says, per replica
         kv_bytes = parse_bytes(cfg.get("kv_cache_memory_bytes") or CPU_KV_DEFAULT)
@@ -88,7 +88,7 @@ def predict(config: dict[str, Any], shape: ModelShape, machine: Machine, work: W
         need, have = dp * weights, dp * tp * pp * machine.hw.memory_bytes * machine.memory_utilization
     if need > have:
         return {"pruned": f"needs {need / 2**30:.1f} GiB for weights and KV, {have / 2**30:.1f} GiB usable"}
-    fit = int(kv_bytes // (kv_tok * ctx)) if kv_tok else 1 << 30
+    fit = int(kv_bytes // kv_seq) if kv_seq else 1 << 30
     if fit < 1:
         return {"pruned": f"a KV cache of {kv_bytes / 2**20:.0f} MiB holds no sequence of {ctx} tokens"}
     cached = work.prefix_len if cfg.get("enable_prefix_caching") is not False else 0

@@ -42,9 +42,11 @@ def load_all_libraries() -> dict[str, str]:
     return cpu_build.library_status()
 
 
-def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
-    """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "block_types", "libraries",
-    "fallbacks"} for this engine (block_types: each ggml type of its block weights -> the kernel running it)."""
+def report(model, kv_caches: list[torch.Tensor], device: str, kv_layout=None) -> dict:
+    """{"attention", "linear", "matmul_plan", "norm_act_rope", "decoder_stack", "block_types", "kv_groups",
+    "libraries", "fallbacks"} for this engine (block_types: each ggml type of its block weights -> the kernel
+    running it; kv_groups: the step/kv_groups.KVLayout's line, which says why sliding windows only mask where
+    the engine keeps one group: a setting's choice, not a fallback)."""
     dtype = model.dtype  # (a later pipeline stage has no embedding)
     stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
     libraries = cpu_build.library_status()
@@ -54,7 +56,8 @@ def report(model, kv_caches: list[torch.Tensor], device: str) -> dict:
                else "sdpa-bidirectional",
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
-               "decoder_stack": stack, "block_types": _block_types(model, fallbacks), "libraries": libraries,
+               "decoder_stack": stack, "block_types": _block_types(model, fallbacks),
+               "kv_groups": kv_layout.describe() if kv_layout is not None else "1 group", "libraries": libraries,
                "fallbacks": fallbacks}
     if stack_fallback is not None:
         fallbacks.append(f"decoder stack off: {stack_fallback}")

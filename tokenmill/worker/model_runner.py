@@ -1,9 +1,10 @@
 """Turns a SchedulerOutput into flat batch tensors, runs the model, samples (verifies drafts), drafts.
 
 Per step: input_ids[T], positions[T], slot_mapping[T], query_start_loc[B+1], seq_lens[B], block_table[B, nb]
-are packed with numpy (no per-token Python), logits are computed only for rows that sample or report
-prompt logprobs. A request with k draft tokens runs them as its last k query tokens; its last k + 1 rows
-get logits and go through the rejection sampler instead of the plain sampler.
+(a slot mapping and block table per KV group: step/kv_groups.py) are packed with numpy (no per-token Python),
+logits are computed only for rows that sample or report prompt logprobs. A request with k draft tokens runs
+them as its last k query tokens; its last k + 1 rows get logits and go through the rejection sampler instead
+of the plain sampler.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors,
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
 from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest, SchedulerOutput
-from tokenmill.models.flat_batch import block_table_array, flat_batch
+from tokenmill.step.kv_groups import KVLayout
+from tokenmill.models.flat_batch import flat_batch, group_block_tables
 from tokenmill.worker.request_states import RequestStates
 
 
@@ -47,15 +49,18 @@ def generator_seed(seed: int, device) -> int:
 class ModelRunner:
     def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
                  drafter: Optional[Proposer] = None, max_model_len: int = 0,
-                 pooler: Optional[PoolerConfig] = None) -> None:
+                 pooler: Optional[PoolerConfig] = None, kv_layout: Optional[KVLayout] = None) -> None:
+        """kv_layout: the KV groups (default one group of every layer)."""
         self.model = model
         self.pooler = pooler  # --task embed: pool the prompt's hidden states instead of sampling
         self.device = torch.device(device)
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.kv_caches: list[torch.Tensor] = []
-        self.states = RequestStates()  # the worker's copy of each running request (tokenmill/step/)
+        self.kv_caches: list[torch.Tensor] = []  # per layer: its KV group's slot tensor
+        num_groups = len(kv_layout.groups) if kv_layout is not None else 1
+        self.layer_group = kv_layout.layer_group if num_groups > 1 else ()  # model layer index -> KV group
+        self.states = RequestStates(num_groups)  # the worker's copy of each running request (tokenmill/step/)
         self.stage, self.num_stages = pp_rank(), pp_size()  # pipeline stage: only the last one samples
         self.count_experts = hasattr(model, "expert_load")  # MoE: tokens routed per expert, for /metrics
         self._sending: list = []  # a pipeline stage's pending sends of its last step's hidden states ...
@@ -78,9 +83,8 @@ class ModelRunner:
         qlens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=B)
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(qlens.sum()))
-        return flat_batch(input_ids, qlens, starts, block_table_array([self.states[r.request_id].block_ids
-                                                                        for r in reqs]),
-                          self.block_size, self.device)
+        tables = group_block_tables([self.states[r.request_id].block_ids for r in reqs])  # [G, B, nb]
+        return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group)
 
     def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
         sp = self.states[r.request_id].sampling_params
@@ -286,7 +290,7 @@ class ModelRunner:
             dreqs.append(DraftRequest(
                 request_id=r.request_id, start_pos=r.start_pos, computed=r.token_ids[:n_valid], q0=int(qsl[i]),
                 next_token=toks[-1] if toks is not None else r.next_token, sampled=toks is not None,
-                block_ids=st.block_ids, num_propose=r.num_propose if toks is not None else 0,
+                block_ids=st.block_ids[0], num_propose=r.num_propose if toks is not None else 0,
                 num_spec=r.num_spec, num_accepted=accepted, new=r.new,
                 history=st.tokens_before(r.start_pos) if (r.new and self.drafter.wants_history) else None))
         aux = torch.cat(self._aux, -1) if self._aux else None

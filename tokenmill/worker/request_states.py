@@ -12,12 +12,13 @@ from tokenmill.step import NewRequest, SchedulerOutput
 class RequestState:
     __slots__ = ("prompt_token_ids", "sampling_params", "eos_token_id", "output_token_ids", "block_ids")
 
-    def __init__(self, new: NewRequest) -> None:
+    def __init__(self, new: NewRequest, num_kv_groups: int) -> None:
         self.prompt_token_ids: list[int] = new.prompt_token_ids
         self.sampling_params: SamplingParams = new.sampling_params
         self.eos_token_id: Optional[int] = new.eos_token_id
         self.output_token_ids: list[int] = list(new.output_token_ids)
-        self.block_ids: list[int] = []
+        # per KV group, by position (an entry a sliding group gave back is stale: never read)
+        self.block_ids: list[list[int]] = [[] for _ in range(num_kv_groups)]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -30,14 +31,20 @@ class RequestState:
 
 
 class RequestStates(dict):
-    """request id -> RequestState, kept in step with the scheduler by apply()."""
+    """request id -> RequestState, kept in step with the scheduler by apply(). num_kv_groups: block tables per
+    request (step/kv_groups.py)."""
+
+    def __init__(self, num_kv_groups: int = 1) -> None:
+        super().__init__()
+        self.num_kv_groups = num_kv_groups
 
     def apply(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.pop(rid, None)
         for new in so.new_requests:
-            self[new.request_id] = RequestState(new)
+            self[new.request_id] = RequestState(new, self.num_kv_groups)
         for s in so.scheduled:
             st = self[s.request_id]
-            st.block_ids.extend(s.new_block_ids)
+            for table, new_ids in zip(st.block_ids, s.new_block_ids):
+                table.extend(new_ids)
             st.output_token_ids.extend(s.new_output_token_ids)

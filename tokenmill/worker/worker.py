@@ -20,6 +20,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.models.resolution import gguf_weights_for, resolve_model_path
 from tokenmill.spec_decode import make_proposer
 from tokenmill.startup import Ledger
+from tokenmill.step.kv_groups import kv_layout
 from tokenmill.worker import kernels_report
 from tokenmill.worker.cpu_threads import ThreadSizer
 from tokenmill.worker.model_runner import ModelRunner
@@ -85,8 +86,9 @@ class Worker:
         self.drafter = None
         if config.speculative is not None:
             self.drafter = make_proposer(config, self.model, self.backend)
-        self.runner = ModelRunner(self.model, self.device, config.cache.block_size,
-                                  mc.hf_config.vocab_size, mc.seed, self.drafter, mc.max_model_len, mc.pooler)
+        self.kv_layout = kv_layout(config)  # the scheduler computes the same
+        self.runner = ModelRunner(self.model, self.device, config.cache.block_size, mc.hf_config.vocab_size,
+                                  mc.seed, self.drafter, mc.max_model_len, mc.pooler, self.kv_layout)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         self.kernels: dict = {}  # kernels_report.report, once the KV cache exists
@@ -102,10 +104,16 @@ class Worker:
         attn = self.model.layers[0].self_attn
         return (2, attn.num_kv_heads, num_blocks, self.config.cache.block_size, attn.head_dim)
 
+    def _layer_slots(self) -> list[int]:
+        """Per layer of this rank's model (a pipeline stage holds only its own), its KV layer slot: the layers of
+        different KV groups in the same slot share one tensor (step/kv_groups.py)."""
+        start = getattr(self.model, "start_layer", 0)
+        return [self.kv_layout.layer_slot[start + i] for i in range(len(self.model.layers))]
+
     def bytes_per_block(self) -> int:
         shape = self.kv_shape(1)
-        per_layer = torch.Size(shape).numel() * self.kv_dtype.itemsize
-        return per_layer * len(self.model.layers) + (self.drafter.bytes_per_block() if self.drafter else 0)
+        per_slot = torch.Size(shape).numel() * self.kv_dtype.itemsize
+        return per_slot * len(set(self._layer_slots())) + (self.drafter.bytes_per_block() if self.drafter else 0)
 
     def determine_num_blocks(self) -> int:
         cc = self.config.cache
@@ -135,12 +143,14 @@ class Worker:
         alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         if not getattr(self.model, "uses_kv_cache", True):  # an encoder: the scheduler's blocks are bookkeeping
             shape, alloc = (0,), torch.empty
-        self.runner.kv_caches = [alloc(shape, dtype=dtype, device=self.device) for _ in range(len(self.model.layers))]
-        for kv in self.runner.kv_caches:
+        layer_slots = self._layer_slots()
+        slots = {slot: alloc(shape, dtype=dtype, device=self.device) for slot in sorted(set(layer_slots))}
+        self.runner.kv_caches = [slots[slot] for slot in layer_slots]
+        for kv in slots.values():
             advise_huge_pages(kv)  # CPU only; before the first write, so the pages come huge
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
-        self.kernels = kernels_report.report(self.model, self.runner.kv_caches, self.device)
+        self.kernels = kernels_report.report(self.model, self.runner.kv_caches, self.device, self.kv_layout)
         kernels_report.announce(self.kernels)  # raises under TOKENMILL_REQUIRE_KERNELS=1 on any fallback
         self.kv_connector = make_worker_connector(self.config, self.bytes_per_block())
         if self.kv_connector is not None:  # a block moves with its draft KV too: the drafter's cache shares ids

@@ -74,9 +74,12 @@ class _StepPlan:
             if start == 0 and window is None:
                 self.prefills.append((q0, q0 + n, None, None))
                 continue
-            blocks = meta.block_table[i, : -(-seq_len // bs)] if start > 0 else None
+            # a later chunk gathers its context from the first block its first query reads: with a window, the
+            # blocks before it may have been given back (KV groups: their ids are stale)
+            first = max(0, start - window + 1) // bs if window is not None and start > 0 else 0
+            blocks = meta.block_table[i, first: -(-seq_len // bs)] if start > 0 else None
             qpos = torch.arange(start, seq_len, device=dev)[:, None]
-            kpos = torch.arange(seq_len, device=dev)[None, :]
+            kpos = torch.arange(first * bs, seq_len, device=dev)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
@@ -84,8 +87,9 @@ class _StepPlan:
 
 
 def step_plan(meta: AttentionMetadata, window: Optional[int], group: int, use_kernel: bool) -> _StepPlan:
-    """The step's plan for this window and GQA group, built once per step and shared by every layer."""
-    key = ("sdpa", window, group, use_kernel)
+    """The step's plan for this window, GQA group and KV group (meta's block table), built once per step and
+    shared by every layer."""
+    key = ("sdpa", meta.kv_group, window, group, use_kernel)
     plan = meta.cache.get(key)
     if plan is None:
         plan = meta.cache[key] = _StepPlan(meta, window, group, use_kernel,
