@@ -87,7 +87,7 @@ def test_final_logit_softcapping_matches_transformers(tiny, tmp_path):
 def test_unsupported_variants_are_refused(tiny, field, value, message):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.gemma3 import Gemma3ForCausalLM
 
     config = AutoConfig.from_pretrained(tiny("gemma3"))

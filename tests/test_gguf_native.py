@@ -28,7 +28,7 @@ def files():
 def _load(model_dir: str):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     return load_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, "cpu",

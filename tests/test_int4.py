@@ -199,7 +199,7 @@ def _build(base, root, fmt, g, sym=False, seed=0, mutate=None):
 def _load(model_dir):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     return load_model(model_dir, AutoConfig.from_pretrained(model_dir), torch.float32, "cpu",
@@ -326,7 +326,7 @@ def test_online_int4_g128_repeats_the_group_in_its_blocks(base):
 def _load_online(path, method):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     return load_model(path, AutoConfig.from_pretrained(path), torch.float32, "cpu", get_attention_backend("cpu"),

@@ -277,7 +277,7 @@ def test_layer_sharded_over_two_ranks(expert_parallel):
 def _load(path, dtype=torch.float32):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     config = AutoConfig.from_pretrained(path)

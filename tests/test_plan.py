@@ -564,7 +564,7 @@ def test_gguf_plan_weights_are_what_the_engine_loads(kmix_gguf, which):
     import torch
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.gguf import gguf_to_hf_dir
     from tokenmill.models.loader import load_model
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import batch_invariant
-from tokenmill.layers.quantization import fp4, fp8, get_quant_config, int8, kernels
+from tokenmill.layers.quantization import fp4_codec, fp8, get_quant_config, int8, kernels
 from tokenmill.layers.quantization.fp4 import Fp4LinearMethod
 from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
@@ -74,16 +74,16 @@ def test_fp8_block_round_trip():
 
 def test_e2m1_codes_and_nibbles_round_trip():
     codes = torch.tensor([c for c in range(16) if c != 8], dtype=torch.uint8)  # 8 is -0
-    assert torch.equal(fp4.e2m1_encode(fp4.e2m1_decode(codes)), codes)
+    assert torch.equal(fp4_codec.e2m1_encode(fp4_codec.e2m1_decode(codes)), codes)
     # ties round to the even mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; saturate at 6
     v = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -100.0])
-    assert fp4.e2m1_decode(fp4.e2m1_encode(v)).tolist() == [0, 1, 1, 2, 2, 4, 4, 6, -6]
+    assert fp4_codec.e2m1_decode(fp4_codec.e2m1_encode(v)).tolist() == [0, 1, 1, 2, 2, 4, 4, 6, -6]
     packed = torch.randint(0, 256, (5, 12), dtype=torch.uint8)
-    assert torch.equal(fp4.pack_nibbles(fp4.unpack_nibbles(packed)), packed)
+    assert torch.equal(fp4_codec.pack_nibbles(fp4_codec.unpack_nibbles(packed)), packed)
 
 
 def _e2m1_values(shape, g):
-    v = fp4.e2m1_lut()[torch.randint(0, 16, shape, generator=g)]
+    v = fp4_codec.e2m1_lut()[torch.randint(0, 16, shape, generator=g)]
     v[..., 0] = 6.0  # every block reaches the top of the grid
     return v
 
@@ -93,9 +93,9 @@ def test_mxfp4_round_trip_exact():
     vals = _e2m1_values((8, 4, 32), g)
     exps = torch.randint(-8, 4, (8, 4, 1), generator=g).float()
     w = (vals * torch.exp2(exps)).reshape(8, 128)
-    packed, scales = fp4.quantize_mxfp4(w)
+    packed, scales = fp4_codec.quantize_mxfp4(w)
     assert packed.shape == (8, 64) and scales.shape == (8, 4) and packed.dtype == torch.uint8
-    assert torch.equal(fp4.dequantize_mxfp4(packed, scales), w)
+    assert torch.equal(fp4_codec.dequantize_mxfp4(packed, scales), w)
     if HAS_CC:
         assert torch.equal(kernels.dequantize(kernels.QFMT_MXFP4, packed, scales, None, 128, 32), w)
 
@@ -108,9 +108,9 @@ def test_nvfp4_round_trip_exact():
     block_scales[0, 0, 0] = 448.0  # the tensor's max block uses the top E4M3 scale
     g0 = 2.0 ** -10
     w = (vals * block_scales * g0).reshape(8, 64)
-    packed, scales, global_scale = fp4.quantize_nvfp4(w)
+    packed, scales, global_scale = fp4_codec.quantize_nvfp4(w)
     assert global_scale == g0 and packed.shape == (8, 32) and scales.shape == (8, 4)
-    assert torch.equal(fp4.dequantize_nvfp4(packed, scales, global_scale), w)
+    assert torch.equal(fp4_codec.dequantize_nvfp4(packed, scales, global_scale), w)
     if HAS_CC:
         assert torch.equal(kernels.dequantize(kernels.QFMT_NVFP4, packed, scales, None, 64, 16, global_scale), w)
 

@@ -31,7 +31,7 @@ def _load(path: str, quantization=None):
     """quantization: an online method, "<method>+lm_head" to quantize the LM head too, or None."""
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     method, _, head = (quantization or "").partition("+")

@@ -14,7 +14,7 @@ from models import tiny_model
 def _load(path: str, dtype=torch.bfloat16):
     from transformers import AutoConfig
 
-    from tokenmill.layers.attention.base import get_attention_backend
+    from tokenmill.layers.attention import get_attention_backend
     from tokenmill.models.loader import load_model
 
     return load_model(path, AutoConfig.from_pretrained(path), dtype, "cpu", get_attention_backend("cpu"),

@@ -11,7 +11,8 @@ import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import Scheduler
-from tokenmill.executor.base import Executor, WorkerDiedError
+from tokenmill.executor import create_executor
+from tokenmill.executor.base import WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_token_ids
 from tokenmill.startup import Ledger
@@ -26,7 +27,7 @@ class EngineCore:
         self.config = config
         t0 = time.perf_counter()
         ledger = ledger or Ledger(origin=0.0)
-        self.executor = Executor.create(config)
+        self.executor = create_executor(config)
         ledger.extend(self.executor.startup_phases())
         with ledger.phase("kv allocation"):
             num_blocks = self.executor.determine_num_blocks()

@@ -48,23 +48,6 @@ class Executor:
         self.world_size = pc.world_size
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 
-    @staticmethod
-    def create(config: EngineConfig) -> "Executor":
-        backend = config.parallel.distributed_executor_backend or "uniproc"
-        if backend == "mp":
-            from tokenmill.executor.multiproc import MultiprocExecutor  # cycle at import time: it imports this module
-
-            return MultiprocExecutor(config)
-        if backend == "ray":
-            from tokenmill.executor.ray import RayExecutor  # cycle at import time: executor.ray imports this module
-
-            return RayExecutor(config)
-        # Cycle at import time (each backend imports this module); and uniproc imports torch, which the API
-        # process must not (it imports this module through engine/core_proc.py)
-        from tokenmill.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config)
-
     def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None) -> list:
         """Call `method` on every rank's Worker (a method name, or a function taking the worker first; it
         must pickle by reference, i.e. be module-level, outside uniproc); returns the results in rank order."""

@@ -12,9 +12,8 @@ from tokenmill.distributed import init_distributed, stage_layers
 from tokenmill.host import usable_cpus
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear
-from tokenmill.layers.attention import cpu_kernels
+from tokenmill.layers.attention import cpu_kernels, get_attention_backend
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
-from tokenmill.layers.attention.base import get_attention_backend
 from tokenmill.layers.cpu_memory import advise_huge_pages
 from tokenmill.models.loader import load_model
 from tokenmill.models.resolution import gguf_weights_for, resolve_model_path

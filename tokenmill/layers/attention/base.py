@@ -50,10 +50,3 @@ class AttentionBackend:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. kv_quant (a kv_quant.KVCacheQuant) when the cache
         holds fp8/int8."""
         raise NotImplementedError
-
-
-def get_attention_backend(device: str) -> AttentionBackend:
-    from tokenmill.layers.attention.cpu import PagedAttentionBackend  # cycle at import time: cpu imports this module
-
-    # SDPA over the paged cache serves both devices until a dedicated CUDA kernel lands.
-    return PagedAttentionBackend(device)

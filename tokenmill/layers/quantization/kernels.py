@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import batch_invariant
 from tokenmill.layers.cpu_build import load_library
+from tokenmill.layers.quantization import fp4_codec
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "qlinear.c")
 QFMT_INT8, QFMT_FP8, QFMT_MXFP4, QFMT_NVFP4 = 0, 1, 2, 3
@@ -61,8 +62,6 @@ def dequantize(fmt: int, w: torch.Tensor, scales: Optional[torch.Tensor], row_sc
 
 
 def _torch_dequantize(fmt, w, scales, row_scale, K, group, global_scale) -> torch.Tensor:
-    from tokenmill.layers.quantization import fp4  # cycle at import time: fp4 imports this module
-
     if fmt == QFMT_INT8:
         out = w.float()
     elif fmt == QFMT_FP8:
@@ -70,9 +69,9 @@ def _torch_dequantize(fmt, w, scales, row_scale, K, group, global_scale) -> torc
         if scales is not None and group > 0:
             out = out * scales.float().repeat_interleave(group, 1)[:, :K]
     elif fmt == QFMT_MXFP4:
-        out = fp4.dequantize_mxfp4(w, scales)
+        out = fp4_codec.dequantize_mxfp4(w, scales)
     else:
-        out = fp4.dequantize_nvfp4(w, scales, global_scale)
+        out = fp4_codec.dequantize_nvfp4(w, scales, global_scale)
     return out * row_scale.float()[:, None] if row_scale is not None else out
 
 
