@@ -147,7 +147,7 @@ def _single(llm, prompt_len: int, out_len: int, seed: int) -> dict[str, float]:
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     eng.add_request(EngineCoreRequest(f"single-{seed}", _prompt(llm.config.model.hf_config.vocab_size, prompt_len,
-                                                                  seed), sp, None))
+                                                                  seed), sp))
     t0, n = time.perf_counter(), 0
     while n == 0:
         n += sum(len(o.new_token_ids) for o in eng.step())
@@ -165,7 +165,7 @@ def _batched(llm, n: int, prompt_len: int, out_len: int) -> float:
     eng, vocab = llm.engine, llm.config.model.hf_config.vocab_size
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     for i in range(n):
-        eng.add_request(EngineCoreRequest(f"batch{n}-{i}", _prompt(vocab, prompt_len, 100 + 100 * n + i), sp, None))
+        eng.add_request(EngineCoreRequest(f"batch{n}-{i}", _prompt(vocab, prompt_len, 100 + 100 * n + i), sp))
     started: set[str] = set()
     while len(started) < n:
         started.update(o.request_id for o in eng.step() if o.new_token_ids)

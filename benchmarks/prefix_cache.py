@@ -38,7 +38,7 @@ def ttft(llm: LLM, prompt: list[int], rid: str) -> tuple[float, list[int], int]:
     """(seconds to the first token, the first 8 tokens, cached prompt tokens), driving the engine directly."""
     eng = llm.engine
     t0 = time.perf_counter()
-    eng.add_request(EngineCoreRequest(rid, prompt, GREEDY, None))
+    eng.add_request(EngineCoreRequest(rid, prompt, GREEDY))
     first, tokens, cached = None, [], 0
     while eng.has_unfinished_requests():
         for out in eng.step():

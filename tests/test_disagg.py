@@ -68,7 +68,7 @@ def _run(llm, ids, sp, params=None, abort_after_steps=None, timeout=30.0, blocks
     """(tokens, finishing output) of one request run alone on llm's engine; `blocks` (a list) gets its block
     ids while it runs, `logprobs` (a list) each new token's, `outs` (a list) its outputs as (step number, output)."""
     rid = f"r{next(_ids)}"
-    llm.engine.add_request(EngineCoreRequest(rid, ids, sp, eos, kv_transfer_params=params))
+    llm.engine.add_request(EngineCoreRequest(rid, ids, sp, [] if eos is None else [eos], kv_transfer_params=params))
     tokens, deadline, steps = [], time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         steps += 1
@@ -283,7 +283,7 @@ def test_unreachable_or_refused_pull_falls_back(engines):
 def _run_unchecked(llm, ids, sp, params, timeout=30.0):
     """_run's tokens for a request put straight into the scheduler, past EngineCore.add_request's checks."""
     rid = f"r{next(_ids)}"
-    llm.engine.scheduler.add_request(Request(EngineCoreRequest(rid, ids, sp, None, kv_transfer_params=params),
+    llm.engine.scheduler.add_request(Request(EngineCoreRequest(rid, ids, sp, kv_transfer_params=params),
                                              llm.engine.config.model.max_model_len))
     tokens, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:

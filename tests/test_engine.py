@@ -175,6 +175,32 @@ def test_eos_and_max_tokens(llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
+def test_generation_config_end_tokens_stop_like_eos(tiny, tmp_path):
+    """generation_config.json's eos_token_id list (Gemma 3 instruct: <eos> and <end_of_turn>; a GGUF's end-of-turn
+    tokens, models/gguf.py) ends a generation as the eos does: stop_reason None, banned under min_tokens,
+    ignored with ignore_eos."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny("llama"), model)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = LLM(str(model), dtype="float32", num_gpu_blocks_override=64)
+    ids = ref.generate("hello there", free, use_tqdm=False)[0].outputs[0].token_ids
+    eos = ref.get_tokenizer().eos_token_id
+    del ref
+    end = ids[2]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+    llm = LLM(str(model), dtype="float32", num_gpu_blocks_override=64)
+    assert llm.eos_token_ids == [eos, end]
+    out = llm.generate("hello there", free.clone(ignore_eos=False), use_tqdm=False)[0].outputs[0]
+    first = ids.index(end)
+    assert out.token_ids == ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    assert llm.generate("hello there", free, use_tqdm=False)[0].outputs[0].token_ids == ids
+    banned = llm.generate("hello there", free.clone(ignore_eos=False, min_tokens=first + 2), use_tqdm=False)
+    assert end not in banned[0].outputs[0].token_ids[:first + 2]
+
+
 def test_n_samples_share_prompt_blocks(tiny):
     for caching in (True, False):
         llm = LLM(tiny("llama"), dtype="float32", num_gpu_blocks_override=64, enable_prefix_caching=caching)
@@ -206,7 +232,7 @@ def test_abort_returns_blocks_and_others_continue(llm):
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i in range(4):
-        eng.add_request(EngineCoreRequest(f"a{i}", list(range(5, 45 + i)), sp, None))
+        eng.add_request(EngineCoreRequest(f"a{i}", list(range(5, 45 + i)), sp))
     for _ in range(3):
         eng.step()
     eng.abort_requests(["a1", "a3", "nope"])

@@ -130,7 +130,7 @@ def test_constrained_request_waits_for_its_grammar_without_holding_others(llm):
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     choice = sp.clone(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), ignore_eos=False,
                       max_tokens=8)
-    engine.add_request(EngineCoreRequest("c", [5, 6, 7, 8], choice, llm.tokenizer.eos_token_id))
+    engine.add_request(EngineCoreRequest("c", [5, 6, 7, 8], choice, [llm.tokenizer.eos_token_id]))
     engine.add_request(EngineCoreRequest("f", [5, 6, 7, 9], sp))
     assert [r.request_id for r in engine.scheduler.compiling] == ["c"]
     first = engine.step()  # the free request runs at once; the constrained one may still be compiling

@@ -131,7 +131,7 @@ def test_long_request_holds_at_most_the_window(tiny, arch, block_size):
     kw = dict(dtype="float32", block_size=block_size, max_num_batched_tokens=64, kv_cache_memory_bytes=16 << 20)
     llm = LLM(path, **kw)
     eng, layout = llm.engine, llm.engine.scheduler.kv_layout
-    eng.add_request(EngineCoreRequest("long", prompt, sp, None))
+    eng.add_request(EngineCoreRequest("long", prompt, sp))
     tokens, steps = [], 0
     while eng.has_unfinished_requests():
         tokens += [t for o in eng.step() for t in o.new_token_ids]
@@ -157,7 +157,7 @@ def _peak_running(path: str, budget: int, **kw) -> int:
     g = torch.Generator().manual_seed(1)
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     for i in range(24):
-        eng.add_request(EngineCoreRequest(f"r{i}", torch.randint(3, 300, (480,), generator=g).tolist(), sp, None))
+        eng.add_request(EngineCoreRequest(f"r{i}", torch.randint(3, 300, (480,), generator=g).tolist(), sp))
     peak = 0
     while eng.has_unfinished_requests():
         eng.step()
@@ -209,7 +209,7 @@ def test_plan_counts_sliding_layers_up_to_the_window_as_the_engine_allocates(tin
     # the engine's blocks per sequence: its KV bytes within a block per group of the plan's
     prompt = _prompts(400)[1]
     eng = llm.engine
-    eng.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), None))
+    eng.add_request(EngineCoreRequest("r", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
     eng.step()  # ... until the prompt has run
     while eng.scheduler.requests["r"].num_computed_tokens < len(prompt):
         eng.step()

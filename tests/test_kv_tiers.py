@@ -398,7 +398,7 @@ def test_tiers_under_preemption_n_and_aborts(tiny, tmp_path):
         _gen(llm, _rand(150, seed=seed))
     llm.engine.executor.collective_rpc(lambda w: w.kv_connector.offload.disk.flush())
     eng = llm.engine
-    eng.add_request(EngineCoreRequest("gone", A, GREEDY, None))
+    eng.add_request(EngineCoreRequest("gone", A, GREEDY))
     eng.step()
     assert [r.request_id for r in eng.scheduler.loading] == ["gone"]
     eng.abort_requests(["gone"])

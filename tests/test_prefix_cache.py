@@ -110,7 +110,7 @@ def test_abort_during_shared_prefill_keeps_others_exact(tiny):
     eng = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for rid, tail in (("keep", [7, 8]), ("drop", _rand(30, seed=9)), ("never", [11])):
-        eng.add_request(EngineCoreRequest(rid, base + tail, sp, None))
+        eng.add_request(EngineCoreRequest(rid, base + tail, sp))
     tokens = []
     for _ in range(2):  # "keep" finishes its prefill; "drop" starts its own on the blocks "keep" writes meanwhile
         tokens += [t for o in eng.step() if o.request_id == "keep" for t in o.new_token_ids]

@@ -28,7 +28,7 @@ def _through_bytes(llm, sizes):
 def test_messages_round_trip():
     sp = SamplingParams(temperature=0.5, seed=3, logit_bias={5: -1.0}, stop_token_ids=[7])
     so = step.SchedulerOutput(
-        new_requests=[step.NewRequest("a", [1, 2, 3], sp, 2, [])],
+        new_requests=[step.NewRequest("a", [1, 2, 3], sp, [2], [])],
         scheduled=[step.ScheduledRequest("a", [1, 2, 3], 0, [[4, 9], [5, 0]], [], True, token_bitmask=b"\xff" * 8)],
         finished_req_ids=["z"], num_batched_tokens=3,
         kv_connector_plan=step.ConnectorPlan(
@@ -51,7 +51,7 @@ def test_messages_round_trip():
 def test_worker_copy_follows_deltas():
     states = RequestStates()
     sp = SamplingParams()
-    states.apply(step.SchedulerOutput(new_requests=[step.NewRequest("a", [1, 2], sp, None, [])],
+    states.apply(step.SchedulerOutput(new_requests=[step.NewRequest("a", [1, 2], sp, [], [])],
                                       scheduled=[step.ScheduledRequest("a", [1, 2], 0, [[7]], [], True, new=True)]))
     states.apply(step.SchedulerOutput(scheduled=[step.ScheduledRequest("a", [5], 2, [[8]], [5], True)]))
     st = states["a"]

@@ -55,7 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # imported when this subcommand runs, not at start (module docstring)
     from tokenmill.engine.core import EngineCore
-    from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
+    from tokenmill.engine.frontend import eos_token_ids, fan_out, load_tokenizer
     from tokenmill.engine.output_processor import OutputProcessor, RequestState
     from tokenmill.models.resolution import resolve_engine_config
     from tokenmill.sampling_params import SamplingParams
@@ -76,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
         ids = tok(args.prompt).input_ids
     proc = OutputProcessor(tok)
     proc.add_request(RequestState("0", args.prompt, ids, sp, tok, delta=True), ["0"])
-    for r in fan_out("0", ids, sp, eos_token_id(config, tok), config.cache.enable_prefix_caching):
+    for r in fan_out("0", ids, sp, eos_token_ids(config, tok), config.cache.enable_prefix_caching):
         engine.add_request(r)
     first = None
     n_tokens = 0

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Union
 from tokenmill.chat_template import render_chat_template
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.frontend import PromptType, eos_token_id, fan_out, load_tokenizer, tokenize_prompt
+from tokenmill.engine.frontend import PromptType, eos_token_ids, fan_out, load_tokenizer, tokenize_prompt
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
 from tokenmill.models.resolution import resolve_engine_config
@@ -23,7 +23,7 @@ class LLM:
         self.config = resolve_engine_config(EngineConfig.from_kwargs(model=model, **kwargs))
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
-        self.eos_token_id = eos_token_id(self.config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -104,7 +104,7 @@ class LLM:
     def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
-        reqs = fan_out(rid, ids, sp, self.eos_token_id, self.config.cache.enable_prefix_caching,
+        reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
                        extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"))
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request

@@ -29,7 +29,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: Optional[int] = None
+    # The ids that end a generation unless ignore_eos: the tokenizer's eos and the model's other end tokens
+    # (generation_config.json's eos_token_id list, e.g. Gemma's <end_of_turn>; frontend.eos_token_ids)
+    eos_token_ids: list[int] = msgspec.field(default_factory=list)
     arrival_time: float = 0.0
     # Requests with the same cache_salt may share prefix-cache blocks; others never do.
     cache_salt: Optional[str] = None
@@ -115,7 +117,7 @@ class Request:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.sampling_params = req.sampling_params
-        self.eos_token_id = req.eos_token_id
+        self.eos_token_ids = req.eos_token_ids
         self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
         self.arrival_time = req.arrival_time or time.time()
@@ -158,7 +160,7 @@ class Request:
         n_out = self.num_output_tokens
         last = self.all_token_ids[-1]
         if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and last == self.eos_token_id:
+            if not sp.ignore_eos and last in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = FinishReason.STOP, None
                 return True
             if last in sp.stop_token_ids:

@@ -26,7 +26,7 @@ import zmq.asyncio
 from tokenmill.config import EngineConfig
 from tokenmill.messages import EngineStats, FinishReason, check_fits, check_token_ids
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
-from tokenmill.engine.frontend import eos_token_id, fan_out, load_tokenizer
+from tokenmill.engine.frontend import eos_token_ids, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.prestart import ENGINE_PROCESS_NAME, PrestartedEngine, engine_env
 from tokenmill.outputs import RequestOutput
@@ -94,7 +94,7 @@ class AsyncLLM:
         except BaseException:
             self.shutdown_sync(timeout=2)
             raise
-        self.eos_token_id = eos_token_id(config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -308,7 +308,7 @@ class AsyncLLM:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
-        reqs = fan_out(request_id, prompt_ids, params, self.eos_token_id, self.config.cache.enable_prefix_caching,
+        reqs = fan_out(request_id, prompt_ids, params, self.eos_token_ids, self.config.cache.enable_prefix_caching,
                        cache_salt, time.time(), kv_transfer_params)
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]

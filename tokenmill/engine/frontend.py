@@ -2,7 +2,9 @@
 validate, and fan an n>1 request out into one engine request per sample."""
 from __future__ import annotations
 
+import json
 import logging
+import os
 from typing import Optional, Union
 
 from tokenmill.config import EngineConfig
@@ -35,11 +37,22 @@ def load_tokenizer(config: EngineConfig):
     return tokenizer
 
 
-def eos_token_id(config: EngineConfig, tokenizer) -> Optional[int]:
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(config.model.hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos
+def eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
+    """The ids that end a generation (unless ignore_eos), as vLLM reads them: the tokenizer's eos, then the
+    model's own from config.json and generation_config.json's list (Gemma 3 instruct ends its turns with
+    <end_of_turn> beside <eos>; a GGUF's end-of-generation tokens: models/gguf.py)."""
+    found = [tokenizer.eos_token_id] if tokenizer is not None else []
+    for ids in (getattr(config.model.hf_config, "eos_token_id", None), _generation_eos(config.model.model_dir)):
+        found += ids if isinstance(ids, list) else [ids]
+    return list(dict.fromkeys(i for i in found if isinstance(i, int)))
+
+
+def _generation_eos(model_dir: str) -> Optional[Union[int, list[int]]]:
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            return json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):  # none, unreadable, or not an object
+        return None
 
 
 def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[int]]:
@@ -55,7 +68,7 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[
     return prompt, tokenizer(prompt).input_ids
 
 
-def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos: Optional[int],
+def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
             enable_prefix_caching: bool, cache_salt: Optional[str] = None,
             arrival_time: float = 0.0, kv_transfer_params: Optional[dict] = None) -> list[EngineCoreRequest]:
     """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
@@ -63,7 +76,7 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos:
     kv_transfer_params (disaggregated prefill/decode) goes to every one of them, less a prefill instance's
     first_token_id: one sampled token cannot start n different samples (each samples its first token itself)."""
     if params.n == 1:
-        return [EngineCoreRequest(request_id, prompt_ids, params, eos, arrival_time,
+        return [EngineCoreRequest(request_id, prompt_ids, params, eos_ids, arrival_time,
                                   cache_salt if enable_prefix_caching else None, kv_transfer_params)]
     if kv_transfer_params is not None:
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token_id"}
@@ -73,6 +86,6 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos:
         # seed + i, wrapped to stay a signed 64-bit integer
         seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
         child = params.clone(n=1, seed=seed)
-        reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos, arrival_time, salt,
+        reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos_ids, arrival_time, salt,
                                       kv_transfer_params))
     return reqs

@@ -31,7 +31,7 @@ from tokenmill.host import cache_root
 
 logger = logging.getLogger("tokenmill")
 
-_CONVERTER_VERSION = 2  # bump whenever the output changes, so stale cache entries are not reused
+_CONVERTER_VERSION = 3  # bump whenever the output changes, so stale cache entries are not reused
 
 # GGUF architecture -> (HF class, HF model_type). Mistral GGUFs use the "llama" architecture.
 _ARCHS = {
@@ -250,11 +250,13 @@ def _convert(path: str, reader, meta: dict, out: Path, native: bool) -> None:
     if native:
         config["tokenmill_gguf_file"] = path
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if not native:
         _write_safetensors(out / "model.safetensors", _hf_tensors(path, reader, arch, config))
-    _save_tokenizer(path, meta, config, out)
+    end_ids = _save_tokenizer(path, meta, config, out)
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    if len(end_ids) > 1:  # the eos first, then the other end-of-turn tokens (frontend.eos_token_ids reads them)
+        gen["eos_token_id"] = end_ids
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
 def _shapes(reader) -> dict:
@@ -453,7 +455,13 @@ def _write_safetensors(file: Path, tensors) -> None:
             f.write(data.tobytes())
 
 
-def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> None:
+# Chat-turn end tokens llama.cpp also stops at (its end-of-generation set) where a file's eos is another
+# token: Gemma's instruct GGUFs end turns with <end_of_turn> and keep <eos> as eos.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<｜end▁of▁sentence｜>")
+
+
+def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> list[int]:
+    """Write the file's tokenizer as a Hugging Face one; returns the ids that end a generation (eos first)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -466,6 +474,10 @@ def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> None:
         tok.chat_template = meta["tokenizer.chat_template"]
     tok.model_max_length = config["max_position_embeddings"]
     tok.save_pretrained(out)
+    vocab = tok.get_vocab()
+    ends = [config.get("eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"),
+            meta.get("tokenizer.ggml.eom_token_id"), *(vocab.get(name) for name in END_OF_TURN_TOKENS)]
+    return list(dict.fromkeys(i for i in ends if isinstance(i, int)))
 
 
 # -- native weights -----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ what came back (ModelRunnerOutput). Both sides import this module and nothing of
 msgspec Structs, so a multi-process executor encodes a step once (msgpack) and sends the same bytes to
 every rank.
 
-Deltas, not whole lists. A request's unchanging data (prompt, sampling parameters, EOS id) travels once, in
+Deltas, not whole lists. A request's unchanging data (prompt, sampling parameters, EOS ids) travels once, in
 a NewRequest, on its first step after it is (re)admitted; each later step carries only what changed since
 the request's previous step: blocks appended to its block tables (one per KV group) and tokens the engine
 appended to its output. Invariant: a worker's copy of a request (worker/request_states.py) equals its
@@ -37,7 +37,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: Optional[int]
+    eos_token_ids: list[int]
     output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
 
 

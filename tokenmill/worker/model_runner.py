@@ -141,8 +141,7 @@ class ModelRunner:
             for j in range(count):  # row j samples output token number n_out
                 n_out = r.start_pos + len(r.token_ids) - count + 1 + j - st.num_prompt_tokens
                 if n_out < sp.min_tokens:
-                    eos = st.eos_token_id
-                    ids = list(sp.stop_token_ids) + ([eos] if (eos is not None and not sp.ignore_eos) else [])
+                    ids = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(st.eos_token_ids))
                     if ids:
                         md.banned.append((row + j, ids))
                 if sp.logit_bias:
