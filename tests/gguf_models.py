@@ -120,12 +120,21 @@ def quantized_gguf(arch: str, types, hidden: int = 256, intermediate: int = 512,
                 data = _permute(data, heads)
             gname = f"blk.{parts[1]}.{_LAYER[module]}"
         gname += "." + name.rpartition(".")[2]
-        if data.ndim == 2:
-            data, raw = _encode(data, types[turn % len(types)], rng)
-            turn += 1
-            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+        _add_tensor(w, gname, data, types[turn % len(types)], rng)
+        turn += data.ndim == 2
+    return _close(w, path)
+
+
+def _add_tensor(w, gname: str, data, type_name: str, rng) -> None:
+    """A matrix in the given block type (random blocks where the type asks for them), anything else float32."""
+    if data.ndim == 2:
+        data, raw = _encode(data, type_name, rng)
+        w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
+    else:
+        w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
+
+
+def _close(w, path):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -198,13 +207,5 @@ def gemma3_gguf(hf_dir: str, type_name: str = "F32", seed: int = 0) -> str:
             parts = name.split(".")  # layers.i.<module>.weight
             gname = f"blk.{parts[1]}.{_GEMMA3_LAYER['.'.join(parts[2:-1])]}"
         gname += ".weight"
-        if data.ndim == 2:
-            data, raw = _encode(data.astype(np.float32), type_name, rng)
-            w.add_tensor(gname, np.ascontiguousarray(data), raw_dtype=raw)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(data, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+        _add_tensor(w, gname, data.astype(np.float32) if data.ndim == 2 else data, type_name, rng)
+    return _close(w, path)
