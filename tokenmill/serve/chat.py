@@ -226,15 +226,6 @@ def _stream_choices(c, text: str, tools: Optional[ToolCallStream], logprobs: Opt
     return choices
 
 
-def _split_delta(stream: ReasoningStream, text: str, finished: bool) -> tuple[str, str]:
-    """(reasoning, answer) of one output's text delta; the last one lets out what the stream held back."""
-    reasoning, answer = stream.feed(text)
-    if finished:
-        more_reasoning, more_answer = stream.finish()
-        reasoning, answer = reasoning + more_reasoning, answer + more_answer
-    return reasoning, answer
-
-
 async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Generation,
                       rid: str, plan: ToolPlan) -> AsyncIterator[dict]:
     """The chat.completion.chunk bodies of an admitted streaming request (without the SSE framing)."""
@@ -269,7 +260,7 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
                         if req.logprobs else None)
             text = c.text
             if thinking is not None:
-                reasoning, text = _split_delta(thinking[c.index], c.text, c.finish_reason is not None)
+                reasoning, text = thinking[c.index].feed(c.text, last=c.finish_reason is not None)
                 if reasoning:
                     yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning, "reasoning": reasoning},
                                   "logprobs": logprobs, "finish_reason": None}])

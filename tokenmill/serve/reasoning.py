@@ -29,10 +29,8 @@ class ReasoningParser:
 
     def split(self, text: str, prompt: str = "") -> tuple[Optional[str], Optional[str]]:
         """(reasoning, answer) of a whole output of `prompt`; None where a part is absent or empty."""
-        stream = ReasoningStream(self, prompt)
-        reasoning, answer = stream.feed(text)
-        more_reasoning, more_answer = stream.finish()
-        return (reasoning + more_reasoning) or None, (answer + more_answer) or None
+        reasoning, answer = ReasoningStream(self, prompt).feed(text, last=True)
+        return reasoning or None, answer or None
 
     def state_after(self, prompt: str) -> str:
         """Where the output of `prompt` starts: 'answer' when the prompt ends by closing the reasoning (qwen3
@@ -64,7 +62,15 @@ class ReasoningStream:
         self.state = parser.state_after(prompt)  # "open" (a leading start tag may come), "reasoning", "answer"
         self.held = ""
 
-    def feed(self, delta: str) -> tuple[str, str]:
+    def feed(self, delta: str, last: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of one delta; `last`: the output ends with it (what was held back comes out)."""
+        reasoning, answer = self._feed(delta)
+        if last:
+            more_reasoning, more_answer = self.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        return reasoning, answer
+
+    def _feed(self, delta: str) -> tuple[str, str]:
         text, self.held = self.held + delta, ""
         reasoning, answer = [], []
         while text:
