@@ -302,6 +302,8 @@ def test_error_cases_then_success(server, http):
             {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content"),
         ("/v1/completions", {**base, "logprobs": 50}, 400, "logprobs"),
         ("/v1/completions", {**base, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ("/v1/completions", {**base, "priority": 3}, 400, "priority"),  # this server schedules fcfs
+        ("/v1/chat/completions", {**chat, "priority": 2**70}, 400, "priority"),
     ]
     # A stream in flight the whole time is not disturbed by the bad requests around it.
     long = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 300, "temperature": 0, "ignore_eos": True}

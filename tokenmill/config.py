@@ -336,12 +336,19 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
             "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}[kv_cache_dtype]
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
+    scheduling_policy: str = "fcfs"  # fcfs, or priority (engine/request_queue.py)
 
     def validate(self, max_model_len: int) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown --scheduling-policy {self.scheduling_policy!r}; "
+                             f"choose {' or '.join(SCHEDULING_POLICIES)}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is None:
@@ -651,6 +658,7 @@ class EngineConfig:
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             disable_hybrid_kv_cache_manager=getattr(a, "disable_hybrid_kv_cache_manager", False),
             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, device=a.device,
+            scheduling_policy=a.scheduling_policy,
             log_step_stats=getattr(a, "log_step_stats", False), batch_invariant=getattr(a, "batch_invariant", False),
             step_records=getattr(a, "no_dashboard", None) is False,  # serve's dashboard is on
             speculative_config=getattr(a, "speculative_config", None),
@@ -773,6 +781,9 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="most tokens (prefill chunks + decodes) in one step (default: 2048)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="fcfs = arrival order; priority = by the request's `priority` (lower first, ties by "
+                        "arrival), preempting lower-priority running requests for a higher one")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split each layer across this many ranks (query heads, MLP columns, vocabulary)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,

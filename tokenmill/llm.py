@@ -32,7 +32,8 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """priority: one per prompt, with scheduling_policy='priority' (lower first; vLLM's argument)."""
         if self.config.model.pooler is not None:
             raise ValueError(f"{self.config.model.served_model_name} runs with --task embed: it does not generate "
                              "text; use LLM.embed")
@@ -43,15 +44,17 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        return self._run_all(prompts, params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        return self._run_all(prompts, params, use_tqdm, priority)
 
     def _run_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
-                 use_tqdm: bool) -> list[RequestOutput]:
+                 use_tqdm: bool, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         order: dict[str, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                self._add(rid, prompt, sp)
+                self._add(rid, prompt, sp, priority[i] if priority is not None else 0)
                 order[rid] = i
             return self._run(order, use_tqdm)
         except BaseException:
@@ -101,11 +104,12 @@ class LLM:
                 for o in outs]
 
     # -- internals --------------------------------------------------------------------------
-    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
+    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams, priority: int = 0) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
         reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
-                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"))
+                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"),
+                       priority=priority)
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

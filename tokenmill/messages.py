@@ -38,6 +38,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Disaggregated prefill/decode (vLLM's kv_transfer_params): {"do_remote_decode": true} to a prefill
     # instance; to a decode instance, the params the prefill instance returned (where to pull the KV from).
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # --scheduling-policy priority: lower runs first (ties by arrival); must be 0 under fcfs
+    priority: int = 0
 
 
 def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
@@ -48,6 +50,12 @@ def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size:
         bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
         if bad is not None:
             raise ValueError(f"{what} {bad} is out of range for the vocabulary of {vocab_size}")
+
+
+def check_priority(priority: int, policy: str) -> None:
+    """A priority means something only under the priority policy (as vLLM, refused rather than ignored)."""
+    if priority and policy != "priority":
+        raise ValueError(f"priority {priority} needs --scheduling-policy priority (this engine schedules {policy})")
 
 
 def check_fits(prompt_len: int, sp: SamplingParams, max_model_len: int, block_size: int, num_blocks: int,
@@ -121,6 +129,7 @@ class Request:
         self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
         self.arrival_time = req.arrival_time or time.time()
+        self.priority = req.priority
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -152,6 +152,10 @@ def summarize(records: list[dict[str, Any]], duration: float, slo: Optional[dict
         "ttft_after_connect_ms": distribution((r["ttft"] - r.get("connect", 0.0) for r in ok if r["ttft"] is not None),
                                               1e3),
     }
+    classes = sorted({(r["priority"], r["class"]) for r in records if "class" in r})
+    if classes:  # --priority-classes: each class's latencies (best priority first)
+        s["classes"] = {name: _class_summary([r for r in records if r.get("class") == name], prio)
+                        for prio, name in classes}
     if slo:
         good = sum(1 for r in records if meets_slo(r, slo))
         s["slo"] = {k: v * 1e3 for k, v in slo.items()}  # ms, as the tables show them
@@ -159,6 +163,14 @@ def summarize(records: list[dict[str, Any]], duration: float, slo: Optional[dict
         s["slo_attainment"] = good / len(records) if records else 0.0
         s["slo_violations"] = slo_violations(s, slo)
     return s
+
+
+def _class_summary(records: list[dict[str, Any]], priority: int) -> dict[str, Any]:
+    ok = [r for r in records if r["success"]]
+    return {"priority": priority, "completed": len(ok), "failed": len(records) - len(ok),
+            "ttft_ms": distribution((r["ttft"] for r in ok), 1e3),
+            "tpot_ms": distribution((r["tpot"] for r in ok if r.get("tpot")), 1e3),
+            "e2e_ms": distribution((r["e2e"] for r in ok), 1e3)}
 
 
 def max_in_flight(records: list[dict[str, Any]]) -> int:
@@ -287,6 +299,12 @@ def format_table(summary: dict[str, Any], title: str = "") -> str:
                        ("E2E (ms)", "e2e_ms"), ("user tok/s", "per_user_tok_s")):
         d = s[key]
         lines.append(f"{label:<16}" + "".join(f"{_fmt(d[k]):>10}" for k in ("mean", "median", "p90", "p99", "max")))
+    for name, c in s.get("classes", {}).items():
+        lines.append(f"class {name} (priority {c['priority']}): {c['completed']} ok, {c['failed']} failed")
+        for label, key in (("  TTFT (ms)", "ttft_ms"), ("  TPOT (ms)", "tpot_ms"), ("  E2E (ms)", "e2e_ms")):
+            d = c[key]
+            lines.append(f"{label:<16}" + "".join(f"{_fmt(d[k]):>10}" for k in ("mean", "median", "p90", "p99",
+                                                                                  "max")))
     lines.append("=" * len(lines[0]))
     return "\n".join(lines)
 

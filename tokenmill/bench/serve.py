@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class ServeConfig:
     timeout: float = 600.0
     tokenizer: Optional[str] = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # --priority-classes: (name, priority, weight); each request draws a class and sends its priority
+    priority_classes: list[tuple[str, int, float]] = field(default_factory=list)
     progress: bool = True
 
     def validate(self) -> None:
@@ -85,6 +88,8 @@ class ServeConfig:
                                  "(otherwise it would send requests without end)")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be at least 0, got {self.warmup}")
+        if self.priority_classes and self.endpoint == "embeddings":
+            raise ValueError("--priority-classes is for the completions and chat endpoints")
 
     @property
     def api_base(self) -> str:
@@ -144,10 +149,12 @@ def _error_message(body: bytes) -> str:
     return body[:300].decode(errors="replace")
 
 
-async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, t0: float) -> dict[str, Any]:
+async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, t0: float,
+                       priority_class: Optional[tuple[str, int, float]] = None) -> dict[str, Any]:
     """Send one streaming request and time it. Never raises for server or network failures: the record
     says what went wrong (`error_kind`: http_<status>, timeout, connect, disconnected, stream_error,
-    incomplete_stream, bad_response)."""
+    incomplete_stream, bad_response). priority_class: (name, priority, weight), sent as `priority` and
+    recorded as the record's `class`."""
     import httpx
 
     if cfg.endpoint == "embeddings":
@@ -157,6 +164,9 @@ async def send_request(client, cfg: ServeConfig, req: BenchRequest, index: int, 
                            "expected_output_len": req.output_len, "success": False, "error_kind": None,
                            "error": None, "usage_missing": False, "connect": 0.0, "connection_reused": True}
     payload = _payload(cfg, req)
+    if priority_class is not None:
+        rec["class"], rec["priority"] = priority_class[:2]
+        payload["priority"] = rec["priority"]
     start = time.perf_counter()
     rec["start"] = start - t0
     usage, content_chunks = None, 0
@@ -361,10 +371,13 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
         records: list[dict] = []
         failures = 0
 
-        async def one(r: BenchRequest, i: int) -> None:
+        classes = cfg.priority_classes
+        pick = random.Random(cfg.seed + 2)  # the requests' classes, independent of prompts and arrivals
+
+        async def one(r: BenchRequest, i: int, cls: Optional[tuple[str, int, float]]) -> None:
             nonlocal failures
             try:
-                rec = await send_request(client, cfg, r, i, t0)
+                rec = await send_request(client, cfg, r, i, t0, cls)
             finally:
                 if sem is not None:
                     sem.release()
@@ -390,7 +403,8 @@ async def _run(cfg: ServeConfig, source: Iterator[BenchRequest], n: Optional[int
                 if sem is not None:
                     sem.release()
                 break
-            tasks.append(asyncio.create_task(one(next(source), i)))
+            cls = pick.choices(classes, weights=[c[2] for c in classes])[0] if classes else None
+            tasks.append(asyncio.create_task(one(next(source), i, cls)))
             if not tasks[-1].done():
                 await asyncio.sleep(0)  # let it send before the next one queues behind it
         await asyncio.gather(*tasks)
@@ -475,6 +489,20 @@ def parse_rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a rate: {text!r} (a number of requests/s, or inf)") from None
 
 
+def parse_priority_classes(text: str) -> list[tuple[str, int, float]]:
+    """'high=0:1,low=10:9' -> [('high', 0, 1.0), ('low', 10, 9.0)]."""
+    classes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"([\w.-]+)=(-?\d+):(\d+(?:\.\d*)?)", part)
+        if m is None or float(m[3]) <= 0:
+            raise argparse.ArgumentTypeError(f"bad priority class {part!r}: use NAME=PRIORITY:WEIGHT with a "
+                                             "positive weight, e.g. high=0:1,low=10:9")
+        classes.append((m[1], int(m[2]), float(m[3])))
+    if len({c[0] for c in classes}) != len(classes):
+        raise argparse.ArgumentTypeError(f"priority class names must differ: {text!r}")
+    return classes
+
+
 def _json_obj(text: str) -> dict:
     try:
         obj = json.loads(text)
@@ -503,6 +531,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly --output-len tokens (vLLM's ignore_eos extension)")
     g.add_argument("--extra-body", type=_json_obj, default={}, help="JSON merged into every request body")
+    g.add_argument("--priority-classes", type=parse_priority_classes, default=[], metavar="NAME=PRIO:WEIGHT,...",
+                   help="send each request the `priority` of a class drawn by weight (for a server run with "
+                        "--scheduling-policy priority), e.g. high=0:1,low=10:9; the report gives each class's "
+                        "TTFT, TPOT and E2E percentiles")
 
 
 def add_serve_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
@@ -545,7 +577,7 @@ def workload_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
                 range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
                 seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, tokenizer=args.tokenizer,
-                extra_body=args.extra_body)
+                extra_body=args.extra_body, priority_classes=args.priority_classes)
 
 
 def config_from_args(args: argparse.Namespace, **override: Any) -> ServeConfig:

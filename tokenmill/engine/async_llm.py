@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.messages import EngineStats, FinishReason, check_fits, check_token_ids
+from tokenmill.messages import EngineStats, FinishReason, check_fits, check_priority, check_token_ids
 from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, EngineCoreOutputs, EngineReady, run_engine_core
 from tokenmill.engine.frontend import eos_token_ids, fan_out, load_tokenizer
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
@@ -290,26 +290,27 @@ class AsyncLLM:
         if self._shutting_down or self._closing_reason is not None:
             raise EngineDeadError(self._closing_reason or "the server is shutting down")
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """The checks EngineCore.add_request makes, run here too so that a bad request is refused before
         anything streams. (The engine still checks, and reports a rejection if it disagrees.)"""
         check_token_ids(prompt_ids, params, self.ready.vocab_size)
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         r, layout, chunk = self.ready, self.kv_layout, self.config.scheduler.max_num_batched_tokens
         check_fits(len(prompt_ids), params, r.max_model_len, r.block_size, layout.usable_blocks(r.num_blocks),
                    self.config.model.pooler is not None, lambda n: layout.max_blocks(n, r.block_size, chunk))
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                     queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,
-                    kv_transfer_params: Optional[dict] = None) -> RequestState:
+                    kv_transfer_params: Optional[dict] = None, priority: int = 0) -> RequestState:
         """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned record's
         queue, which several requests may share. Raises ValueError for an invalid request.
         kv_transfer_params (disaggregated prefill/decode) goes to every engine request of it."""
         self.check_alive()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_ids, self.config.cache.enable_prefix_caching,
-                       cache_salt, time.time(), kv_transfer_params)
+                       cache_salt, time.time(), kv_transfer_params, priority)
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
         state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True,
@@ -320,11 +321,11 @@ class AsyncLLM:
         return state
 
     async def generate(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                       cache_salt: Optional[str] = None,
-                       kv_transfer_params: Optional[dict] = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None, kv_transfer_params: Optional[dict] = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields merged deltas until the request finishes; aborts it if the consumer stops early."""
         state = self.add_request(request_id, prompt, prompt_ids, params, cache_salt=cache_salt,
-                                 kv_transfer_params=kv_transfer_params)
+                                 kv_transfer_params=kv_transfer_params, priority=priority)
         try:
             while True:
                 for out in await next_outputs(state.queue):

@@ -14,7 +14,8 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.executor import create_executor
 from tokenmill.executor.base import WorkerDiedError
 from tokenmill.kv_transfer import make_scheduler_connector
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_token_ids
+from tokenmill.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_priority,
+                                check_token_ids)
 from tokenmill.startup import Ledger
 
 logger = logging.getLogger("tokenmill")
@@ -73,6 +74,7 @@ class EngineCore:
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_token_ids(req.prompt_token_ids, req.sampling_params, self.vocab_size)
+        check_priority(req.priority, self.config.scheduler.scheduling_policy)
         self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
         if self.scheduler.connector is not None:  # e.g. kv_transfer_params naming a pull source not allowed
             self.scheduler.connector.check_request(req)

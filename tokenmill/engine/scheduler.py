@@ -1,10 +1,16 @@
-"""Continuous batching with chunked prefill, FCFS, preemption by recompute.
+"""Continuous batching with chunked prefill, FCFS or priority scheduling, preemption by recompute.
 
 Each step hands out a token budget (max_num_batched_tokens): running requests first (decodes and
 unfinished prefill chunks, oldest first), then waiting requests in arrival order. A request's next chunk
 is just "tokens it has minus tokens with KV", so prefill chunks and decodes are the same thing to it.
 When blocks run out the newest running request is preempted: its blocks are freed and it goes back to
 the front of the waiting queue, to be recomputed (prefix cache permitting, cheaply).
+
+--scheduling-policy priority (engine/request_queue.py): "oldest first" and "newest" above become best and worst
+rank (priority, then arrival). Running requests take the budget in rank order and waiting ones are admitted in
+rank order; when a waiting request cannot start (no blocks, or --max-num-seqs running) while a running one
+ranks below it, that one is preempted for it, so a high-priority request does not wait for low-priority work
+to finish.
 
 KV groups (step/kv_groups.py): a request has a block list per group of layers; after each step, sliding-window
 groups give back the blocks no later query can see (update), and allocation counts the blocks every group needs.
@@ -40,11 +46,11 @@ an encoder or a mean/CLS pooler its prompt is admitted only whole (never chunked
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import Iterable, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request_queue import WaitingQueue, rank
 from tokenmill.messages import EngineCoreOutput, FinishReason, Request, RequestStatus, check_fits
 from tokenmill.kv_transfer.base import KVConnectorScheduler
 from tokenmill.sampling_params import SamplingParams
@@ -70,7 +76,8 @@ class Scheduler:
         self.kv_layout = kv_layout(config)  # the layers' KV groups (the workers compute the same)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
                                  connector.on_evict if connector is not None else None, self.kv_layout.windows)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduler.scheduling_policy)
+        self.by_priority = self.waiting.by_priority
         self.loading: list[Request] = []  # waiting for a KV connector's background transfers
         self.compiling: list[Request] = []  # waiting for their grammar to compile
         self.structured = StructuredOutputManager(config.model.tokenizer, config.model.hf_config.vocab_size)
@@ -108,7 +115,10 @@ class Scheduler:
         if so is not None:
             self.structured.submit(so)
         self.requests[request.request_id] = request
-        (self.compiling if so is not None else self.waiting).append(request)
+        if so is not None:
+            self.compiling.append(request)
+        else:
+            self.waiting.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -180,7 +190,7 @@ class Scheduler:
                 continue
             if ready:
                 self.compiling.remove(req)
-                self.waiting.append(req)
+                self.waiting.add(req)
 
     # -- failure isolation --------------------------------------------------------------------
     def roll_back(self, sched: SchedulerOutput, error: str) -> None:
@@ -204,7 +214,7 @@ class Scheduler:
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
             req.num_prompt_logprobs_done = min(req.num_prompt_logprobs_done, s.prompt_logprobs_from)
-            self.waiting.appendleft(req)
+            self.waiting.requeue(req)
             if req.request_id not in self.quarantine:
                 self.quarantine.insert(0, req.request_id)
 
@@ -231,10 +241,9 @@ class Scheduler:
         if suspect is not None and not chosen:  # a suspect waiting anywhere goes first
             req = self.requests[suspect]
             if req in self.waiting:
-                self.waiting.remove(req)
-                self.waiting.appendleft(req)
+                self.waiting.to_front(req)
         if not out.num_preempted:  # no admission in a step that had to preempt
-            self._schedule_waiting(chosen, budget, k, suspect)
+            self._schedule_waiting(chosen, budget, k, suspect, out)
 
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
@@ -257,6 +266,8 @@ class Scheduler:
         """Running requests first, oldest first (preempting the newest when blocks run out); returns the budget
         left. Pipeline parallel spreads them over the steps in flight, so that each stage has a share."""
         per_step = -(-len(self.running) // self.pipeline_depth)
+        if self.by_priority:
+            self.running.sort(key=rank)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -288,18 +299,26 @@ class Scheduler:
                 break
         return budget
 
-    def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str]) -> None:
-        """Then waiting requests in arrival order, their prefix-cache (and lower-tier) hit counted as computed."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+    def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str],
+                          out: SchedulerOutput) -> None:
+        """Then waiting requests in arrival (or rank) order, their prefix-cache (and lower-tier) hit counted as
+        computed."""
+        while self.waiting and budget > 0:
+            req = self.waiting.peek()
             if suspect is not None and (req.request_id != suspect or chosen):
                 break
+            if len(self.running) >= self.max_num_seqs:
+                freed = self._preempt_for(req, chosen, out)
+                if freed is None:
+                    break
+                budget += freed
+                continue
             hits, num_hit = self.kv.get_computed_blocks(req)
             num_ext = 0  # tokens after the device hit that a lower tier supplies
             if self.connector is not None and self.kv.reuses_cache(req):
                 ext = self.connector.lookup(req, num_hit)
                 if not ext.ready:
-                    self.loading.append(self.waiting.popleft())
+                    self.loading.append(self.waiting.pop())
                     continue
                 num_ext = ext.num_tokens
             n = min(req.num_tokens - num_hit - num_ext, budget)
@@ -308,8 +327,12 @@ class Scheduler:
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
                 if not lookahead or not self.kv.allocate_slots(req, num_ext + n, hits):
-                    break
-            self.waiting.popleft()
+                    freed = self._preempt_for(req, chosen, out)
+                    if freed is None:
+                        break
+                    budget += freed
+                    continue
+            self.waiting.pop()
             if self.connector is not None:
                 first = num_hit // self.block_size  # the external hit may end inside a block (the prompt's last)
                 self.connector.on_allocated(
@@ -381,7 +404,7 @@ class Scheduler:
         ready = [r for r in self.loading if self.connector.is_ready(r)]
         for req in reversed(ready):
             self.loading.remove(req)
-            self.waiting.appendleft(req)
+            self.waiting.requeue(req)
 
     # -- speculation ------------------------------------------------------------------------
     def _may_speculate(self, req: Request) -> bool:
@@ -407,11 +430,35 @@ class Scheduler:
         return max(0, min(k, self.max_model_len - req.num_tokens))
 
     def _preemptible(self) -> Optional[Request]:
-        """The newest running request not in flight (removed from running), or None."""
-        for j in range(len(self.running) - 1, -1, -1):
-            if self.running[j].request_id not in self.in_flight:
-                return self.running.pop(j)
-        return None
+        """The newest (priority policy: worst-ranked) running request not in flight, removed from running; or
+        None."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
+        victim = max(candidates, key=rank) if self.by_priority else candidates[-1]
+        self.running.remove(victim)
+        return victim
+
+    def _preempt_for(self, req: Request, chosen: list, out: SchedulerOutput) -> Optional[int]:
+        """Priority policy: the waiting `req` cannot start; preempt the worst-ranked running request if it ranks
+        below req (taking it out of this step if it was chosen). Returns the step budget that gives back, or None
+        when nothing ranks below req (or under fcfs)."""
+        if not self.by_priority:
+            return None
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        victim = max(candidates, key=rank, default=None)
+        if victim is None or rank(victim) <= rank(req):
+            return None
+        freed = 0
+        for i, (r, n, drafts, _new) in enumerate(chosen):
+            if r is victim:
+                freed = n + len(drafts)
+                del chosen[i]
+                break
+        self.running.remove(victim)
+        self._preempt(victim)
+        out.num_preempted += 1
+        return freed
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -420,7 +467,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.requeue(req)
         logger.debug("preempted %s (KV cache full)", req.request_id)
 
     # -- after the forward pass ---------------------------------------------------------------

@@ -144,7 +144,7 @@ async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str)
     params = req.to_sampling_params(state.limits, plan.constraint)
     prompt = await render_request_chat(state, req, plan.template_tools())
     params = _grammar_after_reasoning(state, params, prompt)
-    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params), plan
+    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params, req.priority), plan
 
 
 def _grammar_after_reasoning(state: "ServerState", params: SamplingParams, prompt: Prompt) -> SamplingParams:

@@ -77,7 +77,7 @@ async def create_completion(state: "ServerState", req: CompletionRequest, raw: R
     want_lp = req.logprobs is not None
     params = req.to_sampling_params(state.limits, echo_logprobs=req.echo and want_lp)
     rid = random_id("cmpl")
-    gen = Generation(state, rid, prompts, params, req.cache_salt, req.kv_transfer_params)
+    gen = Generation(state, rid, prompts, params, req.cache_salt, req.kv_transfer_params, req.priority)
     if req.stream:
         return stream_response(_stream(state, req, gen, rid), gen)
     try:

@@ -168,6 +168,7 @@ class SamplingRequest(RequestBody):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     cache_salt: Optional[str] = None
+    priority: Int64 = 0  # vLLM's: with --scheduling-policy priority, lower runs first
     # Disaggregated prefill/decode (vLLM's field): its known keys, typed and bounded (kv_transfer/p2p_params.py),
     # passed to the engine request as a dict; see docs/router.md
     kv_transfer_params: Optional[KVTransferParamsField] = None

@@ -35,7 +35,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat-request fields (vLLM's sampling extensions and ours) a Responses request may carry through unchanged.
 PASSTHROUGH = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                "stop_token_ids", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-               "include_stop_str_in_output", "cache_salt", "kv_transfer_params", "chat_template",
+               "include_stop_str_in_output", "cache_salt", "priority", "kv_transfer_params", "chat_template",
                "chat_template_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 # The chat path names its own parameters in errors; a Responses client knows these names instead.
 _PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",

@@ -163,7 +163,8 @@ class Generation:
     the batch."""
 
     def __init__(self, state: "ServerState", base_id: str, prompts: list[Prompt], params: SamplingParams,
-                 cache_salt: Optional[str] = None, kv_transfer_params: Optional[dict] = None) -> None:
+                 cache_salt: Optional[str] = None, kv_transfer_params: Optional[dict] = None,
+                 priority: int = 0) -> None:
         engine = state.engine
         try:
             engine.check_alive()
@@ -186,7 +187,8 @@ class Generation:
         self.kv_transfer_params: Optional[dict] = None  # what a finished engine request returned
         self.timing_enabled = bool(getattr(state.args, "enable_request_timing", False))
         self.timings: list[dict[str, float]] = []  # of finished prompts (RequestTimes.timing)
-        self._request_kw = {"cache_salt": cache_salt, "kv_transfer_params": kv_transfer_params}
+        self._request_kw = {"cache_salt": cache_salt, "kv_transfer_params": kv_transfer_params,
+                            "priority": priority}
         self._pending = deque(range(len(prompts)))  # prompts not yet sent to the engine
         self._unstarted: dict[str, int] = {}        # sent, no output yet: engine id -> prompt tokens x n
         self._window = max(1, state.config.scheduler.max_num_seqs)
@@ -194,13 +196,13 @@ class Generation:
         self._admission.held += len(prompts) * params.n
         try:
             for p in prompts:
-                engine.validate(p.token_ids, params)
+                engine.validate(p.token_ids, params, priority)
             self._feed()
         except ValueError as e:
             self.close()
             msg = str(e)
-            raise bad_request(msg, next((p for p in ("max_tokens", "logit_bias", "stop_token_ids") if p in msg),
-                                        "prompt")) from None
+            param = next((p for p in ("max_tokens", "logit_bias", "stop_token_ids", "priority") if p in msg), "prompt")
+            raise bad_request(msg, param) from None
         except EngineDeadError as e:
             self.close()
             raise engine_error(e) from None

@@ -1,0 +1,135 @@
+"""--scheduling-policy priority: the waiting queue's order, preemption of lower-priority work for a higher-priority
+request (KV full, or --max-num-seqs running), unchanged greedy outputs, and the refusals under fcfs."""
+import random
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request_queue import WaitingQueue
+from tokenmill.messages import EngineCoreRequest, Request
+
+
+def _req(rid, priority=0, arrival=0.0):
+    return Request(EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=1), [0], arrival,
+                                     priority=priority), 64)
+
+
+def test_queue_orders_by_priority_then_arrival():
+    q = WaitingQueue("priority")
+    for rid, prio, t in (("a", 5, 1.0), ("b", 0, 2.0), ("c", 5, 0.5), ("d", 0, 3.0), ("e", -1, 4.0)):
+        q.add(_req(rid, prio, t))
+    assert [r.request_id for r in q] == ["e", "b", "d", "c", "a"]
+    first = q.pop()
+    q.requeue(first)  # back in its rank's place, not simply at the head
+    late = _req("f", 0, 0.1)
+    q.add(late)
+    assert [r.request_id for r in q] == ["e", "f", "b", "d", "c", "a"]
+    q.to_front(next(r for r in q if r.request_id == "a"))  # the quarantine's suspect: first whatever its rank
+    assert q.peek().request_id == "a" and len(q) == 6 and late in q
+    q.remove(late)
+    assert late not in q and [q.pop().request_id for _ in range(5)] == ["a", "e", "b", "d", "c"]
+
+
+def test_fcfs_queue_puts_returning_requests_at_the_head():
+    q = WaitingQueue("fcfs")
+    a, b, c = _req("a", 9, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)
+    q.add(a)
+    q.add(b)
+    q.requeue(c)
+    assert [r.request_id for r in q] == ["c", "a", "b"]
+
+
+def _engine(tiny, policy, **kw):
+    return LLM(tiny("qwen2"), dtype="float32", block_size=16, max_num_batched_tokens=64, seed=0,
+               scheduling_policy=policy, **kw)
+
+
+def _prompts(n, length, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _add(llm, rid, prompt, max_tokens, priority):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.engine.add_request(EngineCoreRequest(rid, prompt, sp, [0], priority=priority))
+
+
+def _run(llm, until_first=None):
+    """Step until every request finishes: each request's tokens, and the step of `until_first`'s first token."""
+    tokens, first_at, step = {}, None, 0
+    while llm.engine.has_unfinished_requests():
+        step += 1
+        for out in llm.engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.request_id == until_first and first_at is None and out.new_token_ids:
+                first_at = step
+    return tokens, first_at
+
+
+def _steps_until_decoding(llm, n):
+    """Step until n requests have two tokens each: their tokens so far."""
+    outs = {}
+    while len(outs) < n or any(len(v) < 2 for v in outs.values()):
+        for out in llm.engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return outs
+
+
+@pytest.mark.parametrize("limit", ["kv", "max_num_seqs"])
+def test_high_priority_preempts_low_priority_work(tiny, limit):
+    """Low-priority requests fill the KV cache (or every sequence slot); a high-priority request that arrives then
+    starts at the next step, preempting them, where fcfs makes it wait for their end. Every request's greedy tokens
+    are those it gets alone."""
+    # kv: 3 x 62 tokens take 12 of 14 blocks when the high-priority request comes, which needs 3
+    kw = {"num_gpu_blocks_override": 14} if limit == "kv" else {"num_gpu_blocks_override": 128, "max_num_seqs": 3}
+    vocab_probe = _engine(tiny, "fcfs", **kw)
+    vocab = vocab_probe.config.model.hf_config.vocab_size
+    low, (high,) = _prompts(3, 60, vocab, 1), _prompts(1, 40, vocab, 2)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in
+             vocab_probe.generate([{"prompt_token_ids": p} for p in low + [high]], sp, use_tqdm=False)]
+    waited = {}
+    for policy in ("priority", "fcfs"):
+        llm = _engine(tiny, policy, **kw)
+        for i, p in enumerate(low):
+            _add(llm, f"low{i}", p, 40, 10 if policy == "priority" else 0)
+        early = _steps_until_decoding(llm, 3)
+        _add(llm, "high", high, 40, 0)
+        tokens, waited[policy] = _run(llm, until_first="high")
+        for rid, toks in early.items():
+            tokens[rid] = toks + tokens.get(rid, [])
+        assert [tokens[f"low{i}"] for i in range(3)] + [tokens["high"]] == alone
+        assert llm.engine.scheduler.kv.is_whole()
+        if policy == "priority":
+            assert llm.engine.scheduler.num_preemptions >= 1
+    assert waited["priority"] <= 2, waited  # the step it arrived in (its prompt fits one step's budget)
+    assert waited["fcfs"] > 10, waited      # behind the low-priority requests' remaining decodes
+
+
+def test_generate_admits_in_priority_order(tiny):
+    """One sequence at a time: prompts start lowest priority value first, ties in submission order."""
+    llm = _engine(tiny, "priority", num_gpu_blocks_override=64, max_num_seqs=1)
+    vocab = llm.config.model.hf_config.vocab_size
+    prompts = _prompts(4, 20, vocab, 3)
+    for rid, p, prio in zip("abcd", prompts, (5, 0, 5, -2)):
+        _add(llm, rid, p, 3, prio)
+    order = []
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            if out.request_id not in order:
+                order.append(out.request_id)
+    assert order == ["d", "b", "a", "c"]
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, priority=[3, 1, 2, 0])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3] * 4
+    with pytest.raises(ValueError, match="2 priorities"):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False, priority=[1, 2])
+
+
+def test_fcfs_refuses_a_priority(tiny):
+    llm = _engine(tiny, "fcfs", num_gpu_blocks_override=32)
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        _add(llm, "x", [5, 6, 7], 2, 1)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="scheduling-policy"):
+        LLM(tiny("qwen2"), dtype="float32", scheduling_policy="lifo")
