@@ -18,7 +18,7 @@ from models import tiny_model
 from server_utils import API_KEY, free_port, shared_server
 from tokenmill.bench.datasets import build_dataset, load_tokenizer, sharegpt_dataset
 from tokenmill.bench.report import distribution, format_table, max_in_flight, parse_slo, percentile, summarize
-from tokenmill.bench.serve import ServeConfig, arrival_times, run_benchmark
+from tokenmill.bench.serve import ServeConfig, arrival_times, parse_priority_classes, run_benchmark
 from tokenmill.cli import main
 
 HAVE_MPL = True
@@ -164,6 +164,7 @@ def _fake_app():
         if "FAIL500" in prompt:
             return JSONResponse({"error": {"message": "injected failure", "type": "server_error"}}, status_code=500)
         ttft, itl = body.get("fake_ttft", 0.0), body.get("fake_itl", 0.0)
+        ttft += body.get("priority", 0) * body.get("fake_ttft_per_priority", 0.0)
         per_chunk = body.get("fake_tokens_per_chunk", 1)
         n = body["max_tokens"]
 
@@ -305,6 +306,27 @@ def test_errors_by_kind_and_chat(fake, tmp_path):
     dead = ServeConfig(base_url=f"http://127.0.0.1:{free_port()}", model="m", num_prompts=2, progress=False)
     s = run_benchmark(dead)["summary"]
     assert s["errors"] == {"connect": 2} and s["completed"] == 0
+
+
+def test_priority_classes_sent_and_reported_apart(fake):
+    """--priority-classes: each request carries its class's priority, and the report splits the latencies by
+    class (the fake server answers priority p after p x 50 ms)."""
+    classes = parse_priority_classes("high=0:1,low=3:3")
+    assert classes == [("high", 0, 1.0), ("low", 3, 3.0)]
+    cfg = ServeConfig(base_url=fake.url, num_prompts=24, input_len=4, output_len=2, progress=False,
+                      priority_classes=classes, extra_body={"fake_ttft_per_priority": 0.05})
+    r = run_benchmark(cfg)
+    s = r["summary"]
+    assert list(s["classes"]) == ["high", "low"]
+    high, low = s["classes"]["high"], s["classes"]["low"]
+    assert high["completed"] + low["completed"] == 24 and high["completed"] >= 1 and low["completed"] >= 8
+    assert high["priority"] == 0 and low["priority"] == 3
+    assert low["ttft_ms"]["min"] >= 150 and high["ttft_ms"]["median"] < low["ttft_ms"]["median"]
+    assert all(x["priority"] == (0 if x["class"] == "high" else 3) for x in r["requests"])
+    assert "class low (priority 3)" in format_table(s)
+    for bad in ("high=0", "a=1:0", "a=1:1,a=2:1", "x y=1:1"):
+        with pytest.raises(Exception, match="priority class"):
+            parse_priority_classes(bad)
 
 
 def test_rate_duration_and_warmup(fake):
