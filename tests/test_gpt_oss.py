@@ -81,6 +81,17 @@ def test_sinks_in_c_kernel_match_torch(D, dtype, tol):
     torch.testing.assert_close(a.float(), ref, atol=tol, rtol=tol)
 
 
+def test_sink_attention_runs_in_query_chunks(monkeypatch):
+    """The torch path with sinks bounds its scores (SINK_SCORES_BYTES) by taking query rows in chunks: with a
+    budget of a few rows, a prefill chunk and a decode still equal the dense reference."""
+    from tokenmill.layers.attention import cpu
+
+    monkeypatch.setattr(cpu, "SINK_SCORES_BYTES", 4 * 64 * 2 * 5)
+    out, ref = _run_step(PagedAttentionBackend("cpu", use_kernel=False), torch.float32, 8, 2, 12, [1, 30], [40, 10],
+                         bs=16, sinks=torch.linspace(-2.0, 3.0, 8))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 # -- MXFP4 checkpoint -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mxfp4_dirs(tiny, tmp_path_factory):

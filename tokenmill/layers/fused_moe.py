@@ -8,13 +8,13 @@ back per token with index_add_. The only Python loop is over experts that receiv
 
 Expert weights are stacked, w13 [E, 2*I, H] (gate rows then up rows) and w2 [E, H, I], created and run by a
 quant method object (`UnquantizedMoEMethod`, `Int8MoEMethod`, quantization/fp4.py's `Mxfp4MoEMethod` for
-MXFP4 checkpoints), as linear layers own theirs. gpt-oss adds a bias to the router and to both expert
-matmuls (w13_bias [E, 2*I], w2_bias [E, H]: float, whatever the weights' format) and routes top-k first, then
-a softmax over the chosen logits. On CPU the
-per-expert matmuls go through the panel-GEMM kernels of cpu_linear (each expert's weight packed once at
-load): measured on this 2-core AVX2 machine, one expert of the SmolLM2-derived MoE (w13 [3072, 576]) at 4 rows
-took 112 us in the panel kernel vs 503 us in F.linear, at 64 rows 1.5 vs 2.0 ms, and in bfloat16 at 64 rows
-2.3 vs 7.4 ms (the measured matmul plan still hands a shape to torch where torch wins).
+MXFP4 checkpoints), as linear layers own theirs. gpt-oss adds a bias to the router and to both expert matmuls
+(w13_bias [E, 2*I], w2_bias [E, H]: float, whatever the weights' format) and routes top-k first, then a softmax
+over the chosen logits. On CPU the per-expert matmuls go through the panel-GEMM kernels of cpu_linear (each
+expert's weight packed once at load): measured on this 2-core AVX2 machine, one expert of the SmolLM2-derived
+MoE (w13 [3072, 576]) at 4 rows took 112 us in the panel kernel vs 503 us in F.linear, at 64 rows 1.5 vs 2.0
+ms, and in bfloat16 at 64 rows 2.3 vs 7.4 ms (the measured matmul plan still hands a shape to torch where torch
+wins).
 
 Parallelism (tokenmill.distributed). Activations are replicated on every rank of the tensor-parallel group
 when they reach the MLP (attention ends with an all-reduce, or is itself replicated), so every rank sees every

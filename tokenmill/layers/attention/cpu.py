@@ -116,13 +116,25 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+# float32 scores one _attend call holds at most (query rows are taken in chunks beyond it): 256 MiB
+SINK_SCORES_BYTES = 1 << 28
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
             sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """SDPA of q [..., n, D] against k/v [..., s, D] under a boolean mask (broadcast to [..., n, s]); with sinks
     (a logit per query row, broadcast to [..., n, 1]) the same in plain torch, the sink joining each row's softmax
-    as a key whose value is zero (transformers' eager gpt-oss attention, in float32)."""
+    as a key whose value is zero (transformers' eager gpt-oss attention, in float32), a chunk of query rows at a
+    time so the scores stay within SINK_SCORES_BYTES."""
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    n = q.shape[-2]
+    rows = max(1, SINK_SCORES_BYTES // (4 * k.shape[-2] * q[..., 0, 0].numel()))
+    if n > rows:
+        def part(t: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor]:
+            return t[..., i:i + rows, :] if t is not None and t.shape[-2] == n else t
+        return torch.cat([_attend(q[..., i:i + rows, :], k, v, part(mask, i), scale, part(sinks, i))
+                          for i in range(0, n, rows)], dim=-2)
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -3,8 +3,8 @@
 Online (`--quantization`, applied on load to a float checkpoint): int8 (weight-only), w8a8, fp8, mxfp4,
 nvfp4, int4 (and int4-g128; ggml Q4_1 blocks, int4.py). Pre-quantized checkpoints, recognised from
 config.json's `quantization_config`: `fp8`, `compressed-tensors`, int4 `awq` / `gptq` (awq_gptq.py), and
-`mxfp4` MoE experts (gpt-oss; fp4.py). Models never branch on any of this: every LinearBase gets a quant_method from the
-config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
+`mxfp4` MoE experts (gpt-oss; fp4.py). Models never branch on any of this: every LinearBase gets a quant_method
+from the config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
 dtype (as vLLM does) unless asked to include it (`--quantize-lm-head`); a checkpoint's own `ignore` list
 decides for its head.
 """
