@@ -117,15 +117,15 @@ class HarmonyStream:
                 text, self.header = self.header[at + len(_MESSAGE):], self.header[:at]
                 self.in_body = self.harmony = True
                 continue
+            analysis = _channel(self.header) == "analysis"
             ends = [(text.find(t), t) for t in _ENDS if t in text]
-            at, marker = min(ends) if ends else (-1, "")
-            body = text[:at] if at >= 0 else text
-            if at < 0:  # keep back what may be the start of an end marker
+            if not ends:  # the body goes on: all of it out, less what may be the start of an end marker
                 keep = max(_partial_suffix(text, t) for t in _ENDS)
-                body, self.held = text[:len(text) - keep], text[len(text) - keep:]
-            out[_channel(self.header) == "analysis"].append(body)
-            if at < 0:
+                out[analysis].append(text[:len(text) - keep])
+                self.held = text[len(text) - keep:]
                 break
+            at, marker = min(ends)
+            out[analysis].append(text[:at])
             self.in_body, self.header, text = False, "", text[at + len(marker):]
         if last:
             self._finish(out)
