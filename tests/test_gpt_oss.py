@@ -18,7 +18,7 @@ from test_attention import _run_step
 from test_gemma3 import GREEDY, _assert_matches
 from test_model_exactness import _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.attention.cpu import PagedAttentionBackend
 

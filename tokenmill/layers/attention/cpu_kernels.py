@@ -50,7 +50,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     KVCacheQuant); int32 block_table [B, nb]; int32 per-token request row and key range [kv_start, kv_end);
     sinks: a logit per query head [Hq] that joins each softmax's denominator (gpt-oss), or None.
     Returns [Tq, Hq, D]."""
-    lib = load()
     quant = kv_quant is not None
     q = q.contiguous()
     out = torch.empty_like(q)
