@@ -3,7 +3,7 @@ full layers alternating with a window shorter than the prompts, YaRN rope, q/k/v
 experts top-2 with router and expert biases, a swiglu_limit the activations reach) through the engine (chunked
 prefill, preemption, a prefix-cache hit, TP=2 and EP); the same model's experts as an MXFP4 checkpoint (OpenAI's
 *_blocks / *_scales layout, quantized here) against transformers on its dequantized copy; the attention sinks
-in the C kernel against the torch path; the plan preset; the harmony reasoning parser."""
+in the C kernel against the torch path; the plan preset; the harmony reasoning parser, and the chat API giving it special tokens."""
 from __future__ import annotations
 
 import json
@@ -240,3 +240,32 @@ def test_harmony_parser_keeps_special_tokens_and_names_the_answer_start():
     assert parser.state_after(PROMPT) == "open"
     assert parser.state_after(PROMPT + "<|channel|>final<|message|>") == "answer"
     assert parser.state_after(PROMPT + "<|channel|>analysis<|message|>") == "reasoning"
+
+
+def test_chat_api_gives_the_parser_special_tokens(tiny, tmp_path):
+    """Served with --reasoning-parser openai_gptoss, chat detokenizes with special tokens (harmony's markers are
+    special tokens): the tiny model with its <|im_start|> special token renamed <|message|>, made to write it by a
+    logit bias after a prompt that ends in a message header, answers with the later ones as content, whole and
+    streamed (skipping special tokens, as chat does by default, would leave nothing)."""
+    import httpx
+
+    from server_utils import ServerProc, sse_events
+
+    dst = tmp_path / "renamed"
+    shutil.copytree(tiny("gpt_oss"), dst)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_text((dst / name).read_text().replace("<|im_start|>", "<|message|>"))
+    server = ServerProc(str(dst), "--reasoning-parser", "openai_gptoss")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+                "chat_template": "{{ messages[0]['content'] }}<|start|>assistant", "logit_bias": {"1": 100}}
+        message = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert (message["content"], message["reasoning_content"]) == ("<|message|><|message|>", None)
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            events = sse_events(r.iter_lines())
+        deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+        assert "".join(d.get("content") or "" for d in deltas) == "<|message|><|message|>"
+        assert not any(d.get("reasoning_content") for d in deltas)
+    finally:
+        server.stop()
