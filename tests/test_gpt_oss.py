@@ -3,7 +3,8 @@ full layers alternating with a window shorter than the prompts, YaRN rope, q/k/v
 experts top-2 with router and expert biases, a swiglu_limit the activations reach) through the engine (chunked
 prefill, preemption, a prefix-cache hit, TP=2 and EP); the same model's experts as an MXFP4 checkpoint (OpenAI's
 *_blocks / *_scales layout, quantized here) against transformers on its dequantized copy; the attention sinks
-in the C kernel against the torch path; the plan preset; the harmony reasoning parser, and the chat API giving it special tokens."""
+in the C kernel against the torch path; the plan preset; the harmony reasoning parser, and the chat API giving
+it special tokens."""
 from __future__ import annotations
 
 import json
@@ -111,7 +112,7 @@ def mxfp4_dirs(tiny, tmp_path_factory):
         if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             packed[name] = dequantized[name] = t
             continue
-        w = t.transpose(1, 2)  # transformers' [E, in, out] -> [E, out, in]
+        w = t.transpose(1, 2).contiguous()  # transformers' [E, in, out] -> [E, out, in]
         pairs = [quantize_mxfp4(w[e]) for e in range(w.shape[0])]
         blocks = torch.stack([p[0] for p in pairs]).reshape(*w.shape[:2], -1, 16)
         scales = torch.stack([p[1] for p in pairs])
