@@ -60,9 +60,21 @@ GEMMA_ARCHS = {
                          "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
         architectures=["Gemma3ForCausalLM"])),
 }
+# gpt-oss, apart too: sliding and full layers alternating (window shorter than the test prompts), YaRN rope,
+# q/k/v/o biases, 4 experts top-2 with router and expert biases, a swiglu_limit the activations reach; sinks,
+# biases and the router's bias are randomized after init (transformers zeroes the expert biases). Widths are
+# multiples of 32 per TP rank, so the same experts quantize to MXFP4 (test_gpt_oss.py).
+GPT_OSS_ARCHS = {
+    "gpt_oss": ("GptOssConfig", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=24,
+        num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0})),
+}
 _SEEDS = {arch: 1234 + i for i, arch in enumerate(sorted(ARCHS))}
 _SEEDS.update({arch: 2234 + i for i, arch in enumerate(sorted(MOE_ARCHS))})
 _SEEDS.update({arch: 3234 + i for i, arch in enumerate(sorted(GEMMA_ARCHS))})
+_SEEDS.update({arch: 4234 + i for i, arch in enumerate(sorted(GPT_OSS_ARCHS))})
 
 _cache: dict[str, str] = {}
 _root = None
@@ -99,7 +111,7 @@ def tiny_model(arch: str) -> str:
 
     path = os.path.join(_root_dir(), arch)
     tok = build_tokenizer(path)
-    cls_name, extra = {**ARCHS, **MOE_ARCHS, **GEMMA_ARCHS}[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS, **GEMMA_ARCHS, **GPT_OSS_ARCHS}[arch]
     fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
@@ -116,6 +128,11 @@ def tiny_model(arch: str) -> str:
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0, 0.3)
+    if arch in GPT_OSS_ARCHS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    param.normal_(0, 1.0 if name.endswith("sinks") else 0.3)
     model.save_pretrained(path)
     _cache[arch] = path
     return path

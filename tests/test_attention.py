@@ -14,8 +14,9 @@ from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend
 
 
-def _reference(q, k_all, v_all, positions, ctx_starts, window, scale):
-    """Dense attention for each query token over its request's keys (k_all/v_all: [S, Hkv, D])."""
+def _reference(q, k_all, v_all, positions, ctx_starts, window, scale, sinks=None):
+    """Dense attention for each query token over its request's keys (k_all/v_all: [S, Hkv, D]); sinks [Hq]: a
+    logit per head in the softmax's denominator, with no value."""
     out = []
     Hq, Hkv = q.shape[1], k_all[0].shape[1]
     for t in range(q.shape[0]):
@@ -25,11 +26,16 @@ def _reference(q, k_all, v_all, positions, ctx_starts, window, scale):
         kk = ks[lo:p + 1].float().repeat_interleave(Hq // Hkv, dim=1)    # [L, Hq, D]
         vv = vs[lo:p + 1].float().repeat_interleave(Hq // Hkv, dim=1)
         w = torch.einsum("hd,lhd->hl", q[t].float(), kk) * scale
-        out.append(torch.einsum("hl,lhd->hd", w.softmax(-1), vv))
+        if sinks is not None:
+            w = torch.cat([w, sinks.float()[:, None]], dim=1).softmax(-1)[:, :-1]
+        else:
+            w = w.softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", w, vv))
     return torch.stack(out)
 
 
-def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32, seed=0, device="cpu"):
+def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32, seed=0, device="cpu",
+              sinks=None):
     """One step: request i has ctx_lens[i] tokens already cached and computes query_lens[i] new ones."""
     g = torch.Generator().manual_seed(seed)
     rng = np.random.RandomState(seed)
@@ -69,8 +75,8 @@ def _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, bs=4, D=32,
     q = torch.stack(q_list)
     scale = D ** -0.5
     out = backend.forward(q.to(dev), torch.stack(k_new).to(dev), torch.stack(v_new).to(dev), kv.to(dev), meta,
-                          scale, window)
-    ref = _reference(q, per_tok_k, per_tok_v, positions, None, window, scale)
+                          scale, window, sinks=None if sinks is None else sinks.to(dev))
+    ref = _reference(q, per_tok_k, per_tok_v, positions, None, window, scale, sinks)
     return out.cpu(), ref
 
 
@@ -91,6 +97,27 @@ def test_backend_matches_dense_reference(backend, dtype, tol, Hq, Hkv, window):
     out, ref = _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+SINK_CASES = [(4, 4, None), (8, 2, None), (8, 2, 5)]
+
+
+def _sinks(Hq: int) -> torch.Tensor:
+    """Sinks from well below to well above the scores (|score| ~ 1 here), so they visibly take weight."""
+    return torch.linspace(-3.0, 4.0, Hq)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("Hq,Hkv,window", SINK_CASES)
+def test_sinks_match_dense_reference(backend, dtype, tol, Hq, Hkv, window):
+    """Attention sinks (gpt-oss) through the kernel (decodes, short chunks) and the torch paths (prefills, and
+    everything without the kernel): the dense reference with the sink in each softmax."""
+    query_lens, ctx_lens = [1, 1, 7, 1, 20, 1], [0, 13, 0, 30, 9, 2]
+    out, ref = _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens, sinks=_sinks(Hq))
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    plain, _ = _run_step(backend, dtype, Hq, Hkv, window, query_lens, ctx_lens)
+    assert (plain.float() - ref).abs().max() > 0.05  # the sinks change the output
 
 
 def test_kernel_is_used_on_cpu_when_a_compiler_exists():
@@ -121,12 +148,20 @@ def _triton_check():
             out, ref = _run_step(backend, dtype, Hq, Hkv, window, [1, 1, 7, 1, 5, 1], [0, 13, 0, 30, 9, 2],
                                  D=24)  # D not a power of two: the kernel pads and masks it
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+        for Hq, Hkv, window in SINK_CASES:
+            backend = PagedAttentionBackend("cpu", use_kernel=False)
+            backend.kernel, backend.kernel_dtypes = triton_paged.paged_attention, (dtype,)
+            out, ref = _run_step(backend, dtype, Hq, Hkv, window, [1, 1, 7, 1], [0, 13, 0, 30], D=24,
+                                 sinks=_sinks(Hq))
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 def test_triton_kernel_under_interpreter():
     if not triton_paged.available():
         pytest.skip("triton not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # the checkout's tokenmill, not an installed one, whatever the subprocess's working directory puts first
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     code = "import test_attention as t; t._triton_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env,
                           capture_output=True, text=True, timeout=300)

@@ -25,7 +25,8 @@ DTYPE_AUTO_RULE = ("on a CPU: bfloat16 where it has native bf16 dot products (AV
                    "best and the median of interleaved timing pairs, in each of two separate rounds")
 
 QUANTIZATION_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4", "int4", "int4-g128")  # --quantization, float ckpt
-CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors", "awq", "gptq")  # quantization_config.quant_method we load
+# quantization_config.quant_method we load (mxfp4: gpt-oss's MoE experts)
+CHECKPOINT_QUANTIZATION = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 
 
 def validate_quantization(requested: Optional[str], hf_config: Any, model_dir: str = "") -> Optional[str]:

@@ -31,7 +31,7 @@ typedef void (*attn_fn)(const void *q, const void *k_cache, const void *v_cache,
                         const int32_t *kv_start, const int32_t *kv_end, int64_t num_tokens, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t head_stride, int64_t block_size,
                         float scale, int num_threads, const float *lut, const float *k_scale,
-                        const float *v_scale);
+                        const float *v_scale, const float *sinks);
 typedef int (*write_kv_fn)(const char *k, int64_t k_row_bytes, const char *v, int64_t v_row_bytes, char *cache,
                            int64_t T, int64_t num_kv_heads, int64_t head_bytes, int64_t cache_head_bytes,
                            const int64_t *slots);
@@ -152,7 +152,7 @@ int decoder_stack_run(const stack_t *s, const step_t *st, void *x, void *out, vo
             return -1;
         const char *kc = L->kv_cache, *vc = kc + s->Hkv * s->num_slots * D * es;
         s->attn(q, kc, vc, att, st->block_table, st->bt_stride, st->req_of, st->kv_start, st->kv_end, M, s->Hq,
-                s->Hkv, D, s->num_slots * D, s->block_size, s->scale, nt, 0, 0, 0);
+                s->Hkv, D, s->num_slots * D, s->block_size, s->scale, nt, 0, 0, 0, 0); /* no sinks */
         linear(s, &L->o, att, o, M, fx, fy, nt);
         s->norm(o, res, res, L->norm2, h, M, H, s->eps, nt);
         linear(s, &L->gate_up, h, gu, M, fx, fy, nt);

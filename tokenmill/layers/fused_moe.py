@@ -1,17 +1,20 @@
 """Mixture-of-experts feed-forward layer: router, top-k, tokens grouped per expert, weighted combine.
 
-Each token's hidden state goes to its top-k experts (SiLU-gated MLPs) and comes back as the routing-weighted
-sum of their outputs. Grouping: the T*k (token, expert) pairs are sorted by expert once (a stable argsort), so
-each expert's tokens are one contiguous slice of a gathered [T*k, H] activation and each expert runs two
-matmuls on all its rows at once; the results are scaled by their routing weights and summed back per token
-with index_add_. The only Python loop is over experts that received tokens, never over tokens.
+Each token's hidden state goes to its top-k experts (gated MLPs: SiLU, or gpt-oss's clamped SwiGLU) and comes
+back as the routing-weighted sum of their outputs. Grouping: the T*k (token, expert) pairs are sorted by expert
+once (a stable argsort), so each expert's tokens are one contiguous slice of a gathered [T*k, H] activation and
+each expert runs two matmuls on all its rows at once; the results are scaled by their routing weights and summed
+back per token with index_add_. The only Python loop is over experts that received tokens, never over tokens.
 
 Expert weights are stacked, w13 [E, 2*I, H] (gate rows then up rows) and w2 [E, H, I], created and run by a
-quant method object (`UnquantizedMoEMethod`, `Int8MoEMethod`), as linear layers own theirs. On CPU the
-per-expert matmuls go through the panel-GEMM kernels of cpu_linear (each expert's weight packed once at
-load): measured on this 2-core AVX2 machine, one expert of the SmolLM2-derived MoE (w13 [3072, 576]) at 4 rows
-took 112 us in the panel kernel vs 503 us in F.linear, at 64 rows 1.5 vs 2.0 ms, and in bfloat16 at 64 rows
-2.3 vs 7.4 ms (the measured matmul plan still hands a shape to torch where torch wins).
+quant method object (`UnquantizedMoEMethod`, `Int8MoEMethod`, quantization/fp4.py's `Mxfp4MoEMethod` for
+MXFP4 checkpoints), as linear layers own theirs. gpt-oss adds a bias to the router and to both expert matmuls
+(w13_bias [E, 2*I], w2_bias [E, H]: float, whatever the weights' format) and routes top-k first, then a softmax
+over the chosen logits. On CPU the per-expert matmuls go through the panel-GEMM kernels of cpu_linear (each
+expert's weight packed once at load): measured on this 2-core AVX2 machine, one expert of the SmolLM2-derived
+MoE (w13 [3072, 576]) at 4 rows took 112 us in the panel kernel vs 503 us in F.linear, at 64 rows 1.5 vs 2.0
+ms, and in bfloat16 at 64 rows 2.3 vs 7.4 ms (the measured matmul plan still hands a shape to torch where torch
+wins).
 
 Parallelism (tokenmill.distributed). Activations are replicated on every rank of the tensor-parallel group
 when they reach the MLP (attention ends with an all-reduce, or is itself replicated), so every rank sees every
@@ -69,9 +72,11 @@ class UnquantizedMoEMethod:
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
         """Expert `expert` (local index) on its rows x [n, H] -> [n, H] (this rank's partial sum under TP)."""
         p13 = getattr(self, "w13_panels", None)
-        h = cpu_linear.linear(x, layer.w13_weight[expert], None, p13[expert] if p13 else None)
+        h = cpu_linear.linear(x, layer.w13_weight[expert], layer.expert_bias("w13", expert),
+                              p13[expert] if p13 else None)
         p2 = getattr(self, "w2_panels", None)
-        return cpu_linear.linear(silu_and_mul(h), layer.w2_weight[expert], None, p2[expert] if p2 else None)
+        return cpu_linear.linear(layer.act(h), layer.w2_weight[expert], layer.expert_bias("w2", expert),
+                                 p2[expert] if p2 else None)
 
 
 class Int8MoEMethod(UnquantizedMoEMethod):
@@ -91,25 +96,29 @@ class Int8MoEMethod(UnquantizedMoEMethod):
 
     def _linear(self, layer: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         q, s = getattr(layer, f"{name}_weight")[expert], getattr(layer, f"{name}_scale")[expert]
-        run = getattr(self, f"{name}_runs")[expert]
+        run, bias = getattr(self, f"{name}_runs")[expert], layer.expert_bias(name, expert)
         if run is not None and x.is_cpu and (batch_invariant.enabled() or x.shape[0] <= kernels.FUSED_MAX_ROWS):
-            return run(x, None)
-        return kernels.qlinear(kernels.QFMT_INT8, x, q, None, s, q.shape[1])
+            return run(x, bias)
+        return kernels.qlinear(kernels.QFMT_INT8, x, q, None, s, q.shape[1], bias=bias)
 
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(layer, "w2", expert, silu_and_mul(self._linear(layer, "w13", expert, x)))
+        return self._linear(layer, "w2", expert, layer.act(self._linear(layer, "w13", expert, x)))
 
 
 class FusedMoE(nn.Module):
-    """Router + E SiLU-gated experts, top_k per token (see the module doc for grouping and parallelism).
+    """Router + E gated experts, top_k per token (see the module doc for grouping and parallelism).
 
     renormalize: divide the top-k probabilities by their sum (Mixtral always; Qwen3-MoE if norm_topk_prob).
     float32_scores: the routing weights stay float32 when they scale the expert outputs (Mixtral in
     transformers); otherwise they are cast to the model dtype first (Qwen3-MoE). Equal in float32 models.
+    topk_softmax: the top-k router logits first, then a softmax over those alone (gpt-oss), instead of a softmax
+    over all experts then the top-k. bias: a router bias and expert biases (gpt-oss). act: the experts'
+    activation over [gate | up] -> [I] (activation.silu_and_mul; gpt-oss: activation.ClampedSwiGLU).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, renormalize: bool, float32_scores: bool = True, quant_method=None) -> None:
+                 dtype: torch.dtype, renormalize: bool, float32_scores: bool = True, quant_method=None, *,
+                 topk_softmax: bool = False, bias: bool = False, act=silu_and_mul) -> None:
         super().__init__()
         ep, tp = ep_size(), tp_size()
         if num_experts % ep:
@@ -126,24 +135,58 @@ class FusedMoE(nn.Module):
         self.num_local_experts = num_experts // ep
         self.expert_start = ep_rank() * self.num_local_experts
         self.intermediate_size = intermediate_size // split  # this rank's part of each expert
-        self._full_intermediate = intermediate_size
+        self.full_intermediate_size = intermediate_size
         self.intermediate_rank = tp_rank() if split > 1 else 0
-        self.renormalize, self.float32_scores = renormalize, float32_scores
+        self.renormalize, self.float32_scores, self.topk_softmax = renormalize, float32_scores, topk_softmax
+        self.act, self.dtype = act, dtype
         # The router stays a plain weight in the model dtype, like transformers' (logits in the model dtype,
         # softmax in float32); not a LinearBase, so online quantization never perturbs the routing.
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.quant_method = quant_method or UnquantizedMoEMethod()
-        self.quant_method.create_weights(self, self.num_local_experts, hidden_size, self.intermediate_size, dtype)
+        self.gate.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if bias else None
+        # Expert biases are float in every expert format. Each expert's down-projection output is a partial sum
+        # on each rank when its width is split, so its bias must be added once in all: each rank holds and adds
+        # its 1/tp of the hidden columns (bias_cols), and the all-reduce assembles it.
+        self.bias_cols = None
+        if bias:
+            E, n, H = self.num_local_experts, self.intermediate_size, hidden_size
+            if split > 1:
+                if H % tp:
+                    raise ValueError(f"hidden size {H} is not divisible by tensor-parallel size {tp}")
+                self.bias_cols = (tp_rank() * (H // tp), H // tp)
+            self.w13_bias = nn.Parameter(torch.empty(E, 2 * n, dtype=dtype), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(E, H // split, dtype=dtype), requires_grad=False)
+        self.quant_method = None
+        self.use_quant_method(quant_method or UnquantizedMoEMethod())
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self._loaded: set[tuple[int, str]] = set()
+        self._rows_loaded: set[tuple[str, int, int]] = set()  # copy_rows: (parameter, local expert, first row)
+
+    def use_quant_method(self, method) -> None:
+        """Install `method` and let it create the expert weights (replacing the float ones): construction, or a
+        checkpoint format's method installed before the weights load (quantization.apply_quantization)."""
+        self.quant_method = method
+        method.create_weights(self, self.num_local_experts, self.hidden_size, self.intermediate_size, self.dtype)
+
+    def expert_bias(self, name: str, expert: int) -> Optional[torch.Tensor]:
+        """Local expert's bias for `name` ('w13' or 'w2') that the quant method adds in its matmul, or None (no
+        biases; w2's when the width is split: forward adds this rank's columns of it)."""
+        bias = getattr(self, f"{name}_bias", None)
+        if bias is None or (name == "w2" and self.bias_cols is not None):
+            return None
+        return bias[expert]
 
     # -- forward ------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k], expert ids [T, k]) exactly as transformers computes them."""
         # batch-invariant mode: the C kernel's fixed reduction order, so a token's routing ignores its batch
         linear = cpu_linear.linear if batch_invariant.enabled() else F.linear
-        probs = linear(x, self.gate.weight).float().softmax(dim=-1)
+        logits = linear(x, self.gate.weight, self.gate.bias)
+        if self.topk_softmax:  # gpt-oss: softmax over the chosen logits, in their dtype (as transformers)
+            top, ids = logits.topk(self.top_k, dim=-1)
+            weights = top.softmax(dim=-1)
+            return (weights.float() if self.float32_scores else weights.to(x.dtype)), ids
+        probs = logits.float().softmax(dim=-1)
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -166,6 +209,9 @@ class FusedMoE(nn.Module):
         for e, n in enumerate(local):
             if n:
                 out[offset:offset + n] = self.quant_method.apply(self, e, rows[offset:offset + n])
+                if self.bias_cols is not None:
+                    c0, width = self.bias_cols
+                    out[offset:offset + n, c0:c0 + width] += self.w2_bias[e]
                 offset += n
         out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, tokens, out)
@@ -202,13 +248,35 @@ class FusedMoE(nn.Module):
 
 
 
+    def holds(self, expert: int) -> bool:
+        """Whether this rank holds expert `expert` (all of them without expert parallelism)."""
+        return self._local(expert) is not None
+
+    def copy_rows(self, name: str, expert: int, first: int, part: torch.Tensor) -> None:
+        """Copy `part` (this rank's slice, already in the parameter's layout) into rows [first, first + len) of
+        expert `expert`'s (global id, held here) stacked parameter `name` (w13_weight, w2_scale, w13_bias, ...)."""
+        param, local = getattr(self, name), self._local(expert)
+        target = param.data[local, first:first + part.shape[0]]
+        self._check(f"expert {expert} {name} rows {first}..", part.shape, tuple(target.shape))
+        target.copy_(part)
+        self._rows_loaded.add((name, local, first))
+
+    def complete_params(self) -> set[str]:
+        """Names of the stacked parameters copy_rows filled for every local expert (w13 parameters: its gate and
+        its up rows; the others: whole)."""
+        counts: dict[str, int] = {}
+        for name, _, _ in self._rows_loaded:
+            counts[name] = counts.get(name, 0) + 1
+        return {name for name, c in counts.items()
+                if c == self.num_local_experts * (2 if name.startswith("w13") else 1)}
+
     def load_expert(self, expert: int, proj: str, weight) -> bool:
         """Copy in one expert's HF tensor: proj 'gate' or 'up' ([I, H]) or 'down' ([H, I]). Returns False,
         reading nothing, for an expert another rank holds."""
         local = self._local(expert)
         if local is None:
             return False
-        n, r, full, H = self.intermediate_size, self.intermediate_rank, self._full_intermediate, self.hidden_size
+        n, r, full, H = self.intermediate_size, self.intermediate_rank, self.full_intermediate_size, self.hidden_size
         self._check(f"expert {expert} {proj} weight", weight.shape, (H, full) if proj == "down" else (full, H))
         rows, cols = ((0, H), (r * n, n)) if proj == "down" else ((r * n, n), (0, H))
         self.quant_method.load_expert(self, local, proj, weight, rows, cols)
@@ -219,7 +287,7 @@ class FusedMoE(nn.Module):
         """transformers 5's stacked layout: 'gate_up_proj' [E, 2*I, H] (gate rows, then up) or 'down_proj'
         [E, H, I]; only this rank's experts and width are read."""
         E, n, r, full, H = self.num_experts, self.intermediate_size, self.intermediate_rank, \
-            self._full_intermediate, self.hidden_size
+            self.full_intermediate_size, self.hidden_size
         if kind == "down_proj":
             self._check("experts' down_proj", weight.shape, (E, H, full))
         else:
@@ -235,3 +303,12 @@ class FusedMoE(nn.Module):
 
     def experts_loaded(self) -> bool:
         return len(self._loaded) == 3 * self.num_local_experts
+
+    def loaded_params(self) -> set[str]:
+        """This layer's expert parameters now loaded for every local expert (the router's go through the model's
+        loader): all the weights once load_expert / load_stacked saw every expert, and what copy_rows filled."""
+        done = self.complete_params()
+        if self.experts_loaded():
+            done |= {n for n, _ in self.named_parameters()
+                     if not n.startswith("gate.") and n not in ("w13_bias", "w2_bias")}
+        return done

@@ -64,6 +64,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps, dtype)
         self.rotary = rotary
         self.backend = backend
+        self.register_parameter("sinks", None)  # learned attention sinks [this rank's heads] (gpt-oss)
         self.kv_quant = None             # a KVCacheQuant when the cache is fp8/int8 (set by the worker)
         self.checkpoint_kv_scales = {}   # k_scale/v_scale tensors a checkpoint carries: {0: k, 1: v}
 
@@ -86,7 +87,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(meta.positions, q, k, meta.cache)
         o = self.backend.forward(q, k, v, kv_cache, meta.for_layer(self.layer_idx), self.scale, self.window,
-                                 self.kv_quant)
+                                 self.kv_quant, sinks=self.sinks)
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -104,9 +105,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype, backend, rotary, mlp: nn.Module) -> None:
+    def __init__(self, config, layer_idx: int, dtype, backend, rotary, mlp: nn.Module,
+                 attn: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype, backend, rotary)
+        # the family's attention: Attention here, a subclass where the family adds to it (gpt_oss.py's sinks)
+        self.self_attn = attn or Attention(config, layer_idx, dtype, backend, rotary)
         self.mlp = mlp  # the family's feed-forward block: MLP here, a mixture of experts in moe.py
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

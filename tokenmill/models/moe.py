@@ -61,28 +61,35 @@ class MoEForCausalLM(LlamaForCausalLM):
                              f"layer {idx} is not a mixture-of-experts layer")
         return mlp
 
+    def load_expert_tensor(self, name: str, tensor) -> bool:
+        """Give checkpoint tensor `name` to its FusedMoE layer if it is an expert tensor (True; the layer reads
+        only this rank's experts or slices of it); False for the others. Families with another expert layout
+        override this (gpt_oss.py)."""
+        m = _EXPERT.match(name) or _STACKED.match(name)
+        if m is None:
+            return False
+        moe = self._moe_layer(name, m[1])
+        if moe is None:
+            return True
+        if m.re is _EXPERT:
+            moe.load_expert(int(m[2]), _PROJ[m[3]], tensor)
+        else:
+            moe.load_stacked(m[2], tensor)
+        return True
+
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
-        """Expert tensors go to their FusedMoE layer, which reads only this rank's experts (or their slices)
-        of them; the rest, with Mixtral's `block_sparse_moe` renamed to our `mlp`, to llama.py's loader."""
+        """Expert tensors go to their FusedMoE layer (load_expert_tensor); the rest, with Mixtral's
+        `block_sparse_moe` renamed to our `mlp`, to llama.py's loader."""
         def dense():
             for name, tensor in weights:
-                m = _EXPERT.match(name) or _STACKED.match(name)
-                if m is None:
+                if not self.load_expert_tensor(name, tensor):
                     yield name.replace(".block_sparse_moe.", ".mlp."), tensor
-                    continue
-                moe = self._moe_layer(name, m[1])
-                if moe is None:
-                    continue
-                if m.re is _EXPERT:
-                    moe.load_expert(int(m[2]), _PROJ[m[3]], tensor)
-                else:
-                    moe.load_stacked(m[2], tensor)
 
         loaded = super().load_weights(dense())
         for i, layer in enumerate(self.layers):
             mlp = getattr(layer, "mlp", None)
-            if isinstance(mlp, FusedMoE) and mlp.experts_loaded():  # incomplete: the loader names them missing
-                loaded |= {f"layers.{i}.mlp.{n}" for n, _ in mlp.named_parameters() if n != "gate.weight"}
+            if isinstance(mlp, FusedMoE):  # incomplete parameters stay out: the loader names them missing
+                loaded |= {f"layers.{i}.mlp.{n}" for n in mlp.loaded_params()}
         return loaded
 
 

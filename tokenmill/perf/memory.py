@@ -76,6 +76,9 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qk_norm: bool = False           # Qwen3: RMSNorm over q and k heads
     qkv_bias: bool = False          # Qwen2
+    o_bias: bool = False            # attention_bias on the output projection too (gpt-oss)
+    attn_sinks: bool = False        # a learned sink logit per head and layer (gpt-oss)
+    expert_bias: bool = False       # router and expert biases (gpt-oss)
     norms_per_layer: int = 2        # RMSNorms of hidden_size per layer (Gemma 3: four)
     # Mixture of experts: `num_dense_layers` layers keep a dense MLP, the rest route to experts.
     num_experts: int = 0
@@ -125,17 +128,18 @@ class ModelShape:
             params += nh * d + 2 * kvh * d
         if self.qk_norm:
             params += 2 * d
-        return params
+        return params + (h if self.o_bias else 0) + (nh if self.attn_sinks else 0)
 
     def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.moe_intermediate_size  # gate, up, down
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return 3 * h * i + (2 * i + h if self.expert_bias else 0)  # gate, up, down (+ their biases)
 
     def shared_expert_params(self) -> int:
         width = self.shared_expert_intermediate_size or self.num_shared_experts * self.moe_intermediate_size
         return 3 * self.hidden_size * width
 
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts
+        return (self.hidden_size + (1 if self.expert_bias else 0)) * self.num_experts
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -270,7 +274,7 @@ class ModelShape:
             vocab = cfg["vocab_size"]
         except KeyError as e:
             raise ValueError(f"config lacks {e.args[0]!r}; tokenmill plan reads decoder-only transformer configs "
-                             "(Llama, Mistral, Qwen, Mixtral, DeepSeek, Gemma 3)") from None
+                             "(Llama, Mistral, Qwen, Mixtral, DeepSeek, Gemma 3, gpt-oss)") from None
         mtype = cfg.get("model_type", "")
         windows = tuple(layer_windows(cfg))
         kw: dict[str, Any] = dict(windows=windows if any(w is not None for w in windows) else (),
@@ -279,7 +283,9 @@ class ModelShape:
             head_dim=cfg.get("head_dim") or h // heads, intermediate_size=cfg.get("intermediate_size") or 0,
             vocab_size=vocab, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=mtype in ("qwen3", "qwen3_moe", "gemma3_text"), qkv_bias=mtype in ("qwen2", "qwen2_moe") or
-            bool(cfg.get("attention_bias", False)), norms_per_layer=4 if mtype == "gemma3_text" else 2)
+            bool(cfg.get("attention_bias", False)), norms_per_layer=4 if mtype == "gemma3_text" else 2,
+            o_bias=bool(cfg.get("attention_bias", False)) and mtype != "qwen2",
+            attn_sinks=mtype == "gpt_oss", expert_bias=mtype == "gpt_oss")
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 renamed Qwen's
         if cfg.get("n_routed_experts"):  # DeepSeek V2/V3
             freq = cfg.get("moe_layer_freq", 1) or 1
@@ -295,7 +301,7 @@ class ModelShape:
             kw.update(num_experts=experts, experts_per_token=cfg["num_experts_per_tok"],
                       moe_intermediate_size=cfg["moe_intermediate_size"], num_dense_layers=layers - moe_layers,
                       shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0)
-        elif experts:  # Mixtral: every layer's MLP is `experts` copies of intermediate_size
+        elif experts:  # Mixtral, gpt-oss: every layer's MLP is `experts` copies of intermediate_size
             kw.update(num_experts=experts, experts_per_token=cfg.get("num_experts_per_tok", 2),
                       moe_intermediate_size=cfg["intermediate_size"], intermediate_size=0)
         if cfg.get("kv_lora_rank"):
@@ -344,12 +350,19 @@ PRESETS: dict[str, dict] = {
                         tie_word_embeddings=True, sliding_window=1024, query_pre_attn_scalar=168,
                         layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                      for i in range(62)]),
+    # Sliding-window (128) and full layers alternating: half the layers keep at most 128 tokens of KV. Its
+    # experts ship as MXFP4 (the rest bf16); `--weight-dtype fp4` prices every weight at that.
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=2880, vocab_size=201088,
+                         num_local_experts=128, num_experts_per_tok=4, attention_bias=True,
+                         tie_word_embeddings=False, sliding_window=128,
+                         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(36)]),
 }
 PRESET_ALIASES = {"smollm2-135m-instruct": "SmolLM2-135M", "llama-3.1-8b-instruct": "Llama-3.1-8B",
                    "llama-3.1-70b-instruct": "Llama-3.1-70B", "llama-3.1-405b-instruct": "Llama-3.1-405B",
                    "mixtral-8x7b-instruct": "Mixtral-8x7B", "mixtral-8x7b-instruct-v0.1": "Mixtral-8x7B",
                    "mixtral-8x7b-v0.1": "Mixtral-8x7B", "deepseek-v3-0324": "DeepSeek-V3", "deepseek-r1": "DeepSeek-V3",
-                   "gemma-3-27b-it": "Gemma-3-27B", "gemma-3-27b-pt": "Gemma-3-27B"}
+                   "gemma-3-27b-it": "Gemma-3-27B", "gemma-3-27b-pt": "Gemma-3-27B", "gpt-oss": "gpt-oss-120b"}
 
 
 @dataclass

@@ -82,9 +82,10 @@ def attention_params_per_rank(shape: ModelShape, tp: int) -> float:
             rep += h * s.q_lora_rank + s.q_lora_rank
         return rep + (s.attention_params() - rep) / tp
     d = s.head_dim
-    q_o = 2 * h * s.num_heads * d + (s.num_heads * d if s.qkv_bias else 0)
+    q_o = 2 * h * s.num_heads * d + (s.num_heads * d if s.qkv_bias else 0) + (s.num_heads if s.attn_sinks else 0)
     kv = 2 * h * s.num_kv_heads * d + (2 * s.num_kv_heads * d if s.qkv_bias else 0)
-    return q_o / tp + kv * kv_heads_per_rank(s, tp) / s.num_kv_heads + (2 * d if s.qk_norm else 0)
+    replicated = (2 * d if s.qk_norm else 0) + (h if s.o_bias else 0)  # the o bias is added after the all-reduce
+    return q_o / tp + kv * kv_heads_per_rank(s, tp) / s.num_kv_heads + replicated
 
 
 def layer_params_per_rank(shape: ModelShape, tp: int, moe: bool) -> float:

@@ -39,7 +39,7 @@ from tokenmill.serve.drain import DrainMiddleware, DrainState
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
-from tokenmill.serve.reasoning import ReasoningParser
+from tokenmill.serve.reasoning import AnyReasoningParser
 from tokenmill.serve.reasoning import get_parser as get_reasoning_parser
 from tokenmill.serve.serving import (Admission, json_response, load_grammar_support, num_waiting, off_loop,
                                      tokenize_text)
@@ -62,7 +62,7 @@ class ServerState:
     chat_template: Optional[str] = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     tool_parser: Optional[str] = None  # --tool-call-parser when --enable-auto-tool-choice: tool_choice 'auto'
-    reasoning: Optional[ReasoningParser] = None  # --reasoning-parser
+    reasoning: Optional[AnyReasoningParser] = None  # --reasoning-parser
     ledger: Ledger = field(default_factory=Ledger)  # this server's start (/health?detail=1, /metrics)
     created: int = field(default_factory=lambda: int(time.time()))
     dashboard: Optional[DashboardStats] = None  # None with --no-dashboard

@@ -50,7 +50,8 @@ def _add_tool_args(g) -> None:
                    help="split a thinking model's output: its reasoning goes to message.reasoning_content (and "
                         "reasoning), streamed as such deltas, and to a Responses reasoning item; tool calls and "
                         "structured output apply to what follows it (qwen3: the model opens <think>...</think>; "
-                        "deepseek_r1: the chat template opens it)")
+                        "deepseek_r1: the chat template opens it; openai_gptoss: gpt-oss's harmony channels, analysis "
+                        "the reasoning and final the answer)")
 
 
 def _add_process_args(g) -> None:

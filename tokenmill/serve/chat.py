@@ -14,7 +14,6 @@ from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
-from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
@@ -142,6 +141,8 @@ async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str)
     state.check_model(req.model)
     plan = await plan_request_tools(state, req)
     params = req.to_sampling_params(state.limits, plan.constraint)
+    if state.reasoning is not None and state.reasoning.keep_special_tokens:  # harmony's channels are special tokens
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
     prompt = await render_request_chat(state, req, plan.template_tools())
     params = _grammar_after_reasoning(state, params, prompt)
     return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params, req.priority), plan
@@ -244,7 +245,7 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
 
     started = [False] * gen.params.n
     tool_streams = [plan.stream() for _ in range(gen.params.n)]
-    thinking = ([ReasoningStream(state.reasoning, gen.prompts[0].text) for _ in range(gen.params.n)]
+    thinking = ([state.reasoning.stream(gen.prompts[0].text) for _ in range(gen.params.n)]
                 if state.reasoning else None)
     async for _, ro in gen:
         for c in ro.outputs:

@@ -46,7 +46,9 @@ class AttentionBackend:
     name = "base"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: Optional[int], kv_quant=None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: Optional[int], kv_quant=None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]. kv_quant (a kv_quant.KVCacheQuant) when the cache
-        holds fp8/int8."""
+        holds fp8/int8. sinks: the layer's learned attention sinks (gpt-oss), one logit per query head [Hq] that
+        joins every softmax's denominator and weights no value; None for models without them."""
         raise NotImplementedError

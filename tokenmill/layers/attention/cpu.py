@@ -8,6 +8,10 @@ query heads grouped by KV head so GQA needs no repeated K/V. Prefill chunks run 
 starting at position 0 attends to its own fresh k/v (causal), a later chunk gathers its context from the
 cache with an offset causal mask. Inputs are always 4-D: torch's fused CPU kernel takes only 4-D tensors
 (3-D ones fall back to the unfused math path, ~10x slower).
+
+Attention sinks (gpt-oss: a logit per query head in every softmax's denominator, with no value) go to the
+paged kernels as they are; SDPA cannot take them, so the SDPA paths of a layer with sinks run the same
+attention in plain torch (`_attend`, unfused: scores materialised per request; the model logs it once).
 """
 from __future__ import annotations
 
@@ -112,6 +116,33 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(Hkv, -1, D).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
+# float32 scores one _attend call holds at most (query rows are taken in chunks beyond it): 256 MiB
+SINK_SCORES_BYTES = 1 << 28
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+            sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """SDPA of q [..., n, D] against k/v [..., s, D] under a boolean mask (broadcast to [..., n, s]); with sinks
+    (a logit per query row, broadcast to [..., n, 1]) the same in plain torch, the sink joining each row's softmax
+    as a key whose value is zero (transformers' eager gpt-oss attention, in float32), a chunk of query rows at a
+    time so the scores stay within SINK_SCORES_BYTES."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    n = q.shape[-2]
+    rows = max(1, SINK_SCORES_BYTES // (4 * k.shape[-2] * q[..., 0, 0].numel()))
+    if n > rows:
+        def part(t: Optional[torch.Tensor], i: int) -> Optional[torch.Tensor]:
+            return t[..., i:i + rows, :] if t is not None and t.shape[-2] == n else t
+        return torch.cat([_attend(q[..., i:i + rows, :], k, v, part(mask, i), scale, part(sinks, i))
+                          for i in range(0, n, rows)], dim=-2)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = logits.softmax(dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
+
+
 class PagedAttentionBackend(AttentionBackend):
     name = "torch_sdpa"
 
@@ -129,7 +160,7 @@ class PagedAttentionBackend(AttentionBackend):
                 self.kernel_dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, window: Optional[int],
-                kv_quant=None):
+                kv_quant=None, sinks: Optional[torch.Tensor] = None):
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
@@ -146,7 +177,7 @@ class PagedAttentionBackend(AttentionBackend):
         if plan.num_dec and plan.use_kernel:
             qd = q if plan.dec_all else q.index_select(0, plan.dec_tokens)
             od = self.kernel(qd, k_cache, v_cache, plan.dec_block_table, plan.dec_rows, plan.dec_kv_start,
-                             plan.dec_kv_end, scale, kv_quant)
+                             plan.dec_kv_end, scale, kv_quant, sinks)
             if plan.dec_all:
                 return od
             out.index_copy_(0, plan.dec_tokens, od)
@@ -156,7 +187,7 @@ class PagedAttentionBackend(AttentionBackend):
             qd = qd.view(Bd, Hkv, G, D).transpose(0, 1)                                 # [Hkv,Bd,G,D]
             kd = load(k_cache.index_select(1, plan.dec_blocks), 0).view(Hkv, Bd, -1, D)  # [Hkv,Bd,L,D]
             vd = load(v_cache.index_select(1, plan.dec_blocks), 1).view(Hkv, Bd, -1, D)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.dec_mask, scale=scale)
+            od = _attend(qd, kd, vd, plan.dec_mask, scale, None if sinks is None else sinks.view(Hkv, 1, G, 1))
             od = od.transpose(0, 1).reshape(Bd, Hq, D)
             if plan.dec_all:
                 return od
@@ -164,6 +195,8 @@ class PagedAttentionBackend(AttentionBackend):
 
         for q0, q1, blocks, mask in plan.prefills:
             n = q1 - q0
+            if mask is None and sinks is not None:  # _attend takes an explicit causal mask
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril().repeat(G, 1)
             if mask is None:  # whole causal prompt in this chunk: fused causal kernel on fresh k/v
                 op = F.scaled_dot_product_attention(
                     q[q0:q1].transpose(0, 1)[None], k[q0:q1].transpose(0, 1)[None], v[q0:q1].transpose(0, 1)[None],
@@ -178,6 +211,7 @@ class PagedAttentionBackend(AttentionBackend):
                 vp = load(v_cache.index_select(1, blocks), 1).view(Hkv, -1, D)[:, :s]
             # Query heads grouped under their KV head: [1, Hkv, G*n, D] against [1, Hkv, s, D].
             qg = q[q0:q1].view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * n, D)
-            op = F.scaled_dot_product_attention(qg, kp[None], vp[None], attn_mask=mask, scale=scale)
+            sk = None if sinks is None else sinks.view(Hkv, G, 1, 1).expand(Hkv, G, n, 1).reshape(1, Hkv, G * n, 1)
+            op = _attend(qg, kp[None], vp[None], mask, scale, sk)
             out[q0:q1] = op.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
         return out

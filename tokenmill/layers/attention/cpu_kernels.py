@@ -20,7 +20,7 @@ def load() -> Optional[ctypes.CDLL]:
         for name in set(_FUNCS.values()):
             fn = getattr(lib, name)
             fn.argtypes = [vp, vp, vp, vp, i32p, i64, i32p, i32p, i32p, i64, i64, i64, i64, i64, i64,
-                           ctypes.c_float, ctypes.c_int, vp, vp, vp]
+                           ctypes.c_float, ctypes.c_int, vp, vp, vp, vp]
             fn.restype = None
         lib.write_kv.argtypes = [vp, i64, vp, i64, vp, i64, i64, i64, i64, vp]
         lib.write_kv.restype = ctypes.c_int
@@ -45,11 +45,11 @@ def kernel(dtype: torch.dtype, quantized_cache: bool = False):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float,
-                    kv_quant=None) -> torch.Tensor:
+                    kv_quant=None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D] (q's dtype, or 8-bit with `kv_quant`, a
-    KVCacheQuant); int32 block_table [B, nb]; int32 per-token request row and key range [kv_start, kv_end).
+    KVCacheQuant); int32 block_table [B, nb]; int32 per-token request row and key range [kv_start, kv_end);
+    sinks: a logit per query head [Hq] that joins each softmax's denominator (gpt-oss), or None.
     Returns [Tq, Hq, D]."""
-    lib = load()
     quant = kv_quant is not None
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -62,10 +62,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         extra = (kv_quant.lut().data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
     else:
         extra = (None, None, None)
+    sk = None if sinks is None else sinks.float().contiguous()  # held until the call returns
     kernel(q.dtype, quant)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), as_i32(block_table),
         block_table.stride(0), as_i32(req_of), as_i32(kv_start), as_i32(kv_end), Tq, Hq, Hkv, D,
-        k_cache.stride(0), bs, scale, torch.get_num_threads(), *extra)
+        k_cache.stride(0), bs, scale, torch.get_num_threads(), *extra, None if sk is None else sk.data_ptr())
     return out
 
 

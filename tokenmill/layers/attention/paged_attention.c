@@ -11,6 +11,8 @@
  * Quantized caches (fp8/int8 bytes) decode each byte through a 256-entry fp32 table `lut` and carry one scale
  * per KV head for K and for V (kv_quant.py); a head's scale is constant over the context, so it is folded
  * into the query (K) and the output (V) instead of multiplying every element.
+ * Attention sinks (gpt-oss): an optional learned logit per query head (`sinks` [Hq], NULL without) that joins
+ * each softmax's denominator with no value, so a head can give weight to "nothing".
  */
 #include <stdlib.h>
 
@@ -43,6 +45,16 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
     return sum;
 }
 
+/* One query head's softmax over its scores s[0..L): the numerators in place, and oscale / their sum returned;
+ * a sink logit (sink != NULL) joins the max and the sum but has no value to weight. */
+static inline float softmax_inv(float *s, int64_t L, const float *sink, float oscale) {
+    float mx = sink ? *sink : -INFINITY;
+    for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;
+    float sum = exp_sum(s, L, mx);
+    if (sink) sum += expf(*sink - mx);
+    return sum > 0.0f ? oscale / sum : 0.0f;
+}
+
 /* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
  * models): each key is loaded once into registers and scored against the G query heads; values are summed
  * block by block (16 keys) with one query head's accumulators held in registers, or (WIDEN: bf16 caches,
@@ -51,7 +63,8 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
  * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
 #define DEFINE_ITEM(NAME, KT, DD, LD8, WIDEN)                                                              \
 static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
-                 int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv) {           \
+                 int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv,             \
+                 const float *sk) {                                                                          \
     const int64_t L = s1 - s0;                                                                              \
     for (int64_t p = s0, n, slot; p < s1; p += n) {                                                         \
         n = key_run(bt, p, s1, block_size, &slot);                                                          \
@@ -66,12 +79,7 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
-    for (int64_t g = 0; g < G; g++) {                                                                       \
-        float *s = sc + g * L, mx = -INFINITY;                                                              \
-        for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;                                         \
-        const float sum = exp_sum(s, L, mx);                                                                \
-        inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                          \
-    }                                                                                                       \
+    for (int64_t g = 0; g < G; g++) inv[g] = softmax_inv(sc + g * L, L, sk ? sk + g : 0, oscale);           \
     if (WIDEN) {                                                                                            \
     /* values: up to 4 query heads x 16 columns of accumulators at a time, so each value vector is loaded  \
      * (and widened) once per 4 heads rather than once per head; each output still sums keys in order */    \
@@ -128,7 +136,7 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
           int64_t bt_stride, const int32_t *req_of, const int32_t *kv_start, const int32_t *kv_end,         \
           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                    \
           int64_t head_stride, int64_t block_size, float scale, int num_threads, const float *lut,          \
-          const float *k_scale, const float *v_scale) {                                                     \
+          const float *k_scale, const float *v_scale, const float *sinks) {                                 \
     (void)lut;                                                                                              \
     const int64_t G = num_heads / num_kv_heads, D = head_dim;                                               \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                   \
@@ -138,6 +146,7 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
             const int32_t *bt = block_table + (int64_t)req_of[t] * bt_stride;                               \
             const KT *kh = k_cache + h * head_stride, *vh = v_cache + h * head_stride;                      \
             const float qscale = scale * (k_scale ? k_scale[h] : 1.0f), oscale = v_scale ? v_scale[h] : 1.0f;  \
+            const float *sk = sinks ? sinks + h * G : 0; /* this KV head's G query heads' sinks */             \
             float *qf = malloc(sizeof(float) * (size_t)(G * D * 2 + G * (L > 0 ? L : 1)));                  \
             float *acc = qf + G * D, *sc = acc + G * D;                                                     \
             for (int64_t i = 0; i < G * D; i++) {                                                           \
@@ -146,10 +155,10 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
             }                                                                                               \
             float inv[G];                                                                                   \
             void (*item)(const float *, const KT *, const KT *, const int32_t *, int64_t, int64_t, int64_t,     \
-                         int64_t, float *, float *, float, float *) =                                       \
+                         int64_t, float *, float *, float, float *, const float *) =                        \
                 D == 64 ? ITEM##_d64 : D == 128 ? ITEM##_d128 : 0;                                          \
             if (item) {                                                                                     \
-                item(qf, kh, vh, bt, s0, s1, block_size, G, sc, acc, oscale, inv);                          \
+                item(qf, kh, vh, bt, s0, s1, block_size, G, sc, acc, oscale, inv, sk);                      \
                 goto store;                                                                                 \
             }                                                                                               \
             /* pass 1: scores, block by block */                                                            \
@@ -168,12 +177,7 @@ void NAME(const T *q, const KT *k_cache, const KT *v_cache, T *out, const int32_
                 }                                                                                           \
             }                                                                                               \
             /* softmax per query head */                                                                    \
-            for (int64_t g = 0; g < G; g++) {                                                               \
-                float *s = sc + g * L, mx = -INFINITY, sum = 0.0f;                                          \
-                for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;                                 \
-                sum = exp_sum(s, L, mx);                                                                    \
-                inv[g] = sum > 0.0f ? oscale / sum : 0.0f;                                                  \
-            }                                                                                               \
+            for (int64_t g = 0; g < G; g++) inv[g] = softmax_inv(sc + g * L, L, sk ? sk + g : 0, oscale);   \
             /* pass 2: weighted sum of values */                                                            \
             for (int64_t p = s0, n, slot; p < s1; p += n) {                                                 \
                 n = key_run(bt, p, s1, block_size, &slot);                                                  \

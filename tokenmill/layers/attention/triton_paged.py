@@ -4,6 +4,8 @@ One program per (query token, KV head): it loads the G query heads that share th
 request's block table in tiles of BLOCK_N keys, gathers K/V slots straight from the paged cache and keeps an
 online softmax in fp32 (flash-decoding style, one pass). Any query token works (decode or a prefill chunk
 token: its key range is [kv_start, kv_end)), but the backend sends it decodes; prefills use SDPA's flash kernel.
+Attention sinks (gpt-oss, a logit per query head with no value) start the online softmax: the running max is
+the sink and the running sum exp(sink - sink) = 1, so every later rescale carries the sink's share along.
 
 Importing this module needs triton; `available()` says whether it can run here. Tests run it on CPU under
 the Triton interpreter (TRITON_INTERPRET=1) and on CUDA when a GPU is present.
@@ -25,10 +27,10 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _paged_attention_kernel(Q, K, V, O, BT, REQ, KS, KE, K_SCALE, V_SCALE, bt_stride, q_stride_t, q_stride_h,
-                                kv_stride_h, scale, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                QUANT: tl.constexpr):
+    def _paged_attention_kernel(Q, K, V, O, BT, REQ, KS, KE, K_SCALE, V_SCALE, SINKS, bt_stride, q_stride_t,
+                                q_stride_h, kv_stride_h, scale, G: tl.constexpr, GP: tl.constexpr,
+                                D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                QUANT: tl.constexpr, HAS_SINKS: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)
         g = tl.arange(0, GP)
@@ -41,8 +43,12 @@ if triton is not None:
         req = tl.load(REQ + t).to(tl.int64)
         s0 = tl.load(KS + t)
         s1 = tl.load(KE + t)
-        m_i = tl.full([GP], float("-inf"), tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
+        if HAS_SINKS:
+            m_i = tl.load(SINKS + h * G + g, mask=g < G, other=0.0).to(tl.float32)
+            l_i = tl.full([GP], 1.0, tl.float32)
+        else:
+            m_i = tl.full([GP], float("-inf"), tl.float32)
+            l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
         kv_base = h.to(tl.int64) * kv_stride_h
         for start in range(s0, s1, BLOCK_N):
@@ -70,19 +76,20 @@ if triton is not None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     req_of: torch.Tensor, kv_start: torch.Tensor, kv_end: torch.Tensor, scale: float,
-                    kv_quant=None) -> torch.Tensor:
+                    kv_quant=None, sinks=None) -> torch.Tensor:
     """Same contract as cpu_kernels.paged_attention: q [Tq, Hq, D]; k/v cache [Hkv, num_blocks, block_size, D]
     (q's dtype, or fp8/int8 with `kv_quant`); int32 block_table [B, nb], per-token request row and key range
-    [kv_start, kv_end). Returns [Tq, Hq, D]."""
+    [kv_start, kv_end); sinks [Hq] or None. Returns [Tq, Hq, D]."""
     q = q.contiguous()
     out = torch.empty_like(q)
     Tq, Hq, D = q.shape
     Hkv, _, bs, _ = k_cache.shape
     G = Hq // Hkv
     scales = kv_quant.scale.contiguous() if kv_quant is not None else q.new_ones(2, Hkv, dtype=torch.float32)
+    sk = sinks.float().contiguous() if sinks is not None else scales[0]  # (unread without sinks)
     _paged_attention_kernel[(Tq, Hkv)](
-        q, k_cache, v_cache, out, block_table, req_of, kv_start, kv_end, scales[0], scales[1],
+        q, k_cache, v_cache, out, block_table, req_of, kv_start, kv_end, scales[0], scales[1], sk,
         block_table.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), scale, G=G,
         GP=triton.next_power_of_2(G), D=D, DP=triton.next_power_of_2(D), BS=bs, BLOCK_N=32,
-        QUANT=kv_quant is not None)
+        QUANT=kv_quant is not None, HAS_SINKS=sinks is not None)
     return out

@@ -2,8 +2,9 @@
 
 Online (`--quantization`, applied on load to a float checkpoint): int8 (weight-only), w8a8, fp8, mxfp4,
 nvfp4, int4 (and int4-g128; ggml Q4_1 blocks, int4.py). Pre-quantized checkpoints, recognised from
-config.json's `quantization_config`: `fp8`, `compressed-tensors`, and int4 `awq` / `gptq` (awq_gptq.py). Models never branch on any of this: every LinearBase gets a quant_method from the
-config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
+config.json's `quantization_config`: `fp8`, `compressed-tensors`, int4 `awq` / `gptq` (awq_gptq.py), and
+`mxfp4` MoE experts (gpt-oss; fp4.py). Models never branch on any of this: every LinearBase gets a quant_method
+from the config, and the method owns the weights and the matmul. Online quantization leaves the LM head in the model's
 dtype (as vLLM does) unless asked to include it (`--quantize-lm-head`); a checkpoint's own `ignore` list
 decides for its head.
 """
@@ -21,7 +22,7 @@ from tokenmill.layers.quantization.int8 import Int8Config
 logger = logging.getLogger("tokenmill")
 
 ONLINE_METHODS = ("int8", "w8a8", "fp8", "mxfp4", "nvfp4", "int4", "int4-g128")
-CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
+CHECKPOINT_METHODS = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")
 
 
 def checkpoint_quant_config(hf_config) -> Optional[dict]:
@@ -51,6 +52,11 @@ def get_quant_config(method: Optional[str], hf_config=None) -> Optional[Quantiza
             from tokenmill.layers.quantization.awq_gptq import AwqConfig, GptqConfig
 
             return (AwqConfig if kind == "awq" else GptqConfig).from_checkpoint(qc)
+        if kind == "mxfp4":
+            # ~1 ms of engine start, and fp4 -> fused_moe imports this package: mxfp4 checkpoints only
+            from tokenmill.layers.quantization.fp4 import Mxfp4CheckpointConfig
+
+            return Mxfp4CheckpointConfig()
         raise ValueError(f"checkpoint quantization {kind!r} is not supported "
                          f"(tokenmill loads {', '.join(CHECKPOINT_METHODS)})")
     if method is None:
@@ -124,8 +130,14 @@ def _quantize_experts(model: nn.Module, config: QuantizationConfig) -> int:
     from tokenmill.layers.fused_moe import FusedMoE, Int8MoEMethod  # cycle at import time: it imports this package
 
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if not moes or not config.online:
+    if not moes:
         return 0
+    if not config.online:  # a checkpoint format: its tensors need its method's parameters before they load
+        methods = [(moe, config.get_moe_method(moe)) for moe in moes]
+        for moe, method in methods:
+            if method is not None:
+                moe.use_quant_method(method)
+        return sum(method is not None for _, method in methods)
     if getattr(config, "name", None) in ("int4", "int4-g128"):
         from tokenmill.layers.quantization.int4 import Int4MoEMethod  # cycle at import time, as Int4Config
 

@@ -35,6 +35,11 @@ class QuantizationConfig:
         to leave it unquantized."""
         raise NotImplementedError
 
+    def get_moe_method(self, layer: nn.Module):
+        """A checkpoint format's quant method for a FusedMoE layer's experts (installed before the weights load),
+        or None. Online methods pick theirs in quantization._quantize_experts."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_rank, tp_size
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import vocab_block, vocab_parallel_lookup
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.quantization import apply_quantization, ggml
@@ -168,7 +167,8 @@ class BlockMoEMethod:
         self.w2 = [ggml.bind([self.parts[(e, "down")]], n) for e in experts]
 
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.w2[expert](silu_and_mul(self.w13[expert](x, None)), None)
+        h = self.w13[expert](x, layer.expert_bias("w13", expert))
+        return self.w2[expert](layer.act(h), layer.expert_bias("w2", expert))
 
 
 class GgufConfig(QuantizationConfig):

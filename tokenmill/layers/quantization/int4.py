@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.fused_moe import UnquantizedMoEMethod
 from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization.base import QuantizationConfig, sharding_of
@@ -166,4 +165,5 @@ class Int4MoEMethod(UnquantizedMoEMethod):
         self.w13, self.w2 = runs["w13"], runs["w2"]
 
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.w2[expert](silu_and_mul(self.w13[expert](x, None)), None)
+        h = self.w13[expert](x, layer.expert_bias("w13", expert))
+        return self.w2[expert](layer.act(h), layer.expert_bias("w2", expert))
