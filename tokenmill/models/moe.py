@@ -82,7 +82,8 @@ class MoEForCausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.layers):
             mlp = getattr(layer, "mlp", None)
             if isinstance(mlp, FusedMoE) and mlp.experts_loaded():  # incomplete: the loader names them missing
-                loaded |= {f"layers.{i}.mlp.{n}" for n, _ in mlp.named_parameters() if n != "gate.weight"}
+                # the experts' own tensors (the gate and any shared experts are submodules, loaded by name)
+                loaded |= {f"layers.{i}.mlp.{n}" for n, _ in mlp.named_parameters(recurse=False)}
         return loaded
 
 
