@@ -51,8 +51,13 @@ def report(model, kv_caches: list[torch.Tensor], device: str, kv_layout=None) ->
     stack, stack_fallback = cpu_stack.status(model, kv_caches)  # loads the last library the engine uses
     libraries = cpu_build.library_status()
     fallbacks = _library_fallbacks(libraries)
-    attn = model.layers[0].self_attn
-    kernels = {"attention": _attention(attn, device, dtype, fallbacks),
+    attn = model.layers[0].self_attn  # an encoder's has no paged backend (layers/attention/bidirectional.py)
+    if hasattr(attn, "attention_path"):  # an attention outside the backends names its path (attention/mla.py)
+        attention = attn.attention_path
+    else:
+        attention = _attention(attn.backend, device, dtype, fallbacks) if hasattr(attn, "backend") \
+            else "sdpa-bidirectional"
+    kernels = {"attention": attention,
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
                "decoder_stack": stack, "block_types": _block_types(model, fallbacks),
@@ -79,14 +84,8 @@ def _fused(device: str, dtype: torch.dtype) -> str:
     return "cpu-fused-c" if usable else "torch"
 
 
-def _attention(attn, device: str, dtype: torch.dtype, fallbacks: list[str]) -> str:
-    """The decode attention path (prefills always run torch SDPA). An attention layer with a path of its own
-    names it (latent attention: layers/attention/mla.py); an encoder's has no paged backend."""
-    if hasattr(attn, "attention_path"):
-        return attn.attention_path
-    if not hasattr(attn, "backend"):
-        return "sdpa-bidirectional"
-    backend = attn.backend
+def _attention(backend, device: str, dtype: torch.dtype, fallbacks: list[str]) -> str:
+    """The decode attention path (prefills always run torch SDPA)."""
     if backend.kernel is not None and dtype in backend.kernel_dtypes:
         return {"cpu_paged": "cpu-paged-c", "triton_paged": "triton-paged"}.get(backend.name, backend.name)
     if device == "cuda" and backend.kernel is None:
