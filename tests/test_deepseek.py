@@ -97,24 +97,26 @@ def test_kv_layout_dependent_features_are_refused(tiny, kwargs, message):
 
 @pytest.mark.distributed
 def test_tensor_parallel_matches_one_rank(tiny):
-    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split)
-    gives TP=1's tokens and logprobs; each rank holds the weights and KV bytes tokenmill plan computes."""
+    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split), and
+    with expert parallelism (4 whole experts per rank), gives TP=1's tokens and logprobs; each rank holds the
+    weights and KV bytes tokenmill plan computes."""
     prompts = [p[:40] for p in _prompts(400)[1:4]]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     results = []
-    for tp in (1, 2):
-        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, max_num_batched_tokens=16, seed=0,
-                  kv_cache_memory_bytes=64 << 20)
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep,
+                  max_num_batched_tokens=16, seed=0, kv_cache_memory_bytes=64 << 20)
         try:
             _check_plan_agrees(llm)
             results.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                                  use_tqdm=False)])
         finally:
             llm.engine.shutdown()
-    for one, two in zip(*results):
-        assert one.token_ids == two.token_ids
-        for a, b in zip(one.logprobs, two.logprobs):
-            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    for split in results[1:]:
+        for one, two in zip(results[0], split):
+            assert one.token_ids == two.token_ids
+            for a, b in zip(one.logprobs, two.logprobs):
+                assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
 def test_plan_preset_counts_what_transformers_builds():
