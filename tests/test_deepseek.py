@@ -67,6 +67,20 @@ def test_kv_cache_holds_the_latent(tiny, arch):
     _check_plan_agrees(llm)
 
 
+def test_ngram_speculation_keeps_the_greedy_tokens(tiny):
+    """Draft verification runs k + 1 query tokens a step (the expanded form over the cached latents): the tokens
+    are those of plain decoding, with drafts accepted on a repetitive prompt."""
+    path = tiny("deepseek_v2")
+    prompt = (_prompts(400)[3][:8] * 6)[:45]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    spec = LLM(path, dtype="float32", kv_cache_memory_bytes=8 << 20,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    want = plain.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
+
+
 def test_absorbed_decode_equals_expanded_form():
     """The weight-absorbed form (queries folded through kv_b's K part, output through its V part) gives the
     expanded form's attention output, for queries at the end of a context and an offset causal mask."""
@@ -96,16 +110,16 @@ def test_kv_layout_dependent_features_are_refused(tiny, kwargs, message):
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_matches_one_rank(tiny):
-    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split), and
-    with expert parallelism (4 whole experts per rank), gives TP=1's tokens and logprobs; each rank holds the
-    weights and KV bytes tokenmill plan computes."""
+def test_parallel_splits_match_one_rank(tiny):
+    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split), TP=2
+    with expert parallelism (4 whole experts per rank) and PP=2 (the dense layer and a MoE layer on one stage)
+    give TP=1's tokens and logprobs; each rank holds the weights and KV bytes tokenmill plan computes."""
     prompts = [p[:40] for p in _prompts(400)[1:4]]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     results = []
-    for tp, ep in ((1, False), (2, False), (2, True)):
-        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep,
-                  max_num_batched_tokens=16, seed=0, kv_cache_memory_bytes=64 << 20)
+    for tp, pp, ep in ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)):
+        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                  enable_expert_parallel=ep, max_num_batched_tokens=16, seed=0, kv_cache_memory_bytes=64 << 20)
         try:
             _check_plan_agrees(llm)
             results.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
