@@ -81,6 +81,23 @@ def test_ngram_speculation_keeps_the_greedy_tokens(tiny):
     assert spec.engine.stats().spec_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("moe_layer_freq", 2, "moe_layer_freq=2 is not supported"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}, r"pre-quantized .*\(fp8\)"),
+])
+def test_unsupported_variants_are_refused(tiny, field, value, message):
+    from transformers import AutoConfig
+
+    from tokenmill.layers.attention import get_attention_backend
+    from tokenmill.models.deepseek import DeepseekForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny("deepseek_v3"))
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=message) as info:
+        DeepseekForCausalLM(config, torch.float32, get_attention_backend("cpu"), 64)
+    assert "\n" not in str(info.value)
+
+
 def test_absorbed_decode_equals_expanded_form():
     """The weight-absorbed form (queries folded through kv_b's K part, output through its V part) gives the
     expanded form's attention output, for queries at the end of a context and an offset causal mask."""

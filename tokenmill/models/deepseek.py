@@ -17,7 +17,8 @@ Semantics follow transformers' modeling_deepseek_v2.py and modeling_deepseek_v3.
   ("group_limited_greedy"), and never renormalises (transformers' V2 reads no norm_topk_prob). Both scale the
   weights by routed_scaling_factor.
 - V3 checkpoints' multi-token-prediction layers (model.layers.{num_hidden_layers}...) are not loaded, as in
-  transformers.
+  transformers. Pre-quantized checkpoints (the official FP8 release) are refused for now: kv_b_proj is a plain
+  weight here (the absorbed decode multiplies by its halves) and would need its block scales applied on load.
 
 Under tensor parallel the heads split (q_b/q_proj, kv_b by heads, o_proj by rows) and the latent path (q_a,
 kv_a, their norms) and the latent cache are replicated on every rank.
@@ -173,3 +174,8 @@ def _check_supported(config) -> None:
     if freq != 1:
         raise ValueError(f"DeepSeek moe_layer_freq={freq} is not supported (every layer after "
                          "first_k_dense_replace is MoE, as in transformers and every released model)")
+    quant = getattr(config, "quantization_config", None)
+    if quant:  # e.g. the official FP8 release: kv_b_proj would need its block scales applied on load
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(f"pre-quantized DeepSeek checkpoints ({method}) are not supported yet; serve a bfloat16 "
+                         "checkpoint, optionally with --quantization int8 or fp8")
