@@ -128,15 +128,15 @@ def test_kv_layout_dependent_features_are_refused(tiny, kwargs, message):
 
 @pytest.mark.distributed
 def test_parallel_splits_match_one_rank(tiny):
-    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split), TP=2
-    with expert parallelism (4 whole experts per rank) and PP=2 (the dense layer and a MoE layer on one stage)
-    give TP=1's tokens and logprobs; each rank holds the weights and KV bytes tokenmill plan computes."""
+    """TP=2 (mp executor: 4 heads split over the ranks, the latent cache replicated, experts' widths split) and
+    TP=2 with expert parallelism (4 whole experts per rank) give TP=1's tokens and logprobs; each rank holds the
+    weights and KV bytes tokenmill plan computes. (PP=2 passed too when tried; left out for the test's time.)"""
     prompts = [p[:40] for p in _prompts(400)[1:4]]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     results = []
-    for tp, pp, ep in ((1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)):
-        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                  enable_expert_parallel=ep, max_num_batched_tokens=16, seed=0, kv_cache_memory_bytes=64 << 20)
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        llm = LLM(tiny("deepseek_v3"), dtype="float32", tensor_parallel_size=tp, enable_expert_parallel=ep,
+                  max_num_batched_tokens=16, seed=0, kv_cache_memory_bytes=64 << 20)
         try:
             _check_plan_agrees(llm)
             results.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
