@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from test_gemma3 import GREEDY, _assert_matches
-from test_model_exactness import _hf_reference, _prompts
+from test_model_exactness import MAX_TOKENS, _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
 from tokenmill import LLM, SamplingParams
 
@@ -165,3 +165,49 @@ def test_plan_preset_counts_what_transformers_builds():
     bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert shape.params_total == sum(p.numel() for p in model.parameters()) + bias
     assert shape.kv_bytes_per_token("bf16") == 61 * (512 + 64) * 2
+
+
+# -- GGUF (llama.cpp's deepseek2, tests/gguf_models.py) ------------------------------------------------------
+@pytest.mark.parametrize("arch, ggml_type", [("deepseek_v3", "F32"), ("deepseek_v2", "Q8_0")])
+def test_gguf_matches_transformers_and_native_follows(tiny, tmp_path, monkeypatch, arch, ggml_type):
+    """A deepseek2 GGUF as llama.cpp's converter writes it (MLA as MQA with *_mla sizes, kv_b split into
+    attn_k_b/attn_v_b, stacked experts, exp_probs_b, YaRN's log multiplier; a GGUF has no YaRN mscale, so the
+    model is a copy with mscale = mscale_all_dim) reads back to the model's config; dequantized, the engine matches
+    transformers on the converted folder (F32: the original's weights too), and served in its blocks gives the
+    same greedy tokens (Q8_0: on most positions)."""
+    import json
+    import os
+
+    import tokenmill.models.gguf as gguf_mod
+    from gguf_models import deepseek_gguf
+    from test_gemma3 import _variant
+
+    monkeypatch.setattr(gguf_mod, "cache_root", lambda: str(tmp_path))  # keep the conversion out of ~/.cache
+    src = tiny(arch)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    rope = config["rope_parameters"]
+    changes = {"rope_parameters": {**rope, "mscale": rope["mscale_all_dim"]}} if rope["rope_type"] == "yarn" else {}
+    hf_dir = _variant(src, str(tmp_path / "hf"), **changes)
+    path = deepseek_gguf(hf_dir, ggml_type)
+    read = gguf_mod.read_config(path)
+    for key in ("architectures", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                "routed_scaling_factor", "first_k_dense_replace", "moe_intermediate_size"):
+        assert read[key] == config[key], key
+    prompts = [p[:60] for p in _prompts(400)[:4]]
+    outs = LLM(path, dtype="float32", gguf_weights="dequantize", max_num_batched_tokens=32,
+               kv_cache_memory_bytes=64 << 20).generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                                                        use_tqdm=False)
+    _assert_matches(outs, _hf_reference(gguf_mod.gguf_to_hf_dir(path, "dequantize"), prompts))
+    if ggml_type == "F32":
+        _assert_matches(outs, _hf_reference(hf_dir, prompts))
+    native = LLM(path, dtype="float32", gguf_weights="native", kv_cache_memory_bytes=64 << 20)
+    got = native.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    if ggml_type == "F32":
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in outs]
+    else:  # the block kernels round activations to 8 bits: tokens agree up to a divergence on most positions
+        agree = sum(next((i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids))
+                          if x != y), MAX_TOKENS) for a, b in zip(got, outs))
+        assert agree >= 0.75 * MAX_TOKENS * len(prompts)
+        assert "ggml-Q8_0" in native.engine.executor.kernels()["linear"]
