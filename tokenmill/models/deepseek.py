@@ -20,6 +20,8 @@ Semantics follow transformers' modeling_deepseek_v2.py and modeling_deepseek_v3.
   transformers. Pre-quantized checkpoints (the official FP8 release) are refused for now: kv_b_proj is a plain
   weight here (the absorbed decode multiplies by its halves) and would need its block scales applied on load.
 
+GGUF files (llama.cpp's `deepseek2`) are read by models/gguf.py into the same config and tensor names.
+
 Under tensor parallel the heads split (q_b/q_proj, kv_b by heads, o_proj by rows) and the latent path (q_a,
 kv_a, their norms) and the latent cache are replicated on every rank.
 """
