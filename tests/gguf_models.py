@@ -209,3 +209,105 @@ def gemma3_gguf(hf_dir: str, type_name: str = "F32", seed: int = 0) -> str:
         gname += ".weight"
         _add_tensor(w, gname, data.astype(np.float32) if data.ndim == 2 else data, type_name, rng)
     return _close(w, path)
+
+
+# -- DeepSeek-V2/V3, as llama.cpp's convert_hf_to_gguf.py writes it (DeepseekV2Model: arch deepseek2) -----------
+_DEEPSEEK_LAYER = {**_LAYER, "self_attn.q_a_proj": "attn_q_a", "self_attn.q_b_proj": "attn_q_b",
+                   "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+                   "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.kv_b_proj": "attn_kv_b",
+                   "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+                   "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+
+
+def _deepseek_metadata(w, config: dict) -> None:
+    """The converter's keys: MLA written as MQA (key_length kv_lora_rank + rope, value_length kv_lora_rank, one
+    KV head) with the per-head sizes in the *_mla keys; the router's gating function (V3: sigmoid); YaRN's
+    mscale_all_dim as yarn_log_multiplier = 0.1 x it; the expert groups."""
+    import gguf
+
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+    w.add_leading_dense_block_count(config["first_k_dense_replace"])
+    if config.get("q_lora_rank"):
+        w.add_q_lora_rank(config["q_lora_rank"])
+    w.add_kv_lora_rank(config["kv_lora_rank"])
+    w.add_key_length(config["kv_lora_rank"] + config["qk_rope_head_dim"])
+    w.add_value_length(config["kv_lora_rank"])
+    w.add_key_length_mla(config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+    w.add_value_length_mla(config["v_head_dim"])
+    w.add_rope_dimension_count(config["qk_rope_head_dim"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_expert_count(config["n_routed_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_shared_count(config["n_shared_experts"])
+    w.add_expert_weights_scale(config["routed_scaling_factor"])
+    w.add_expert_weights_norm(bool(config.get("norm_topk_prob")))
+    v3 = config["model_type"] == "deepseek_v3"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    w.add_expert_group_count(config["n_group"])
+    w.add_expert_group_used_count(config["topk_group"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _deepseek_tensors(name: str, data: np.ndarray, config: dict):
+    """(GGUF name, data) of one HF tensor (experts already stacked per projection: mlp.experts.<proj> [E, ...]):
+    kv_b split per head into attn_k_b (transposed) and attn_v_b, the router bias as exp_probs_b."""
+    parts = name.split(".")  # layers.i.<module>.<param>
+    if parts[0] != "layers":
+        return [({"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}[parts[0]] + ".weight",
+                 data)]
+    blk, module = f"blk.{parts[1]}", ".".join(parts[2:-1])
+    if module == "mlp.experts":
+        return [(f"{blk}.ffn_{parts[-1].removesuffix('_proj')}_exps.weight", data)]
+    if parts[-1] == "e_score_correction_bias":
+        return [(f"{blk}.exp_probs_b.bias", data)]
+    if module == "self_attn.kv_b_proj":
+        heads, nope = config["num_attention_heads"], config["qk_nope_head_dim"]
+        kv_b = data.reshape(heads, nope + config["v_head_dim"], -1)
+        return [(f"{blk}.attn_k_b.weight", kv_b[:, :nope].transpose(0, 2, 1)), (f"{blk}.attn_v_b.weight", kv_b[:, nope:])]
+    return [(f"{blk}.{_DEEPSEEK_LAYER[module]}.{parts[-1]}", data)]
+
+
+def deepseek_gguf(hf_dir: str, type_name: str = "F32", seed: int = 0) -> str:
+    """A GGUF of the tiny DeepSeek model in hf_dir: its 2-D weights in type_name (the router, and rows not of
+    whole blocks, float32), 3-D ones (expert stacks, attn_k_b/attn_v_b) and norms float32, llama.cpp's names, the
+    tiny BPE."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    path = os.path.join(tempfile.mkdtemp(prefix="tokenmill-gguf-"), f"{config['model_type']}-{type_name}.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    _deepseek_metadata(w, config)
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    add_gpt2_tokenizer(w, tok)
+    rng = np.random.default_rng(seed)
+    tensors, experts = {}, {}
+    for name, data in load_file(os.path.join(hf_dir, "model.safetensors")).items():
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) == 7 and parts[3] == "experts":  # layers.i.mlp.experts.e.<proj>.weight: stacked below
+            experts.setdefault(f"layers.{parts[1]}.mlp.experts.{parts[5]}", {})[int(parts[4])] = data
+        else:
+            tensors[".".join(parts)] = data
+    tensors.update({name: np.stack([per[e] for e in sorted(per)]) for name, per in experts.items()})
+    for name, data in tensors.items():
+        for gname, part in _deepseek_tensors(name, data.astype(np.float32), config):
+            # the router float32; rows not of whole 32-value blocks too, as llama.cpp falls back for them
+            plain = gname.endswith(("ffn_gate_inp.weight", "exp_probs_b.bias")) or part.shape[-1] % 32
+            _add_tensor(w, gname, np.ascontiguousarray(part), "F32" if plain else type_name, rng)
+    return _close(w, path)

@@ -71,10 +71,34 @@ GPT_OSS_ARCHS = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 256, "rope_theta": 150000.0})),
 }
+# DeepSeek V3 and V2 (multi-head latent attention, grouped-top-k MoE with shared experts), apart too: every
+# distinguishing field set where a mistake shows. V3: q_lora_rank, YaRN with mscale != mscale_all_dim (both the
+# rope tables and the softmax scale change), interleaved rope, sigmoid routing over 4 groups keeping 2 with a
+# (randomized) correction bias, norm_topk_prob, routed_scaling_factor, first_k_dense_replace=1,
+# v_head_dim != qk_nope_head_dim. V2: q_lora_rank None (V2-Lite's q_proj), softmax group_limited_greedy routing,
+# two shared experts, top-3. Norm weights (the latent norms included) are randomized after init.
+DEEPSEEK_ARCHS = {
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=24,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        first_k_dense_replace=1, moe_intermediate_size=32, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                         "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1,
+                         "rope_theta": 10000.0},
+        architectures=["DeepseekV3ForCausalLM"])),
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5, first_k_dense_replace=1, moe_intermediate_size=24,
+        architectures=["DeepseekV2ForCausalLM"])),
+}
 _SEEDS = {arch: 1234 + i for i, arch in enumerate(sorted(ARCHS))}
 _SEEDS.update({arch: 2234 + i for i, arch in enumerate(sorted(MOE_ARCHS))})
 _SEEDS.update({arch: 3234 + i for i, arch in enumerate(sorted(GEMMA_ARCHS))})
-_SEEDS.update({arch: 4234 + i for i, arch in enumerate(sorted(GPT_OSS_ARCHS))})
+_SEEDS.update({arch: 5234 + i for i, arch in enumerate(sorted(GPT_OSS_ARCHS))})
+_SEEDS.update({arch: 4234 + i for i, arch in enumerate(sorted(DEEPSEEK_ARCHS))})
 
 _cache: dict[str, str] = {}
 _root = None
@@ -111,7 +135,7 @@ def tiny_model(arch: str) -> str:
 
     path = os.path.join(_root_dir(), arch)
     tok = build_tokenizer(path)
-    cls_name, extra = {**ARCHS, **MOE_ARCHS, **GEMMA_ARCHS, **GPT_OSS_ARCHS}[arch]
+    cls_name, extra = {**ARCHS, **MOE_ARCHS, **GEMMA_ARCHS, **GPT_OSS_ARCHS, **DEEPSEEK_ARCHS}[arch]
     fields = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
@@ -133,6 +157,14 @@ def tiny_model(arch: str) -> str:
             for name, param in model.named_parameters():
                 if name.endswith(("sinks", "bias")):
                     param.normal_(0, 1.0 if name.endswith("sinks") else 0.3)
+    if arch in DEEPSEEK_ARCHS:  # norms start at 1 and the correction bias at 0: make them matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1, 0.3)
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0, 0.1)
     model.save_pretrained(path)
     _cache[arch] = path
     return path

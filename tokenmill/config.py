@@ -578,6 +578,7 @@ class EngineConfig:
         self.scheduler.validate(self.model.max_model_len)
         self.parallel.finalize(self.device, self.model.hf_config)
         self._check_parallel_features()
+        self._check_latent_kv()
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
@@ -601,6 +602,19 @@ class EngineConfig:
                 raise ValueError(f"--task embed with {pooler.method} pooling runs each prompt in one step: "
                                  f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) must be at least "
                                  f"--max-model-len ({self.model.max_model_len})")
+
+    def _check_latent_kv(self) -> None:
+        """A multi-head latent attention model (DeepSeek) caches one latent per token and layer, not K/V heads:
+        what copies or quantizes K/V by head is refused at startup rather than run wrong."""
+        if not getattr(self.model.hf_config, "kv_lora_rank", None):
+            return
+        refused = [what for what, on in (
+            ("--kv-offloading-size (KV tiers)", bool(self.cache.kv_offloading_size)),
+            ("--kv-transfer-config (disaggregated prefill/decode)", self.kv_transfer is not None),
+            (f"--kv-cache-dtype {self.cache.kv_cache_dtype}", self.cache.kv_cache_dtype != "auto")) if on]
+        if refused:
+            raise ValueError(f"{refused[0]} is not supported for multi-head latent attention models (DeepSeek): "
+                             "their KV cache holds a compressed latent per token, not K/V heads")
 
     def _check_parallel_features(self) -> None:
         """Features not built for a split model yet: refused by name rather than run wrong."""

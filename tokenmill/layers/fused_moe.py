@@ -31,11 +31,17 @@ token and every routing decision:
 Either way, loading keeps only this rank's experts (or slices): other experts' tensors are skipped by name
 before anything is copied.
 
+Routing: softmax over the experts and top-k (Mixtral, Qwen3-MoE), or DeepSeek's grouped top-k (`GroupedTopK`):
+a float32 router, softmax (V2) or sigmoid (V3) scores, experts in groups of which only the best `topk_groups`
+may be chosen, V3's correction bias added for the choice only, and the chosen scores scaled by
+`routed_scaling_factor`.
+
 Expert load: every forward adds the tokens routed to each expert (all E experts: every rank sees all routing
 decisions, so the counts are global on every rank) to `expert_load`, read and reset by `take_expert_load()`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -47,6 +53,21 @@ from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.quantization import kernels
 from tokenmill.layers.quantization.int8 import quantize_int8
+
+
+@dataclass(frozen=True)
+class GroupedTopK:
+    """DeepSeek's routers (transformers' DeepseekV2TopkRouter / DeepseekV3TopkRouter). The router weight and its
+    logits are float32. A group's score is its best expert's (V2's group_limited_greedy: "max") or its two best
+    summed, correction bias included (V3: "top2"); experts outside the topk_groups best groups are not chosen.
+    The chosen experts' weights are their scores (without the bias), renormalised if the layer says so, times
+    scaling_factor."""
+    sigmoid: bool                   # V3 scores with a sigmoid, V2 with a softmax
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"        # "max" or "top2"
+    correction_bias: bool = False   # V3's e_score_correction_bias [E] (float32), a checkpoint tensor of the gate
+    scaling_factor: float = 1.0
 
 
 class UnquantizedMoEMethod:
@@ -114,11 +135,13 @@ class FusedMoE(nn.Module):
     topk_softmax: the top-k router logits first, then a softmax over those alone (gpt-oss), instead of a softmax
     over all experts then the top-k. bias: a router bias and expert biases (gpt-oss). act: the experts'
     activation over [gate | up] -> [I] (activation.silu_and_mul; gpt-oss: activation.ClampedSwiGLU).
+    grouped: DeepSeek's grouped top-k (GroupedTopK) instead of softmax + top-k.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, renormalize: bool, float32_scores: bool = True, quant_method=None, *,
-                 topk_softmax: bool = False, bias: bool = False, act=silu_and_mul) -> None:
+                 topk_softmax: bool = False, bias: bool = False, act=silu_and_mul,
+                 grouped: Optional[GroupedTopK] = None) -> None:
         super().__init__()
         ep, tp = ep_size(), tp_size()
         if num_experts % ep:
@@ -131,6 +154,10 @@ class FusedMoE(nn.Module):
                              f"size {tp}; enable expert parallelism or pick a size that divides it")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}]")
+        if grouped is not None and (num_experts % grouped.num_groups
+                                    or not 0 < grouped.topk_groups <= grouped.num_groups):
+            raise ValueError(f"n_group={grouped.num_groups} must divide the {num_experts} experts and topk_group="
+                             f"{grouped.topk_groups} must be in [1, n_group]")
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.num_local_experts = num_experts // ep
         self.expert_start = ep_rank() * self.num_local_experts
@@ -138,12 +165,17 @@ class FusedMoE(nn.Module):
         self.full_intermediate_size = intermediate_size
         self.intermediate_rank = tp_rank() if split > 1 else 0
         self.renormalize, self.float32_scores, self.topk_softmax = renormalize, float32_scores, topk_softmax
-        self.act, self.dtype = act, dtype
+        self.grouped, self.act, self.dtype = grouped, act, dtype
         # The router stays a plain weight in the model dtype, like transformers' (logits in the model dtype,
-        # softmax in float32); not a LinearBase, so online quantization never perturbs the routing.
+        # softmax in float32; DeepSeek's all float32); not a LinearBase, so online quantization never perturbs
+        # the routing.
         self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        gate_dtype = dtype if grouped is None else torch.float32
+        self.gate.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=gate_dtype), requires_grad=False)
         self.gate.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False) if bias else None
+        if grouped is not None and grouped.correction_bias:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                             requires_grad=False)
         # Expert biases are float in every expert format. Each expert's down-projection output is a partial sum
         # on each rank when its width is split, so its bias must be added once in all: each rank holds and adds
         # its 1/tp of the hidden columns (bias_cols), and the all-reduce assembles it.
@@ -181,6 +213,8 @@ class FusedMoE(nn.Module):
         """x [T, H] -> (weights [T, k], expert ids [T, k]) exactly as transformers computes them."""
         # batch-invariant mode: the C kernel's fixed reduction order, so a token's routing ignores its batch
         linear = cpu_linear.linear if batch_invariant.enabled() else F.linear
+        if self.grouped is not None:
+            return self._grouped_route(linear(x.float(), self.gate.weight))
         logits = linear(x, self.gate.weight, self.gate.bias)
         if self.topk_softmax:  # gpt-oss: softmax over the chosen logits, in their dtype (as transformers)
             top, ids = logits.topk(self.top_k, dim=-1)
@@ -191,6 +225,22 @@ class FusedMoE(nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float32_scores else weights.to(x.dtype)), ids
+
+    def _grouped_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, T, E = self.grouped, logits.shape[0], self.num_experts
+        scores = logits.sigmoid() if g.sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.gate.e_score_correction_bias if g.correction_bias else scores
+        if g.num_groups > 1:
+            per_group = choice.view(T, g.num_groups, E // g.num_groups)
+            group_scores = per_group.topk(2, dim=-1)[0].sum(-1) if g.group_score == "top2" else per_group.amax(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(g.topk_groups, dim=-1)[1], True)
+            choice = choice.masked_fill(~keep.repeat_interleave(E // g.num_groups, dim=1), float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * g.scaling_factor, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -5,8 +5,13 @@ inv_freq comes from transformers' own rope initialisers, so every rope_type the 
 Gemma 3 gives each layer type its own rope: transformers 5 nests the parameters by layer type
 (`rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`); older configs say
 `rope_local_base_freq` for the sliding layers and `rope_theta` (+ `rope_scaling`) for the full ones.
-`rope_layer_type` names the variant a layer uses (None: one rope for every layer)."""
+`rope_layer_type` names the variant a layer uses (None: one rope for every layer).
+
+DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)... instead of the two halves (`interleaved`), and with
+YaRN scales its attention softmax too (`yarn_softmax_scale`)."""
 from __future__ import annotations
+
+import math
 
 from typing import Optional
 
@@ -44,6 +49,17 @@ def _rope_parameters(config, layer_type: Optional[str] = None) -> dict:
     return params
 
 
+def yarn_softmax_scale(config) -> float:
+    """The factor DeepSeek's YaRN puts on the attention softmax scale, mscale(factor, mscale_all_dim) squared
+    (transformers' yarn_apply_mscale); 1 without YaRN or without mscale_all_dim."""
+    params = _rope_parameters(config)
+    mscale_all_dim, factor = params.get("mscale_all_dim"), params.get("factor", 1.0)
+    if params["rope_type"] == "default" or not mscale_all_dim or factor <= 1:
+        return 1.0
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return mscale * mscale
+
+
 def compute_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, float]:
     params = _rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
@@ -66,15 +82,24 @@ def compute_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) ->
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_positions: int, layer_type: Optional[str] = None) -> None:
+    """interleaved: pairs (x0, x1), (x2, x3)... rotate together (DeepSeek). They are gathered into halves first
+    and the output stays in halves, as transformers' DeepSeek-V3 leaves it: q and k are permuted alike, so every
+    q.k is the interleaved rotation's."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, layer_type: Optional[str] = None,
+                 interleaved: bool = False) -> None:
         super().__init__()
         inv_freq, scaling = compute_inv_freq(config, head_dim, layer_type)
+        halves = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]) if interleaved else None
+        self.register_buffer("halves", halves, persistent=False)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step_cache: dict):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]. cos/sin are gathered once per step, not per layer."""
+        if self.halves is not None:  # fresh tensors: the in-place C rope below may write them
+            q, k = q[..., self.halves], k[..., self.halves]
         if cpu_fused.rope_usable(q, k) and positions.device.type == "cpu":
             pos = positions if positions.dtype == torch.int64 else positions.long()
             cpu_fused.rope_(q, pos, self.cos, self.sin)  # in place: q and k are fresh (views of qkv)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.attention.base import paged_kv_shape
 from tokenmill.layers.attention.bidirectional import bidirectional_attention
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize
@@ -50,6 +51,10 @@ class BertAttention(nn.Module):
         self.num_heads = self.num_kv_heads = heads
         self.o_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True, dtype=dtype,
                                         replicated=True)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The scheduler's block accounting only: an encoder keeps no KV (BertModel.uses_kv_cache)."""
+        return paged_kv_shape(self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
     def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
         T = x.shape[0]

@@ -31,7 +31,7 @@ from tokenmill.host import cache_root
 
 logger = logging.getLogger("tokenmill")
 
-_CONVERTER_VERSION = 3  # bump whenever the output changes, so stale cache entries are not reused
+_CONVERTER_VERSION = 4  # bump whenever the output changes, so stale cache entries are not reused
 
 # GGUF architecture -> (HF class, HF model_type). Mistral GGUFs use the "llama" architecture.
 _ARCHS = {
@@ -40,13 +40,16 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 where its router is a sigmoid (_deepseek2_config)
 }
 # Mixture-of-experts tensors: the router, and the experts stacked [E, ...] in one tensor per projection.
 # A "llama" GGUF with experts is Mixtral.
 _ROUTER = "ffn_gate_inp"
 _EXPERT_STACKS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}  # -> index in _EXPERT_NAMES
 _EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+                 "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+                 "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 _SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -60,7 +63,18 @@ _LAYER_NAMES = {
 }
 # Gemma's four norms per layer (llama.cpp's gguf-py constants: ATTN_POST_NORM, FFN_PRE_NORM, FFN_POST_NORM)
 _ARCH_LAYER_NAMES = {"gemma3": {"post_attention_norm": "post_attention_layernorm",
-                                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}}
+                                "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+                     # DeepSeek's latent attention, shared experts and router bias (gguf-py's DEEPSEEK2 tensors)
+                     "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_b": "self_attn.q_b_proj",
+                                   "attn_q_a_norm": "self_attn.q_a_layernorm",
+                                   "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                                   "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                                   "ffn_down_shexp": "mlp.shared_experts.down_proj"}}
+# Newer llama.cpp converters split DeepSeek's kv_b_proj per head into attn_k_b [H, L, nope] (transposed) and
+# attn_v_b [H, v, L]; they become one kv_b_proj [H * (nope + v), L] again here (_Entry.parts).
+_KV_B_PARTS = ("attn_k_b", "attn_v_b")
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its RMSNorm multiplies by the weight as stored);
 # the HF weight, which the model and transformers load, is the file's minus this.
 _NORM_SHIFT = {"gemma3": 1.0}
@@ -298,7 +312,8 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "tokenmill_source": "gguf",  # no dtype on purpose: the engine picks one for dtype-less configs
     }
-    _moe_config(config, arch, meta, need, shapes)
+    if arch != "deepseek2":
+        _moe_config(config, arch, meta, need, shapes)
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
         config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
@@ -312,6 +327,8 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
         raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
     if arch == "gemma3":
         _gemma3_config(path, config, meta)
+    if arch == "deepseek2":
+        _deepseek2_config(path, config, meta, need)
     return config
 
 
@@ -329,6 +346,39 @@ def _moe_config(config: dict, arch: str, meta: dict, need, shapes: dict) -> None
                       norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)),
                       decoder_sparse_step=1, mlp_only_layers=[i for i in range(config["num_hidden_layers"])
                                                               if f"blk.{i}.ffn_gate.weight" in shapes])
+
+
+def _deepseek2_config(path: str, config: dict, meta: dict, need) -> None:
+    """DeepSeek-V2/V3's fields from llama.cpp's deepseek2 keys, in transformers' DeepseekV2/V3Config terms. A
+    sigmoid router (expert_gating_func 2) is V3. The converter writes the MLA shapes as MQA (key_length
+    kv_lora_rank + rope, one KV head) with the per-head sizes in key/value_length_mla (older files: in
+    key/value_length); YaRN's mscale_all_dim as yarn_log_multiplier = 0.1 x it (its mscale is taken equal, as
+    in every released model, so the rope's attention factor is 1)."""
+    rope = need("rope.dimension_count")
+    key = meta.get("deepseek2.attention.key_length_mla") or need("attention.key_length")
+    v3 = meta.get("deepseek2.expert_gating_func") == 2
+    groups = meta.get("deepseek2.expert_group_count") or 1
+    config.update(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        model_type="deepseek_v3" if v3 else "deepseek_v2", num_key_value_heads=config["num_attention_heads"],
+        head_dim=rope, q_lora_rank=meta.get("deepseek2.attention.q_lora_rank"),
+        kv_lora_rank=need("attention.kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=key - rope,
+        v_head_dim=meta.get("deepseek2.attention.value_length_mla") or need("attention.value_length"),
+        first_k_dense_replace=meta.get("deepseek2.leading_dense_block_count", 0),
+        n_routed_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+        n_shared_experts=meta.get("deepseek2.expert_shared_count", 0),
+        moe_intermediate_size=need("expert_feed_forward_length"),
+        routed_scaling_factor=meta.get("deepseek2.expert_weights_scale", 1.0),
+        norm_topk_prob=bool(meta.get("deepseek2.expert_weights_norm", False)),
+        n_group=groups, topk_group=meta.get("deepseek2.expert_group_used_count") or 1)
+    if v3:
+        config["rope_interleave"] = True
+    else:
+        config["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    log_mul = meta.get("deepseek2.rope.scaling.yarn_log_multiplier")
+    if log_mul and config.get("rope_scaling", {}).get("rope_type") == "yarn":
+        mscale = round(log_mul / 0.1, 6)  # the file holds 0.1 x it in float32
+        config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
 
 
 def _gemma3_config(path: str, config: dict, meta: dict) -> None:
@@ -372,15 +422,25 @@ class _Entry(NamedTuple):
     expert: Optional[int]
     n_head: Optional[int]
     shift: float = 0.0
+    parts: tuple = ()  # DeepSeek's attn_k_b and attn_v_b, which make this kv_b_proj (tensor is the first)
 
 
 def _entries(path: str, reader, arch: str, config: dict):
     """The file's tensors as the HF model's, in file order (an expert stack becomes one entry per expert)."""
     layer_names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    by_name = {t.name: t for t in reader.tensors}
     for t in reader.tensors:
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
         shape = tuple(int(d) for d in reversed(t.shape))
+        if len(parts) == 3 and parts[2] in _KV_B_PARTS:
+            entry = _kv_b_entry(path, by_name, parts[1], config)
+            if parts[2] == _KV_B_PARTS[0] and entry is not None:
+                yield entry
+            continue
+        if len(parts) == 3 and parts[2] == "exp_probs_b":  # V3's router bias, a buffer of the gate in HF
+            yield _Entry(f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias", shape, t, None, None)
+            continue
         if base == "rope_freqs":
             # llama3-style per-frequency factors precomputed by llama.cpp; HF recomputes them from
             # rope_scaling, which the GGUF does not carry, so long-context rope may differ slightly.
@@ -410,6 +470,32 @@ def _entries(path: str, reader, arch: str, config: dict):
         yield _Entry(f"{hf}.{suffix}", shape, t, None, n_head, shift)
 
 
+def _kv_b_entry(path: str, by_name: dict, layer: str, config: dict) -> Optional[_Entry]:
+    """Layer's kv_b_proj from attn_k_b and attn_v_b, or None where the file has attn_kv_b itself."""
+    if f"blk.{layer}.attn_kv_b.weight" in by_name:
+        return None
+    k_b, v_b = (by_name.get(f"blk.{layer}.{name}.weight") for name in _KV_B_PARTS)
+    if k_b is None or v_b is None:
+        raise ValueError(f"{path}: layer {layer} has only one of attn_k_b and attn_v_b")
+    rows = config["num_attention_heads"] * (config["qk_nope_head_dim"] + config["v_head_dim"])
+    return _Entry(f"model.layers.{layer}.self_attn.kv_b_proj.weight", (rows, config["kv_lora_rank"]), k_b, None,
+                  None, parts=(k_b, v_b))
+
+
+def _dequantized(t) -> np.ndarray:
+    """A file tensor as float32 in its numpy shape (GGUF dims reversed)."""
+    from gguf.quants import dequantize
+
+    return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
+        tuple(int(d) for d in reversed(t.shape)))
+
+
+def _joined_kv_b(e: _Entry) -> np.ndarray:
+    """kv_b_proj [H * (nope + v), L] from attn_k_b [H, L, nope] and attn_v_b [H, v, L]."""
+    k_b, v_b = (_dequantized(t) for t in e.parts)
+    return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(e.shape)
+
+
 def _hf_tensors(path: str, reader, arch: str, config: dict):
     """Yield (hf_name, hf_shape, thunk producing float32 data) in file order; data is made lazily (an expert
     stack is dequantized once and shared by its experts' thunks, which the writer takes in order)."""
@@ -418,6 +504,8 @@ def _hf_tensors(path: str, reader, arch: str, config: dict):
     stack: dict = {}
 
     def make(e: _Entry) -> np.ndarray:
+        if e.parts:
+            return _joined_kv_b(e)
         if e.expert is None:
             w = np.asarray(dequantize(e.tensor.data, e.tensor.tensor_type), dtype=np.float32).reshape(e.shape)
             w = w + np.float32(e.shift) if e.shift else w
@@ -460,11 +548,27 @@ def _write_safetensors(file: Path, tensors) -> None:
 END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<｜end▁of▁sentence｜>")
 
 
+# GGUF architectures whose files transformers' GGUF loader refuses as a whole: their tokenizer is built from the
+# metadata by transformers' own GGUF tokenizer converter, which does not look at the architecture.
+_TOKENIZER_ONLY = ("deepseek2",)
+
+
+def _gguf_tokenizer(path: str, arch: str):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if arch not in _TOKENIZER_ONLY:
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    special = {k: v for k, v in {**tokenizer_config, **extra}.items() if v is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+
+
 def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> list[int]:
     """Write the file's tokenizer as a Hugging Face one; returns the ids that end a generation (eos first)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok = _gguf_tokenizer(path, meta["general.architecture"])
     # make the special tokens agree with the GGUF's ids, whatever the converter inferred
     for attr in ("bos", "eos", "pad"):
         token_id = config.get(f"{attr}_token_id")
@@ -547,6 +651,10 @@ class GgufWeights:
     def _tensor(self, e: _Entry):
         import torch
 
+        if e.parts:  # a float copy: the model keeps kv_b_proj in its dtype (layers/attention/mla.py)
+            out = torch.from_numpy(_joined_kv_b(e))
+            self.bytes_read += sum(t.n_bytes for t in e.parts)
+            return out
         t, rows = e.tensor, e.shape[0]
         name = t.tensor_type.name
         data = np.asarray(t.data)

@@ -15,7 +15,7 @@ from torch import nn
 from tokenmill.config import layer_window
 from tokenmill.distributed import IntermediateTensors, stage_layers, state, tp_size
 from tokenmill.layers.activation import gated_activation
-from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata, paged_kv_shape
 from tokenmill.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tokenmill.layers.linear import (ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, materialize,
                                     narrow)
@@ -68,6 +68,10 @@ class Attention(nn.Module):
         self.kv_quant = None             # a KVCacheQuant when the cache is fp8/int8 (set by the worker)
         self.checkpoint_kv_scales = {}   # k_scale/v_scale tensors a checkpoint carries: {0: k, 1: v}
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """This layer's KV tensor (one per layer slot, step/kv_groups.py): K and V per KV head."""
+        return paged_kv_shape(self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
     def load_kv_scale(self, which: int, loaded) -> None:
         """A checkpoint's k_scale (which=0) or v_scale (1): a scalar, or one per KV head (this rank's taken)."""
         if loaded.shape.numel() > 1:
@@ -92,11 +96,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype) -> None:
+    """intermediate_size: the config's unless given (DeepSeek's shared experts are one MLP of their own width)."""
+
+    def __init__(self, config, dtype: torch.dtype, intermediate_size: Optional[int] = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias, dtype)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype)
+        width = intermediate_size or config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [width] * 2, bias, dtype)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias, dtype)
         # Gemma names it hidden_activation; the others hidden_act
         self.act = gated_activation(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
 
@@ -105,11 +112,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """attn: the family's attention block (default: Attention here; DeepSeek's latent attention)."""
+
     def __init__(self, config, layer_idx: int, dtype, backend, rotary, mlp: nn.Module,
                  attn: Optional[nn.Module] = None) -> None:
         super().__init__()
-        # the family's attention: Attention here, a subclass where the family adds to it (gpt_oss.py's sinks)
-        self.self_attn = attn or Attention(config, layer_idx, dtype, backend, rotary)
+        self.self_attn = attn if attn is not None else Attention(config, layer_idx, dtype, backend, rotary)
         self.mlp = mlp  # the family's feed-forward block: MLP here, a mixture of experts in moe.py
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -138,13 +146,12 @@ class LlamaForCausalLM(nn.Module):
         if not 0 <= self.start_layer < self.end_layer <= n:
             raise ValueError(f"layer range {layer_range} is not a non-empty part of the model's {n} layers")
         first, last = self.start_layer == 0, self.end_layer == n
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotaries: dict[Optional[str], RotaryEmbedding] = {}  # one table per rope variant, shared by its layers
 
         def rotary(i: int) -> RotaryEmbedding:
             kind = rope_layer_type(config, i)
             if kind not in rotaries:
-                rotaries[kind] = RotaryEmbedding(config, head_dim, max_positions, kind)
+                rotaries[kind] = self.make_rotary(config, max_positions, kind)
             return rotaries[kind]
 
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype) if first else None
@@ -169,6 +176,11 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer layer_idx: forward(x, residual, meta, kv_cache) -> (x, residual), the residual add
         left to the next layer's first norm (families with another layer structure override this)."""
         return DecoderLayer(config, layer_idx, dtype, backend, rotary, self.make_mlp(config, layer_idx, dtype))
+
+    def make_rotary(self, config, max_positions: int, layer_type: Optional[str]) -> RotaryEmbedding:
+        """The rope table of one layer type (DeepSeek's covers only its rope dims, interleaved)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return RotaryEmbedding(config, head_dim, max_positions, layer_type)
 
     def make_mlp(self, config, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         """Layer layer_idx's feed-forward block (MoE families override this)."""

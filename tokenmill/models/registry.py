@@ -1,10 +1,12 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from tokenmill.models import bert, gemma3, gpt_oss, llama, moe
+from tokenmill.models import bert, deepseek, gemma3, gpt_oss, llama, moe
 
 _REGISTRY = {
     "BertModel": bert.BertModel,
+    "DeepseekV2ForCausalLM": deepseek.DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": deepseek.DeepseekForCausalLM,
     "Gemma3ForCausalLM": gemma3.Gemma3ForCausalLM,
     "GptOssForCausalLM": gpt_oss.GptOssForCausalLM,
     "LlamaForCausalLM": llama.LlamaForCausalLM,

@@ -87,6 +87,7 @@ class ModelShape:
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int = 0
     num_dense_layers: int = 0
+    router_bias: bool = False       # DeepSeek-V3's e_score_correction_bias: one float per expert and MoE layer
     # Multi-head latent attention (DeepSeek): the cache holds one compressed vector per token and layer.
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -139,7 +140,7 @@ class ModelShape:
         return 3 * self.hidden_size * width
 
     def router_params(self) -> int:
-        return (self.hidden_size + (1 if self.expert_bias else 0)) * self.num_experts
+        return (self.hidden_size + bool(self.expert_bias) + bool(self.router_bias)) * self.num_experts
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -293,7 +294,8 @@ class ModelShape:
             moe_layers = sum(1 for i in range(layers) if i >= first and i % freq == 0)
             kw.update(num_experts=cfg["n_routed_experts"], experts_per_token=cfg["num_experts_per_tok"],
                       moe_intermediate_size=cfg["moe_intermediate_size"],
-                      num_shared_experts=cfg.get("n_shared_experts") or 0, num_dense_layers=layers - moe_layers)
+                      num_shared_experts=cfg.get("n_shared_experts") or 0, num_dense_layers=layers - moe_layers,
+                      router_bias=mtype == "deepseek_v3")
         elif experts and cfg.get("moe_intermediate_size"):  # Qwen2/Qwen3 MoE
             step = cfg.get("decoder_sparse_step", 1) or 1
             dense_only = set(cfg.get("mlp_only_layers") or [])

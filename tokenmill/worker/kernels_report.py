@@ -52,8 +52,12 @@ def report(model, kv_caches: list[torch.Tensor], device: str, kv_layout=None) ->
     libraries = cpu_build.library_status()
     fallbacks = _library_fallbacks(libraries)
     attn = model.layers[0].self_attn  # an encoder's has no paged backend (layers/attention/bidirectional.py)
-    kernels = {"attention": _attention(attn.backend, device, dtype, fallbacks) if hasattr(attn, "backend")
-               else "sdpa-bidirectional",
+    if hasattr(attn, "attention_path"):  # an attention outside the backends names its path (attention/mla.py)
+        attention = attn.attention_path
+    else:
+        attention = _attention(attn.backend, device, dtype, fallbacks) if hasattr(attn, "backend") \
+            else "sdpa-bidirectional"
+    kernels = {"attention": attention,
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
                "decoder_stack": stack, "block_types": _block_types(model, fallbacks),

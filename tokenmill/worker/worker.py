@@ -100,8 +100,8 @@ class Worker:
                         module.kv_quant.load_scale(which, value)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
-        attn = self.model.layers[0].self_attn
-        return (2, attn.num_kv_heads, num_blocks, self.config.cache.block_size, attn.head_dim)
+        """One layer slot's KV tensor, as the model's attention lays it out (K/V heads, or an MLA latent)."""
+        return self.model.layers[0].self_attn.kv_cache_shape(num_blocks, self.config.cache.block_size)
 
     def _layer_slots(self) -> list[int]:
         """Per layer of this rank's model (a pipeline stage holds only its own), its KV layer slot: the layers of

@@ -42,6 +42,12 @@ class AttentionMetadata:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
 
+def paged_kv_shape(num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int) -> tuple[int, ...]:
+    """One layer slot's KV tensor in the layout above (an attention layer's kv_cache_shape; latent attention
+    declares its own, layers/attention/mla.py)."""
+    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
 class AttentionBackend:
     name = "base"
 
