@@ -11,6 +11,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import PromptType, eos_token_ids, fan_out, load_tokenizer, tokenize_prompt
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
+from tokenmill.lora import LoRARequest, read_adapter_config
 from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,13 +27,17 @@ class LLM:
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._adapters: set[int] = set()  # lora_int_ids whose adapter config was checked
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+        """lora_request: the adapter all prompts run, or one per prompt (None: the base model); needs
+        enable_lora=True."""
         if self.config.model.pooler is not None:
             raise ValueError(f"{self.config.model.served_model_name} runs with --task embed: it does not generate "
                              "text; use LLM.embed")
@@ -43,15 +48,28 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        return self._run_all(prompts, params, use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        for lr in set(loras) - {None}:
+            self._check_adapter(lr)
+        return self._run_all(prompts, params, use_tqdm, loras)
+
+    def _check_adapter(self, lr: LoRARequest) -> None:
+        """What the server checks before an adapter is used: LoRA on, the folder a PEFT adapter within limits."""
+        if self.config.lora is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if lr.lora_int_id not in self._adapters:
+            read_adapter_config(lr.lora_path, self.config.lora.max_lora_rank)
+            self._adapters.add(lr.lora_int_id)
 
     def _run_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
-                 use_tqdm: bool) -> list[RequestOutput]:
+                 use_tqdm: bool, loras: Optional[Sequence[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         order: dict[str, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                self._add(rid, prompt, sp)
+                self._add(rid, prompt, sp, loras[i] if loras else None)
                 order[rid] = i
             return self._run(order, use_tqdm)
         except BaseException:
@@ -101,11 +119,11 @@ class LLM:
                 for o in outs]
 
     # -- internals --------------------------------------------------------------------------
-    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
+    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams, lora: Optional[LoRARequest]) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
         reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
-                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"))
+                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"), lora_request=lora)
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

@@ -11,7 +11,7 @@ rows.
 `CpuStack.build` returns None where the stack does not apply as a whole (fp8/fp4 or unpacked linears, an
 8-bit KV cache, per-layer sliding windows, row-parallel biases, a non-SiLU MLP, a family whose layers differ
 (Gemma 3: `cpu_stack_unsupported`), no C compiler; `unavailable` says which);
-`run` returns None for a step it does not take (a prefill, hooks on the layers, more rows than some layer's
+`run` returns None for a step it does not take (a prefill, hooks on the layers, LoRA adapter rows, more rows than some layer's
 measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
 kernels-report line for it.
 """
@@ -147,7 +147,7 @@ class CpuStack:
 
     def run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> Optional[torch.Tensor]:
         """The final-normed hidden states [T, H] of the step, or None when this step is not the stack's."""
-        if torch.is_grad_enabled() or _hooked(self.model):
+        if torch.is_grad_enabled() or meta.adapters or _hooked(self.model):  # the C stack has no LoRA
             return None
         plan = step_plan(meta, self.window, self.group, True)
         if not (plan.dec_all and plan.use_kernel):

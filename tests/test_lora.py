@@ -1,0 +1,191 @@
+"""Multi-LoRA serving (issue 33): a tiny random Llama and three PEFT adapters built here with `peft` (B matrices
+randomized: PEFT starts them at zero), against transformers + peft in float32; batches mixing adapters and the
+base model, fewer adapter slots than adapters in flight, the prefix cache keyed by adapter, the adapter checks,
+and load/unload through the HTTP server."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from models import hf_model
+from test_gemma3 import _assert_matches
+from test_model_exactness import MAX_TOKENS
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.lora import read_adapter_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
+PROMPT_LENS = [3, 70, 20, 41]
+
+# name -> (rank, alpha, targets, rslora): attention only, MLP and two of q/k/v (rslora), and all seven
+ADAPTERS = {
+    "attn": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "mlp": (4, 8, ["gate_proj", "up_proj", "down_proj", "q_proj", "v_proj"], True),
+    "all": (16, 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    """(base path, {name: LoRARequest}) with each adapter saved by peft."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny("llama")
+    root = tmp_path_factory.mktemp("adapters")
+    requests = {}
+    for i, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        model = get_peft_model(hf_model(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
+                                                          use_rslora=rslora, lora_dropout=0.0))
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                if "lora_B" in pname:
+                    param.normal_(0, 0.2)
+        model.save_pretrained(str(root / name))
+        requests[name] = LoRARequest(name, i + 1, str(root / name))
+    return base, requests
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _reference(base: str, lora: LoRARequest | None, prompts):
+    """transformers (+ peft) greedy tokens and per-step logprobs."""
+    model = hf_model(base)
+    if lora is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, lora.lora_path).eval()
+    refs = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(input_ids=torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            refs.append((out.sequences[0, len(p):].tolist(), [s[0].float().log_softmax(-1) for s in out.logits]))
+    return refs
+
+
+def _generate(llm: LLM, prompts, loras):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+
+
+@pytest.fixture(scope="module")
+def alone(adapters):
+    """Each adapter's (and the base's) outputs run alone, checked against transformers + peft once."""
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, block_size=16,
+              max_num_batched_tokens=32)
+    prompts = _prompts()
+    outs = {}
+    for name, lora in [("base", None)] + list(reqs.items()):
+        outs[name] = _generate(llm, prompts, lora)
+        _assert_matches(outs[name], _reference(base, lora, prompts))
+    assert len({tuple(outs[name][1].outputs[0].token_ids) for name in outs}) == 4, "each adapter changes the output"
+    return outs
+
+
+def _assert_same(outs, ref_outs) -> None:
+    for out, ref in zip(outs, ref_outs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for lp, ref_lp in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for t, v in lp.items():
+                assert abs(v.logprob - ref_lp[t].logprob) < 1e-4
+
+
+def _mixed(reqs):
+    """Every prompt under every adapter and the base, interleaved, as one generate call."""
+    names = ["base"] + list(reqs)
+    jobs = [(name, i, p) for i, p in enumerate(_prompts()) for name in names]
+    return jobs, [reqs.get(name) for name, _, _ in jobs]
+
+
+def test_each_adapter_matches_transformers_peft(alone):
+    assert set(alone) == {"base", "attn", "mlp", "all"}
+
+
+def test_mixed_batch_gives_each_request_its_tokens_alone(adapters, alone):
+    """Three adapters and the base in the same steps, with chunked prefill and preemption."""
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, block_size=16,
+              max_num_batched_tokens=48, num_gpu_blocks_override=16)
+    jobs, loras = _mixed(reqs)
+    outs = _generate(llm, [p for _, _, p in jobs], loras)
+    assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert llm.engine.scheduler.kv.is_whole()
+    for (name, i, _), out in zip(jobs, outs):
+        _assert_same([out], [alone[name][i]])
+
+
+def test_fewer_slots_than_adapters_in_flight(adapters, alone, monkeypatch):
+    """--max-loras 2 and --max-cpu-loras 2 with three adapters: requests wait for a slot (never more than two
+    adapters in a step), adapters are dropped from host memory and loaded again, and every output is right."""
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_cpu_loras=2, max_lora_rank=16)
+    sched = llm.engine.scheduler
+    seen = []
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        seen.append({sched.requests[s.request_id].lora_int_id for s in out.scheduled} - {0})
+        return out
+
+    monkeypatch.setattr(sched, "schedule", spy)
+    jobs, loras = _mixed(reqs)
+    outs = _generate(llm, [p for _, _, p in jobs], loras)
+    assert max(len(s) for s in seen) == 2
+    for (name, i, _), out in zip(jobs, outs):
+        _assert_same([out], [alone[name][i]])
+
+
+def test_prefix_cache_is_keyed_by_adapter(adapters, alone):
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, block_size=16)
+    prompt = _prompts()[1]  # 70 tokens: 4 full blocks
+    first = _generate(llm, [prompt], None)
+    under_adapter = _generate(llm, [prompt], reqs["attn"])
+    again = _generate(llm, [prompt], reqs["attn"])
+    assert first[0].num_cached_tokens == 0 and under_adapter[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == 64
+    _assert_same(under_adapter + again, [alone["attn"][1]] * 2)
+
+
+def _folder(tmp_path, **config) -> str:
+    path = tmp_path / "adapter"
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                          "target_modules": ["q_proj"], **config}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"r": 32}, "rank 32, more than --max-lora-rank 16"),
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "target modules ['embed_tokens'] are not supported"),
+    ({"target_modules": ".*proj"}, "regular expression"),
+    ({"bias": "all"}, "LoRA biases"),
+])
+def test_unsupported_adapters_are_refused(tmp_path, config, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_adapter_config(_folder(tmp_path, **config), 16)
+
+
+def test_adapter_paths_are_checked(tmp_path):
+    assert read_adapter_config(_folder(tmp_path, use_rslora=True), 16).scaling == pytest.approx(16 / 8 ** 0.5)
+    with pytest.raises(ValueError, match="is not a directory"):
+        read_adapter_config(os.path.join(_folder(tmp_path), "adapter_config.json"))
+    with pytest.raises(ValueError, match="has no adapter_config.json"):
+        read_adapter_config(str(tmp_path))
+
+
+def test_lora_request_needs_enable_lora(adapters):
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        _generate(llm, [[5, 6, 7]], reqs["attn"])

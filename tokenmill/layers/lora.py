@@ -1,0 +1,128 @@
+"""LoRA adapters on the linear layers, several in one batch.
+
+Each targeted linear layer (the merged q|k|v and gate|up, o, down) gets a `LoRALayer`: the adapters' A and B
+matrices stacked in slots, A `[max_loras, P, R, in]` and B `[out, max_loras, P, R]` (P: the layer's merged
+parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero padding; the
+adapter's scaling is folded into B). It runs as a forward hook, after the layer's own quant_method, so it
+works over any quantization: y += ((x A^T) * mask) B^T, where mask `[T, n, 1]` keeps for each token only
+the columns of its adapter's slot among the step's first n slots (a base-model token keeps none). That is
+two dense matmuls per layer for the whole batch, whatever mixes of adapters it holds: no loop over requests
+or slots. The price is computing every used slot for every token (n x P x R extra columns), small next to
+the layer itself while max_loras x R stays well under its width; a step with no adapter row costs nothing.
+
+`LoRABatch` is the step's mask, shared by every LoRA layer of a model; the worker's LoRA manager
+(worker/lora_manager.py) fills the slots and sets the mask before each forward pass.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file
+
+from tokenmill.layers.linear import LinearBase
+from tokenmill.lora import WEIGHTS_FILE, AdapterConfig
+
+# our merged layer -> the Hugging Face projections of its parts, in order
+LAYER_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+               "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+# per LoRA layer path: {part index: (A [r, in], B [out_part, r] scaled)}
+AdapterWeights = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
+
+
+class LoRABatch:
+    """The step's adapter rows: mask [T, n] (token t runs slot j: 1 at [t, j]; a base-model row is all zero),
+    or None when no token of the step runs an adapter."""
+
+    def __init__(self) -> None:
+        self.mask: Optional[torch.Tensor] = None
+
+
+class LoRALayer:
+    """The adapter slots of one linear layer, applied by __call__ as the layer's forward hook."""
+
+    def __init__(self, layer: LinearBase, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
+                 device) -> None:
+        self.batch = batch
+        self.part_sizes = list(layer.shard_sizes)
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.rank = max_rank
+        P = len(self.part_sizes)
+        self.a = torch.zeros(max_loras, P, max_rank, layer.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(layer.out_features, max_loras, P, max_rank, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put one adapter's parts in `slot` (parts it does not have stay zero)."""
+        self.a[slot].zero_()
+        self.b[:, slot].zero_()
+        offset = 0
+        for part, size in enumerate(self.part_sizes):
+            if part in weights:
+                a, b = weights[part]
+                r = a.shape[0]
+                self.a[slot, part, :r].copy_(a)
+                self.b[offset:offset + size, slot, part, :r].copy_(b)
+            offset += size
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
+        mask = self.batch.mask
+        if mask is None:
+            return None  # the layer's output as it is
+        x = args[0]
+        T, n = mask.shape
+        cols = n * self.a.shape[1] * self.rank
+        shrunk = x @ self.a[:n].view(cols, self.in_features).T                     # [T, n * P * R]
+        shrunk = (shrunk.view(T, n, -1) * mask[:, :, None]).view(T, cols)          # only the token's slot
+        return torch.addmm(output, shrunk, self.b[:, :n].reshape(self.out_features, cols).T)
+
+
+def attach(model: torch.nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
+           device) -> dict[str, LoRALayer]:
+    """A LoRALayer hooked on every targetable linear layer of the model, by module path (this stage's
+    `layers.<i>...` names, as the model's checkpoint_target gives them)."""
+    layers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in LAYER_PARTS and name.startswith("layers."):
+            layers[name] = LoRALayer(module, batch, max_loras, max_rank, dtype, device)
+            module.register_forward_hook(layers[name])
+    return layers
+
+
+def load_adapter(path: str, config: AdapterConfig, model: torch.nn.Module, layers: dict[str, LoRALayer],
+                 dtype: torch.dtype) -> AdapterWeights:
+    """A PEFT adapter's tensors (adapter_model.safetensors) by LoRA layer and part, B scaled. Tensors of another
+    pipeline stage's layers are skipped; any other tensor is an error naming it."""
+    tensors = load_file(f"{path}/{WEIGHTS_FILE}")
+    found: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix("base_model.model.")
+        module, kind = _split_key(name, key)
+        target = model.checkpoint_target(module + ".weight")
+        if target is None:
+            continue
+        layer_path = target[0].removesuffix(".weight")
+        if layer_path not in layers:
+            raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} targets a module LoRA does not run on")
+        found.setdefault((layer_path, target[1]), {})[kind] = tensor
+    weights: AdapterWeights = {}
+    for (layer_path, part), ab in found.items():
+        layer = layers[layer_path]
+        a, b = ab.get("lora_A"), ab.get("lora_B")
+        if a is None or b is None:
+            raise ValueError(f"LoRA adapter {path!r}: {layer_path} part {part} lacks its lora_A or lora_B")
+        r = a.shape[0]
+        if (tuple(a.shape) != (r, layer.in_features) or tuple(b.shape) != (layer.part_sizes[part], r)
+                or r > layer.rank):
+            raise ValueError(f"LoRA adapter {path!r}: {layer_path} part {part} has A {tuple(a.shape)} and B "
+                             f"{tuple(b.shape)}, which do not fit the layer (rank at most {layer.rank})")
+        weights.setdefault(layer_path, {})[part] = (a.to(dtype), (b.double() * config.scaling).to(dtype))
+    return weights
+
+
+def _split_key(name: str, key: str) -> tuple[str, str]:
+    for kind in ("lora_A", "lora_B"):
+        marker = f".{kind}."
+        if marker in name and name.endswith(".weight"):
+            return name.split(marker)[0], kind
+    raise ValueError(f"LoRA adapter tensor {key!r} is neither a lora_A nor a lora_B weight")
