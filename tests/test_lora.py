@@ -189,3 +189,52 @@ def test_lora_request_needs_enable_lora(adapters):
     llm = LLM(base, dtype="float32", kv_cache_memory_bytes=16 << 20)
     with pytest.raises(ValueError, match="enable_lora=True"):
         _generate(llm, [[5, 6, 7]], reqs["attn"])
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapters):
+    from server_utils import API_KEY, ServerProc
+
+    base, reqs = adapters
+    server = ServerProc(base, "--served-model-name", "base", "--enable-lora", "--max-loras", "2",
+                        "--max-lora-rank", "16", "--lora-modules", f"attn={reqs['attn'].lora_path}", api_key=API_KEY)
+    yield server
+    server.stop()
+
+
+def _complete(http, model: str, prompt: list[int]):
+    return http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                              "temperature": 0.0, "ignore_eos": True})
+
+
+def test_http_serves_adapters_by_model_name_and_loads_them_at_run_time(adapters, alone, lora_server, tmp_path):
+    import httpx
+
+    _, reqs = adapters
+    prompt = _prompts()[2]
+    with httpx.Client(base_url=lora_server.url, headers=lora_server.headers, timeout=60) as http:
+        models = {m["id"]: m["parent"] for m in http.get("/v1/models").json()["data"]}
+        assert models == {"base": None, "attn": "base"}
+        for name in ("base", "attn"):
+            r = _complete(http, name, prompt)
+            assert r.status_code == 200 and r.json()["model"] == name
+            assert r.json()["choices"][0]["text"] == alone[name][2].outputs[0].text
+        assert _complete(http, "mlp", prompt).status_code == 404
+
+        load = {"lora_name": "mlp", "lora_path": reqs["mlp"].lora_path}
+        assert httpx.post(lora_server.url + "/v1/load_lora_adapter", json=load).status_code == 401  # no key
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 200
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 400  # the name is taken
+        assert _complete(http, "mlp", prompt).json()["choices"][0]["text"] == alone["mlp"][2].outputs[0].text
+        assert {m["id"] for m in http.get("/v1/models").json()["data"]} == {"base", "attn", "mlp"}
+
+        for bad in ("/etc/passwd", str(tmp_path), reqs["mlp"].lora_path + "/adapter_config.json"):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", r.text
+
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"}).status_code == 200
+        assert _complete(http, "mlp", prompt).status_code == 404
+        r = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert http.post("/v1/load_lora_adapter", json=load).status_code == 200  # again, as a new load
+        assert _complete(http, "mlp", prompt).json()["choices"][0]["text"] == alone["mlp"][2].outputs[0].text
