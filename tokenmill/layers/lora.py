@@ -1,14 +1,15 @@
 """LoRA adapters on the linear layers, several in one batch.
 
 Each targeted linear layer (the merged q|k|v and gate|up, o, down) gets a `LoRALayer`: the adapters' A and B
-matrices stacked in slots, A `[max_loras, P, R, in]` and B `[out, max_loras, P, R]` (P: the layer's merged
-parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero padding; the
-adapter's scaling is folded into B). It runs as a forward hook, after the layer's own quant_method, so it
-works over any quantization: y += ((x A^T) * mask) B^T, where mask `[T, n, 1]` keeps for each token only
-the columns of its adapter's slot among the step's first n slots (a base-model token keeps none). That is
-two dense matmuls per layer for the whole batch, whatever mixes of adapters it holds: no loop over requests
-or slots. The price is computing every used slot for every token (n x P x R extra columns), small next to
-the layer itself while max_loras x R stays well under its width; a step with no adapter row costs nothing.
+matrices stacked in slots, A `[max_loras, P, R, in]` and per part p B_p `[out_p, max_loras, R]` (P: the
+layer's merged parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero
+padding; the adapter's scaling is folded into B). It runs as a forward hook, after the layer's own
+quant_method, so it works over any quantization: h = (x A^T) * mask, then y_p += h_p B_p^T for each part,
+where mask `[T, n]` keeps for each token only the columns of its adapter's slot among the step's first n slots
+(a base-model token keeps none). That is one shrink matmul and one expand per part for the whole batch,
+whatever mix of adapters it holds: no loop over requests or slots. The price is computing every used slot for
+every token (n x R extra columns per part), small next to the layer itself while max_loras x R stays well
+under its width; a step with no adapter row costs nothing.
 
 `LoRABatch` is the step's mask, shared by every LoRA layer of a model; the worker's LoRA manager
 (worker/lora_manager.py) fills the slots and sets the mask before each forward pass.
@@ -48,22 +49,18 @@ class LoRALayer:
         self.part_sizes = list(layer.shard_sizes)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.rank = max_rank
-        P = len(self.part_sizes)
-        self.a = torch.zeros(max_loras, P, max_rank, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(layer.out_features, max_loras, P, max_rank, dtype=dtype, device=device)
+        self.a = torch.zeros(max_loras, len(self.part_sizes), max_rank, layer.in_features, dtype=dtype, device=device)
+        self.b = [torch.zeros(size, max_loras, max_rank, dtype=dtype, device=device) for size in self.part_sizes]
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put one adapter's parts in `slot` (parts it does not have stay zero)."""
         self.a[slot].zero_()
-        self.b[:, slot].zero_()
-        offset = 0
-        for part, size in enumerate(self.part_sizes):
+        for part, b in enumerate(self.b):
+            b[:, slot].zero_()
             if part in weights:
-                a, b = weights[part]
-                r = a.shape[0]
-                self.a[slot, part, :r].copy_(a)
-                self.b[offset:offset + size, slot, part, :r].copy_(b)
-            offset += size
+                r = weights[part][0].shape[0]
+                self.a[slot, part, :r].copy_(weights[part][0])
+                b[:, slot, :r].copy_(weights[part][1])
 
     def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
         mask = self.batch.mask
@@ -71,10 +68,17 @@ class LoRALayer:
             return None  # the layer's output as it is
         x = args[0]
         T, n = mask.shape
-        cols = n * self.a.shape[1] * self.rank
-        shrunk = x @ self.a[:n].view(cols, self.in_features).T                     # [T, n * P * R]
-        shrunk = (shrunk.view(T, n, -1) * mask[:, :, None]).view(T, cols)          # only the token's slot
-        return torch.addmm(output, shrunk, self.b[:, :n].reshape(self.out_features, cols).T)
+        P, R = len(self.b), self.rank
+        shrunk = x @ self.a[:n].view(n * P * R, self.in_features).T                # [T, n * P * R]
+        shrunk = shrunk.view(T, n, P, R) * mask[:, :, None, None]                  # only the token's slot
+        if P == 1:
+            return torch.addmm(output, shrunk.view(T, n * R), self.b[0][:, :n].reshape(-1, n * R).T)
+        offset = 0
+        for part, b in enumerate(self.b):  # each merged part (q, k, v) from its own B
+            size = b.shape[0]
+            output[:, offset:offset + size] += shrunk[:, :, part].reshape(T, n * R) @ b[:, :n].reshape(size, n * R).T
+            offset += size
+        return output
 
 
 def attach(model: torch.nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,

@@ -28,6 +28,7 @@ class LoRAManager:
         self.slots: list[Optional[int]] = [None] * config.max_loras   # slot -> lora_int_id it holds
         self.last_used = [0] * config.max_loras
         self.num_steps = 0
+        self._told_stack = device != "cpu"  # the CPU decoder stack's fallback is logged once
 
     def prepare(self, loras: Sequence[Optional[LoRARequest]], qlens: np.ndarray) -> bool:
         """Put the step's adapters (one per request, None for the base model; qlens: each request's tokens) in
@@ -51,6 +52,10 @@ class LoRAManager:
         hit = np.nonzero(rows >= 0)[0]
         mask[hit, rows[hit]] = 1.0
         self.batch.mask = torch.from_numpy(mask).to(self.device, self.dtype)
+        if not self._told_stack:
+            self._told_stack = True
+            logger.info("LoRA: steps with adapter rows run layer by layer (the one-call CPU decoder stack has no "
+                        "adapters); steps of the base model alone keep it")
         return True
 
     def _slot(self, lr: LoRARequest, needed: dict) -> int:
