@@ -184,6 +184,22 @@ def test_adapter_paths_are_checked(tmp_path):
         read_adapter_config(str(tmp_path))
 
 
+def test_adapter_whose_weights_do_not_fit_fails_alone(adapters, alone, tmp_path):
+    """Its config passes the front's checks; its tensors fail in the worker: that request errors, the rest run."""
+    from safetensors.torch import save_file
+
+    base, _ = adapters
+    path = _folder(tmp_path, r=4)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{key}.lora_A.weight": torch.randn(4, 63), f"{key}.lora_B.weight": torch.randn(64, 4)},
+              os.path.join(path, "adapter_model.safetensors"))
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    outs = _generate(llm, _prompts()[:1] * 2, [None, LoRARequest("bad", 9, path)])
+    assert outs[1].outputs[0].finish_reason == "error"
+    _assert_same(outs[:1], alone["base"][:1])
+    assert llm.engine.scheduler.kv.is_whole()
+
+
 def test_lora_request_needs_enable_lora(adapters):
     base, reqs = adapters
     llm = LLM(base, dtype="float32", kv_cache_memory_bytes=16 << 20)
@@ -238,3 +254,25 @@ def test_http_serves_adapters_by_model_name_and_loads_them_at_run_time(adapters,
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert http.post("/v1/load_lora_adapter", json=load).status_code == 200  # again, as a new load
         assert _complete(http, "mlp", prompt).json()["choices"][0]["text"] == alone["mlp"][2].outputs[0].text
+
+
+def test_waiting_adapter_is_not_starved(adapters):
+    """--max-loras 1: with `attn` running, an `mlp` request waits, and a later `attn` request waits behind it (so
+    `attn` drains and `mlp` gets the slot); a base-model request, which needs no slot, goes ahead."""
+    from tokenmill.messages import EngineCoreRequest
+
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=16, kv_cache_memory_bytes=16 << 20)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    order = [("a1", reqs["attn"]), ("m1", reqs["mlp"]), ("a2", reqs["attn"]), ("b1", None)]
+    for rid, lora in order:
+        llm.engine.add_request(EngineCoreRequest(rid, [5, 6, 7], sp, lora_request=lora))
+    sched = llm.engine.scheduler
+    llm.engine.step()
+    assert [r.request_id for r in sched.running] == ["a1", "b1"]
+    assert [r.request_id for r in sched.waiting] == ["m1", "a2"]
+    started = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        started += [r.request_id for r in sched.running if r.request_id not in started]
+    assert started.index("m1") < started.index("a2")

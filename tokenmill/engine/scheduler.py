@@ -292,14 +292,16 @@ class Scheduler:
     def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str]) -> None:
         """Then waiting requests in arrival order, their prefix-cache (and lower-tier) hit counted as computed.
         A request whose adapter would be one more than --max-loras among the running ones keeps its place and
-        waits (the worker has max_loras adapter slots; the running requests' adapters hold them)."""
+        waits (the worker has max_loras adapter slots; the running requests' adapters hold them). Later
+        requests for adapters wait behind it too, so that the running adapters drain and it gets a slot rather
+        than starve; base-model requests, which hold no slot, go ahead."""
         loras = {r.lora_int_id for r in self.running} - {0}
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if suspect is not None and (req.request_id != suspect or chosen):
                 break
-            if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+            if req.lora_int_id and (skipped or (req.lora_int_id not in loras and len(loras) >= self.max_loras)):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit = self.kv.get_computed_blocks(req)
