@@ -7,11 +7,11 @@ adapters' rank. The same requests (--requests prompts of --prompt-len random tok
 tokens each) run offline:
 - base: an engine without --enable-lora, no adapter (the baseline);
 - mixed <set>: an engine with --enable-lora --max-loras 4, request i on adapter i % 4;
-- lora engine, base requests: the first LoRA engine with no adapter in the batch (what LoRA costs unused).
-Runs alternate between the engines, --rounds times, and each ratio is the median of the rounds' ratios:
-the machine is shared, so single runs are noisy. Besides tokens per second of wall time, each run's tokens per
-CPU second of this process (all its threads) are reported: on a shared machine that ratio moves much less, since
-time the cores spend on other processes is not counted. Prints a JSON result and one summary line.
+- lora engine, base requests: a LoRA engine with no adapter in the batch (what LoRA costs unused).
+The engines run the same work step by step in turn (one step of each, then the next), so a neighbour's load
+lands on all of them alike; a round's ratio is the base engine's summed step time over the other's, i.e. their
+throughput ratio, and each ratio reported is the median over --rounds rounds. The machine is shared: even so the
+ratios move by several percent between runs. Prints a JSON result and one summary line.
 """
 from __future__ import annotations
 
@@ -69,13 +69,27 @@ def build_adapter(root: str, base: str, index: int, targets: tuple[str, ...], ra
     return path
 
 
-def run(llm, prompts, params, loras) -> tuple[float, float]:
-    """Generated tokens per second of wall time and per CPU second of this process, of one offline run."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / seconds, tokens / cpu
+def interleaved(engines: dict, prompts: list[list[int]], params) -> dict[str, float]:
+    """Each engine's summed step seconds for the same requests, one step of each engine in turn (the order
+    rotating every step), until all are done. engines: name -> (LLM, adapter per prompt or None)."""
+    from tokenmill.messages import EngineCoreRequest
+
+    for name, (llm, loras) in engines.items():
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(EngineCoreRequest(f"{name}-{i}", p, params,
+                                                     lora_request=loras[i] if loras else None))
+    seconds = dict.fromkeys(engines, 0.0)
+    names = list(engines)
+    turn = 0
+    while any(engines[n][0].engine.has_unfinished_requests() for n in names):
+        turn += 1
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            engine = engines[name][0].engine
+            if engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                engine.step()
+                seconds[name] += time.perf_counter() - t0
+    return seconds
 
 
 def main() -> None:
@@ -102,21 +116,22 @@ def main() -> None:
                  for i in range(NUM_ADAPTERS)]
         llm = LLM(base, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=rank, **common)
         engines[f"mixed {name}"] = (llm, [loras[i % NUM_ADAPTERS] for i in range(args.requests)])
-    engines["lora engine, base requests"] = (engines[f"mixed {next(iter(SETS))}"][0], None)
-    for llm, loras in engines.values():  # warm-up: kernels, matmul plans, adapter loads
-        run(llm, prompts[:NUM_ADAPTERS], params, loras[:NUM_ADAPTERS] if loras else None)
-    rounds = [{name: run(llm, prompts, params, loras) for name, (llm, loras) in engines.items()}
-              for _ in range(args.rounds)]
-    ratios = {name: [round(statistics.median(r[name][k] / r["base"][k] for r in rounds), 3) for k in (0, 1)]
-              for name in engines if name != "base"}
+    # an engine of its own: engines stepped in turn must not share requests
+    engines["lora engine, base requests"] = (LLM(base, enable_lora=True, max_loras=NUM_ADAPTERS, **common), None)
+    interleaved(engines, prompts[:NUM_ADAPTERS], params)  # warm-up: kernels, matmul plans, adapter loads
+    rounds = [interleaved(engines, prompts, params) for _ in range(args.rounds)]
+    tokens = args.requests * args.max_tokens
+    ratios = {name: round(statistics.median(r["base"] / r[name] for r in rounds), 3) for name in engines
+              if name != "base"}
     result = {"model": f"random llama hidden 576 x {args.layers} layers, float32", "adapters": NUM_ADAPTERS,
               "requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-              "threads": torch.get_num_threads(), "tokens_per_s_wall_and_cpu": rounds,
-              "vs_base_wall_and_cpu": ratios}
+              "threads": torch.get_num_threads(),
+              "tokens_per_s": [{name: round(tokens / sec, 1) for name, sec in r.items()} for r in rounds],
+              "throughput_vs_base": ratios}
     print(json.dumps(result, indent=1))
-    print(f"LoRA, {NUM_ADAPTERS} adapters mixed vs the base model alone (throughput, median of {args.rounds} "
-          "interleaved rounds, a shared machine: noisy; per wall / per CPU second): "
-          + ", ".join(f"{name} {wall:.2f}x / {cpu:.2f}x" for name, (wall, cpu) in ratios.items()))
+    print(f"LoRA, {NUM_ADAPTERS} adapters mixed vs the base model alone (throughput, median of {args.rounds} rounds "
+          "of step-interleaved runs; a shared machine: noisy): "
+          + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()))
 
 
 if __name__ == "__main__":

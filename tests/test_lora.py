@@ -120,6 +120,35 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(adapters, alone):
         _assert_same([out], [alone[name][i]])
 
 
+def test_cpu_decoder_stack_applies_adapters(adapters, alone, monkeypatch):
+    """Decode steps with adapter rows run in the one-call C stack (each token its own slot's A and B), agreeing
+    with the layer-by-layer masked matmuls."""
+    from tokenmill.models.cpu_stack import CpuStack
+
+    taken = []
+    run = CpuStack.run
+
+    def spy(self, input_ids, meta):
+        out = run(self, input_ids, meta)
+        taken.append((meta.adapters, out is not None))
+        return out
+
+    monkeypatch.setattr(CpuStack, "run", spy)
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16)
+    jobs, loras = _mixed(reqs)
+    prompts = [p for _, _, p in jobs]
+    outs = _generate(llm, prompts, loras)
+    assert (True, True) in taken, "no adapter step ran in the C stack"
+    for (name, i, _), out in zip(jobs, outs):
+        _assert_same([out], [alone[name][i]])
+    model = llm.engine.executor.worker.model
+    monkeypatch.setattr(model, "use_cpu_stack", False)
+    taken.clear()
+    _assert_same(_generate(llm, prompts, loras), outs)
+    assert not taken
+
+
 def test_fewer_slots_than_adapters_in_flight(adapters, alone, monkeypatch):
     """--max-loras 2 and --max-cpu-loras 2 with three adapters: requests wait for a slot (never more than two
     adapters in a step), adapters are dropped from host memory and loaded again, and every output is right."""
@@ -198,6 +227,22 @@ def test_adapter_whose_weights_do_not_fit_fails_alone(adapters, alone, tmp_path)
     assert outs[1].outputs[0].finish_reason == "error"
     _assert_same(outs[:1], alone["base"][:1])
     assert llm.engine.scheduler.kv.is_whole()
+
+
+def test_lora_settings_are_checked():
+    from tokenmill.config import EngineConfig
+    from tokenmill.serve.lora import LoRAAdapters, parse_lora_modules
+
+    assert EngineConfig.from_kwargs(model="m", max_loras=3).lora is None  # without enable_lora
+    config = EngineConfig.from_kwargs(model="m", enable_lora=True, max_loras=3).lora
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (3, 16, 3)
+    with pytest.raises(ValueError, match=r"--max-cpu-loras \(1\) must be at least --max-loras \(2\)"):
+        EngineConfig.from_kwargs(model="m", enable_lora=True, max_loras=2, max_cpu_loras=1)
+    assert parse_lora_modules(["a=/x", "b=/y=z"]) == [("a", "/x"), ("b", "/y=z")]
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_modules(["/x"])
+    with pytest.raises(Exception, match="--enable-lora"):
+        LoRAAdapters(None, "base").load("a", "/x")
 
 
 def test_lora_request_needs_enable_lora(adapters):

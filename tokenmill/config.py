@@ -617,6 +617,9 @@ class EngineConfig:
                              "or pipeline parallel")
         if self.model.pooler is not None:
             raise ValueError("--enable-lora applies to generation, not to --task embed")
+        if self.batch_invariant:
+            raise ValueError("--batch-invariant does not cover LoRA adapters yet (their matmuls run through torch); "
+                             "drop one of the two")
         if self.speculative is not None and self.speculative.method != "ngram":
             raise ValueError(f"--enable-lora with a {self.speculative.method} drafter is not supported yet (the "
                              "drafter would not know the adapter); n-gram speculation works with it")

@@ -83,9 +83,10 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: Optional[str] = None, continue_final_message: bool = False,
-             tools: Optional[list] = None, **template_kwargs: Any) -> list[RequestOutput]:
+             tools: Optional[list] = None, lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Generate for one conversation or a list of them, each rendered with the chat template
-        (tokenmill.chat_template; `template_kwargs` become template variables)."""
+        (tokenmill.chat_template; `template_kwargs` become template variables); lora_request as in generate."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -96,7 +97,7 @@ class LLM:
                  for conv in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
                    for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Union[EmbedInput, Sequence[EmbedInput]], truncate_prompt_tokens: Optional[int] = None,
               dimensions: Optional[int] = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:

@@ -33,11 +33,13 @@ AdapterWeights = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
 class LoRABatch:
-    """The step's adapter rows: mask [T, n] (token t runs slot j: 1 at [t, j]; a base-model row is all zero),
-    or None when no token of the step runs an adapter."""
+    """The step's adapter rows: mask [T, n] (token t runs slot j: 1 at [t, j]; a base-model row is all zero)
+    and slots [T] int32 (the slot, -1 for the base model; what the CPU decoder stack reads), both None when no
+    token of the step runs an adapter."""
 
     def __init__(self) -> None:
         self.mask: Optional[torch.Tensor] = None
+        self.slots: Optional[torch.Tensor] = None
 
 
 class LoRALayer:

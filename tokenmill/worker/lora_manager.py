@@ -28,14 +28,14 @@ class LoRAManager:
         self.slots: list[Optional[int]] = [None] * config.max_loras   # slot -> lora_int_id it holds
         self.last_used = [0] * config.max_loras
         self.num_steps = 0
-        self._told_stack = device != "cpu"  # the CPU decoder stack's fallback is logged once
+        self._told_stack = device != "cpu" or dtype == torch.float32  # the CPU stack's fallback, logged once
 
     def prepare(self, loras: Sequence[Optional[LoRARequest]], qlens: np.ndarray) -> bool:
         """Put the step's adapters (one per request, None for the base model; qlens: each request's tokens) in
         slots and set the step's token -> slot mask. Returns whether any token runs an adapter."""
         self.num_steps += 1
         if not any(loras):
-            self.batch.mask = None
+            self.batch.mask = self.batch.slots = None
             return False
         needed = {lr.lora_int_id: lr for lr in loras if lr is not None}
         if len(needed) > len(self.slots):
@@ -52,10 +52,11 @@ class LoRAManager:
         hit = np.nonzero(rows >= 0)[0]
         mask[hit, rows[hit]] = 1.0
         self.batch.mask = torch.from_numpy(mask).to(self.device, self.dtype)
+        self.batch.slots = torch.from_numpy(rows.astype(np.int32)).to(self.device)
         if not self._told_stack:
             self._told_stack = True
-            logger.info("LoRA: steps with adapter rows run layer by layer (the one-call CPU decoder stack has no "
-                        "adapters); steps of the base model alone keep it")
+            logger.info("LoRA on a %s model: steps with adapter rows run layer by layer (the one-call CPU decoder "
+                        "stack applies float32 adapters only)", self.dtype)
         return True
 
     def _slot(self, lr: LoRARequest, needed: dict) -> int:
