@@ -44,8 +44,9 @@ enum { LINEAR_PANEL = 0, LINEAR_INT8 = 1, LINEAR_BLOCKS = 2 };
 
 typedef struct {
     const float *a;         /* [max_loras, parts, rank, K] */
-    const float *b[3];      /* per merged part: [part_n, max_loras, rank], scaling folded in */
+    const float *b[3];      /* per merged part: [max_loras, rank, part_n], scaling folded in */
     int64_t part_n[3];
+    const uint8_t *present; /* [max_loras, parts]: the slot's adapter has this part (else its A, B are zero) */
     int32_t parts, rank, max_loras;
 } lora_t;
 
@@ -97,31 +98,52 @@ static void linear_f32(const linear_t *l, const float *x, float *y, int64_t M, i
         ((linear_fn)l->fn)(x, l->w, l->bias, y, M, l->N, l->K, nt);
 }
 
-/* y[t] += (x[t] A_s^T) B_s^T for each token t with slot s >= 0, each merged part from its own B */
+/* h[0..R) = rows of a [R, K] dotted with x, four rows at a time (independent sums) */
+static void shrink_rows(const float *x, const float *a, float *h, int64_t R, int64_t K) {
+    int64_t i = 0;
+    for (; i + 4 <= R; i += 4) {
+        const float *a0 = a + i * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t k = 0; k < K; k++) s0 += x[k] * a0[k], s1 += x[k] * a1[k], s2 += x[k] * a2[k], s3 += x[k] * a3[k];
+        h[i] = s0, h[i + 1] = s1, h[i + 2] = s2, h[i + 3] = s3;
+    }
+    for (; i < R; i++) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; k++) acc += x[k] * a[i * K + k];
+        h[i] = acc;
+    }
+}
+
+/* y[t] += (x[t] A_s^T) B_s^T for each token t with slot s >= 0, each merged part from its own B (parts the
+ * slot's adapter lacks are skipped). Tokens run grouped by slot, so a slot's A and B stay in cache from one of
+ * its tokens to the next (all slots' weights of all layers are far more than the cache); they are handed out
+ * dynamically: a descheduled thread holds up one token's work, not half of it. */
 static void lora_add(const lora_t *L, const float *x, float *y, int64_t M, int64_t K, int64_t N,
                      const int32_t *slot, int nt) {
-    const int64_t PR = (int64_t)L->parts * L->rank, R = L->rank, ML = L->max_loras;
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < M; t++) {
-        const int64_t s = slot[t];
-        if (s < 0) continue;
-        float h[PR];
-        const float *xt = x + t * K, *a = L->a + s * PR * K;
-        for (int64_t i = 0; i < PR; i++) {
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < K; k++) acc += xt[k] * a[i * K + k];
-            h[i] = acc;
-        }
+    const int64_t P = L->parts, R = L->rank, ML = L->max_loras;
+    int64_t next[ML + 1], order[M > 0 ? M : 1], n_rows = 0; /* adapter tokens, slot by slot (counting sort) */
+    memset(next, 0, sizeof next);
+    for (int64_t t = 0; t < M; t++) next[slot[t] + 1] += slot[t] >= 0;
+    for (int64_t s = 0; s < ML; s++) next[s + 1] += next[s];
+    for (int64_t t = 0; t < M; t++)
+        if (slot[t] >= 0) order[next[slot[t]]++] = t, n_rows++;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t t = order[i], s = slot[t];
+        float h[R];
         float *yt = y + t * N;
-        for (int32_t p = 0; p < L->parts; p++) {
-            for (int64_t j = 0; j < L->part_n[p]; j++) {
-                const float *b = L->b[p] + (j * ML + s) * R;
-                float acc = 0.f;
-                for (int64_t r = 0; r < R; r++) acc += h[p * R + r] * b[r];
-                yt[j] += acc;
+        for (int64_t p = 0; p < P; yt += L->part_n[p], p++) {
+            if (!L->present[s * P + p]) continue;
+            shrink_rows(x + t * K, L->a + (s * P + p) * R * K, h, R, K);
+            const int64_t n = L->part_n[p];
+            const float *b = L->b[p] + s * R * n;
+            for (int64_t r = 0; r < R; r++) {
+                const float hr = h[r], *br = b + r * n;
+#pragma omp simd
+                for (int64_t j = 0; j < n; j++) yt[j] += hr * br[j];
             }
-            yt += L->part_n[p];
         }
     }
 }

@@ -1,9 +1,10 @@
 """LoRA adapters on the linear layers, several in one batch.
 
 Each targeted linear layer (the merged q|k|v and gate|up, o, down) gets a `LoRALayer`: the adapters' A and B
-matrices stacked in slots, A `[max_loras, P, R, in]` and per part p B_p `[out_p, max_loras, R]` (P: the
+matrices stacked in slots, A `[max_loras, P, R, in]` and per part p B_p `[max_loras, R, out_p]` (P: the
 layer's merged parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero
-padding; the adapter's scaling is folded into B). It runs as a forward hook, after the layer's own
+padding; the adapter's scaling is folded into B; `present[slot][p]` says which parts a slot's adapter has, so a
+layer none of the step's adapters targets costs nothing). It runs as a forward hook, after the layer's own
 quant_method, so it works over any quantization: h = (x A^T) * mask, then y_p += h_p B_p^T for each part,
 where mask `[T, n]` keeps for each token only the columns of its adapter's slot among the step's first n slots
 (a base-model token keeps none). That is one shrink matmul and one expand per part for the whole batch,
@@ -52,21 +53,23 @@ class LoRALayer:
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.rank = max_rank
         self.a = torch.zeros(max_loras, len(self.part_sizes), max_rank, layer.in_features, dtype=dtype, device=device)
-        self.b = [torch.zeros(size, max_loras, max_rank, dtype=dtype, device=device) for size in self.part_sizes]
+        self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in self.part_sizes]
+        self.present = torch.zeros(max_loras, len(self.part_sizes), dtype=torch.uint8)  # host: the C stack reads it
 
     def set_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Put one adapter's parts in `slot` (parts it does not have stay zero)."""
         self.a[slot].zero_()
         for part, b in enumerate(self.b):
-            b[:, slot].zero_()
+            b[slot].zero_()
+            self.present[slot, part] = part in weights
             if part in weights:
                 r = weights[part][0].shape[0]
                 self.a[slot, part, :r].copy_(weights[part][0])
-                b[:, slot, :r].copy_(weights[part][1])
+                b[slot, :r].copy_(weights[part][1].T)
 
     def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> Optional[torch.Tensor]:
         mask = self.batch.mask
-        if mask is None:
+        if mask is None or not self.present[:mask.shape[1]].any():
             return None  # the layer's output as it is
         x = args[0]
         T, n = mask.shape
@@ -74,11 +77,11 @@ class LoRALayer:
         shrunk = x @ self.a[:n].view(n * P * R, self.in_features).T                # [T, n * P * R]
         shrunk = shrunk.view(T, n, P, R) * mask[:, :, None, None]                  # only the token's slot
         if P == 1:
-            return torch.addmm(output, shrunk.view(T, n * R), self.b[0][:, :n].reshape(-1, n * R).T)
+            return torch.addmm(output, shrunk.view(T, n * R), self.b[0][:n].view(n * R, -1))
         offset = 0
         for part, b in enumerate(self.b):  # each merged part (q, k, v) from its own B
-            size = b.shape[0]
-            output[:, offset:offset + size] += shrunk[:, :, part].reshape(T, n * R) @ b[:, :n].reshape(size, n * R).T
+            size = b.shape[2]
+            output[:, offset:offset + size] += shrunk[:, :, part].reshape(T, n * R) @ b[:n].view(n * R, size)
             offset += size
         return output
 

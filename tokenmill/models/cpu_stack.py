@@ -48,8 +48,8 @@ LINEAR_PANEL, LINEAR_INT8, LINEAR_BLOCKS = 0, 1, 2  # decoder_stack.c's linear k
 
 
 class _LoRA(ctypes.Structure):
-    _fields_ = [("a", vp), ("b", vp * 3), ("part_n", i64 * 3), ("parts", ctypes.c_int32), ("rank", ctypes.c_int32),
-                ("max_loras", ctypes.c_int32)]
+    _fields_ = [("a", vp), ("b", vp * 3), ("part_n", i64 * 3), ("present", vp), ("parts", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("max_loras", ctypes.c_int32)]
 
 
 class _Linear(ctypes.Structure):
@@ -159,7 +159,7 @@ class CpuStack:
             return None
         parts = len(lora.b)
         desc = _LoRA(lora.a.data_ptr(), (vp * 3)(*[b.data_ptr() for b in lora.b]),
-                     (i64 * 3)(*lora.part_sizes), parts, lora.rank, lora.a.shape[0])
+                     (i64 * 3)(*lora.part_sizes), lora.present.data_ptr(), parts, lora.rank, lora.a.shape[0])
         self._keep.append(desc)
         return ctypes.addressof(desc)
 
