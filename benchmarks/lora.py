@@ -50,7 +50,8 @@ def build_adapter(root: str, base: str, index: int, targets: tuple[str, ...], ra
     hd = cfg.hidden_size // cfg.num_attention_heads
     shapes = {"q_proj": (cfg.hidden_size, cfg.hidden_size), "k_proj": (cfg.hidden_size, cfg.num_key_value_heads * hd),
               "v_proj": (cfg.hidden_size, cfg.num_key_value_heads * hd), "o_proj": (cfg.hidden_size, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
     g = torch.Generator().manual_seed(100 + index)
     tensors = {}

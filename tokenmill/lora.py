@@ -74,7 +74,8 @@ def _check_supported(cfg: dict, where: str) -> None:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported, only LORA")
     refused = [("use_dora", "DoRA adapters"), ("modules_to_save", "modules_to_save (fully trained extra modules)"),
-               ("rank_pattern", "per-module ranks (rank_pattern)"), ("alpha_pattern", "per-module alphas (alpha_pattern)"),
+               ("rank_pattern", "per-module ranks (rank_pattern)"),
+               ("alpha_pattern", "per-module alphas (alpha_pattern)"),
                ("fan_in_fan_out", "fan_in_fan_out weights")]
     for key, what in refused:
         if cfg.get(key):

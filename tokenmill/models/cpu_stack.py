@@ -15,8 +15,8 @@ A linear layer with LoRA adapters (layers/lora.py, float32 models) hands the C s
 adapter rows add their own slot's x A^T B^T there (`lora_slot` per token); a bfloat16 model's adapter steps
 go layer by layer.
 
-`run` returns None for a step it does not take (a prefill, hooks on the layers, bfloat16 adapter rows, more rows than some layer's
-measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
+`run` returns None for a step it does not take (a prefill, hooks on the layers, bfloat16 adapter rows, more rows
+than some layer's measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
 kernels-report line for it.
 """
 from __future__ import annotations
