@@ -16,8 +16,8 @@ adapter rows add their own slot's x A^T B^T there (`lora_slot` per token); a bfl
 go layer by layer.
 
 `run` returns None for a step it does not take (a prefill, hooks on the layers, bfloat16 adapter rows, more rows
-than some layer's measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
-kernels-report line for it.
+than some layer's measured matmul plan gives the panel kernel); the caller then runs the Python layers.
+`status` is the engine's kernels-report line for it.
 """
 from __future__ import annotations
 
