@@ -281,6 +281,9 @@ def test_http_serves_adapters_by_model_name_and_loads_them_at_run_time(adapters,
             assert r.status_code == 200 and r.json()["model"] == name
             assert r.json()["choices"][0]["text"] == alone[name][2].outputs[0].text
         assert _complete(http, "mlp", prompt).status_code == 404
+        chat = http.post("/v1/chat/completions", json={"model": "attn", "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": "Hello"}]})
+        assert chat.status_code == 200 and chat.json()["model"] == "attn", chat.text
 
         load = {"lora_name": "mlp", "lora_path": reqs["mlp"].lora_path}
         assert httpx.post(lora_server.url + "/v1/load_lora_adapter", json=load).status_code == 401  # no key
