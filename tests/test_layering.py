@@ -32,7 +32,7 @@ LAYERS = [
     ("worker parts", ["spec_decode", "kv_transfer"]),
     ("models", ["models"]),
     ("layers", ["layers"]),
-    ("contracts", ["messages", "step", "engine.request", "engine.stats", "outputs", "sampling_params"]),
+    ("contracts", ["lora", "messages", "step", "engine.request", "engine.stats", "outputs", "sampling_params"]),
     ("leaves", ["distributed", "perf", "config", "config_snapshot", "startup", "host"]),
 ]
 RANK = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}

@@ -43,6 +43,7 @@ def test_prefix_hashes_chain_over_full_chunks():
     assert len(prefix_hashes(base + "abc", 10)) == 4  # a partial last chunk is not cached
     assert prefix_hashes("y" * 10 + base, 10)[1:] != h1[:4]  # chained: same chunk text, other prefix
     assert prefix_hashes(base, 10, salt="tenant-1") != prefix_hashes(base, 10)
+    assert prefix_hashes(base, 10, model="adapter-1") != prefix_hashes(base, 10, model="base")  # LoRA adapters
 
 
 def test_replica_prefixes_match_leading_chunks_and_evict_lru():

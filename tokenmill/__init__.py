@@ -1,4 +1,5 @@
 """tokenmill: a readable, measurable, fast LLM inference engine."""
+from tokenmill.lora import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -13,4 +14,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

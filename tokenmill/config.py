@@ -358,6 +358,36 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
 
 
+@dataclass
+class LoRAConfig:
+    """--enable-lora: adapters (tokenmill/lora.py) served beside the base model. max_loras: adapters one step may
+    run (the worker's slots); max_cpu_loras: adapters the worker keeps loaded in host memory (LRU, at least
+    max_loras); max_lora_rank: the largest rank an adapter may have (every slot is that wide)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    @classmethod
+    def parse(cls, kw: dict) -> Optional["LoRAConfig"]:
+        """Pops the LoRA keys from engine kwargs; None unless enable_lora."""
+        values = {k: kw.pop(k) for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if k in kw}
+        if not kw.pop("enable_lora", False):
+            return None
+        config = cls(**{k: v for k, v in values.items() if v is not None})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be at least 1, got {self.max_loras} and "
+                             f"{self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                             f"({self.max_loras}): the adapters a step runs are kept in host memory too")
+
+
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 
 
@@ -561,6 +591,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: Optional[SpeculativeConfig] = None
     kv_transfer: Optional[KVTransferConfig] = None  # disaggregated prefill/decode (--kv-transfer-config)
+    lora: Optional[LoRAConfig] = None  # --enable-lora
     device: str = "auto"
     log_step_stats: bool = False  # one log line per step: tokens, batch, time, MFU/MBU (tokenmill.plan)
     batch_invariant: bool = False  # a token's logits independent of its step's batch (layers/batch_invariant.py)
@@ -585,7 +616,22 @@ class EngineConfig:
             self.speculative.finalize(self.model, resolver)
         if self.model.pooler is not None:
             self._check_embed()
+        if self.lora is not None:
+            self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora does not support tensor parallel yet; run with a world size of 1 "
+                             "or pipeline parallel")
+        if self.model.pooler is not None:
+            raise ValueError("--enable-lora applies to generation, not to --task embed")
+        if self.batch_invariant:
+            raise ValueError("--batch-invariant does not cover LoRA adapters yet (their matmuls run through torch); "
+                             "drop one of the two")
+        if self.speculative is not None and self.speculative.method != "ngram":
+            raise ValueError(f"--enable-lora with a {self.speculative.method} drafter is not supported yet (the "
+                             "drafter would not know the adapter); n-gram speculation works with it")
 
     def _check_embed(self) -> None:
         """--task embed: what pooling cannot combine with, and what an encoder's whole-prompt steps need."""
@@ -648,6 +694,7 @@ class EngineConfig:
         step_records = bool(kw.pop("step_records", False))
         built["speculative"] = SpeculativeConfig.parse(kw.pop("speculative_config", None))
         built["kv_transfer"] = KVTransferConfig.parse(kw.pop("kv_transfer_config", None))
+        built["lora"] = LoRAConfig.parse(kw)
         if kw:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(kw))}")
         return cls(device=device, log_step_stats=log_step_stats, batch_invariant=batch_invariant,
@@ -656,7 +703,7 @@ class EngineConfig:
     # -- CLI -------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        for add in (_add_model_args, _add_cache_args, _add_quantization_args, _add_runtime_args):
+        for add in (_add_model_args, _add_cache_args, _add_quantization_args, _add_runtime_args, _add_lora_args):
             add(p)
 
     @classmethod
@@ -678,6 +725,8 @@ class EngineConfig:
             step_records=getattr(a, "no_dashboard", None) is False,  # serve's dashboard is on
             speculative_config=getattr(a, "speculative_config", None),
             kv_transfer_config=getattr(a, "kv_transfer_config", None),
+            enable_lora=getattr(a, "enable_lora", False), max_loras=getattr(a, "max_loras", None),
+            max_lora_rank=getattr(a, "max_lora_rank", None), max_cpu_loras=getattr(a, "max_cpu_loras", None),
             tensor_parallel_size=a.tensor_parallel_size, pipeline_parallel_size=a.pipeline_parallel_size,
             enable_expert_parallel=a.enable_expert_parallel,
             distributed_executor_backend=a.distributed_executor_backend, pp_layer_partition=a.pp_layer_partition)
@@ -828,3 +877,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-step-stats", action="store_true",
                    help="log each engine step: tokens, batch size, step time, MFU/MBU against the device's "
                         "figures (see `tokenmill plan`)")
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters beside the base model (--lora-modules, /v1/load_lora_adapter)")
+    g.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank served (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept loaded in host memory, least recently used dropped (default --max-loras)")

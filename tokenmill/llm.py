@@ -11,6 +11,7 @@ from tokenmill.engine.core import EngineCore
 from tokenmill.engine.frontend import PromptType, eos_token_ids, fan_out, load_tokenizer, tokenize_prompt
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
+from tokenmill.lora import LoRARequest, read_adapter_config
 from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,14 +27,18 @@ class LLM:
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._adapters: set[int] = set()  # lora_int_ids whose adapter config was checked
 
     def get_tokenizer(self):
         return self.tokenizer
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
-        """priority: one per prompt, with scheduling_policy='priority' (lower first; vLLM's argument)."""
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """lora_request: the adapter all prompts run, or one per prompt (None: the base model); needs
+        enable_lora=True. priority: one per prompt, with scheduling_policy='priority' (lower first; vLLM's)."""
         if self.config.model.pooler is not None:
             raise ValueError(f"{self.config.model.served_model_name} runs with --task embed: it does not generate "
                              "text; use LLM.embed")
@@ -44,17 +49,31 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
-        return self._run_all(prompts, params, use_tqdm, priority)
+        for lr in set(loras) - {None}:
+            self._check_adapter(lr)
+        return self._run_all(prompts, params, use_tqdm, loras, priority)
 
-    def _run_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams],
-                 use_tqdm: bool, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+    def _check_adapter(self, lr: LoRARequest) -> None:
+        """What the server checks before an adapter is used: LoRA on, the folder a PEFT adapter within limits."""
+        if self.config.lora is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if lr.lora_int_id not in self._adapters:
+            read_adapter_config(lr.lora_path, self.config.lora.max_lora_rank)
+            self._adapters.add(lr.lora_int_id)
+
+    def _run_all(self, prompts: Sequence[PromptType], params: Sequence[SamplingParams], use_tqdm: bool,
+                 loras: Optional[Sequence[Optional[LoRARequest]]] = None,
+                 priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         order: dict[str, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                self._add(rid, prompt, sp, priority[i] if priority is not None else 0)
+                self._add(rid, prompt, sp, loras[i] if loras else None, priority[i] if priority is not None else 0)
                 order[rid] = i
             return self._run(order, use_tqdm)
         except BaseException:
@@ -68,9 +87,10 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: Optional[str] = None, continue_final_message: bool = False,
-             tools: Optional[list] = None, **template_kwargs: Any) -> list[RequestOutput]:
+             tools: Optional[list] = None, lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
+             **template_kwargs: Any) -> list[RequestOutput]:
         """Generate for one conversation or a list of them, each rendered with the chat template
-        (tokenmill.chat_template; `template_kwargs` become template variables)."""
+        (tokenmill.chat_template; `template_kwargs` become template variables); lora_request as in generate."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -81,7 +101,7 @@ class LLM:
                  for conv in conversations]
         prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
                    for text in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Union[EmbedInput, Sequence[EmbedInput]], truncate_prompt_tokens: Optional[int] = None,
               dimensions: Optional[int] = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
@@ -104,12 +124,13 @@ class LLM:
                 for o in outs]
 
     # -- internals --------------------------------------------------------------------------
-    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams, priority: int = 0) -> None:
+    def _add(self, rid: str, prompt: PromptType, sp: SamplingParams, lora: Optional[LoRARequest],
+             priority: int = 0) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
         reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
                        extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"),
-                       priority=priority)
+                       priority=priority, lora_request=lora)
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

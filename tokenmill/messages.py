@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
+from tokenmill.lora import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: Optional[dict[str, Any]] = None
     # --scheduling-policy priority: lower runs first (ties by arrival); must be 0 under fcfs
     priority: int = 0
+    lora_request: Optional[LoRARequest] = None  # the adapter it runs (--enable-lora); None: the base model
 
 
 def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
@@ -128,6 +130,7 @@ class Request:
         self.eos_token_ids = req.eos_token_ids
         self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
+        self.lora_request = req.lora_request
         self.arrival_time = req.arrival_time or time.time()
         self.priority = req.priority
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -151,6 +154,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_output_tokens(self) -> int:

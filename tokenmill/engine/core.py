@@ -75,6 +75,9 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         check_token_ids(req.prompt_token_ids, req.sampling_params, self.vocab_size)
         check_priority(req.priority, self.config.scheduler.scheduling_policy)
+        if req.lora_request is not None and self.config.lora is None:
+            raise ValueError(f"request for LoRA adapter {req.lora_request.lora_name!r}, but this engine runs "
+                             "without --enable-lora")
         self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
         if self.scheduler.connector is not None:  # e.g. kv_transfer_params naming a pull source not allowed
             self.scheduler.connector.check_request(req)

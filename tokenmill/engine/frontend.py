@@ -8,6 +8,7 @@ import os
 from typing import Optional, Union
 
 from tokenmill.config import EngineConfig
+from tokenmill.lora import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.models import resolution_cache
 from tokenmill.sampling_params import SamplingParams
@@ -71,14 +72,16 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[
 def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
             enable_prefix_caching: bool, cache_salt: Optional[str] = None,
             arrival_time: float = 0.0, kv_transfer_params: Optional[dict] = None,
-            priority: int = 0) -> list[EngineCoreRequest]:
+            priority: int = 0, lora_request: Optional[LoRARequest] = None) -> list[EngineCoreRequest]:
     """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
     (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM.
     kv_transfer_params (disaggregated prefill/decode) goes to every one of them, less a prefill instance's
-    first_token_id: one sampled token cannot start n different samples (each samples its first token itself)."""
+    first_token_id: one sampled token cannot start n different samples (each samples its first token itself).
+    lora_request: the adapter every sample runs (None: the base model)."""
     if params.n == 1:
         return [EngineCoreRequest(request_id, prompt_ids, params, eos_ids, arrival_time,
-                                  cache_salt if enable_prefix_caching else None, kv_transfer_params, priority)]
+                                  cache_salt if enable_prefix_caching else None, kv_transfer_params, priority,
+                                  lora_request)]
     if kv_transfer_params is not None:
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token_id"}
     salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
@@ -88,5 +91,5 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_
         seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
         child = params.clone(n=1, seed=seed)
         reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos_ids, arrival_time, salt,
-                                      kv_transfer_params, priority))
+                                      kv_transfer_params, priority, lora_request))
     return reqs

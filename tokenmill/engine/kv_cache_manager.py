@@ -136,8 +136,10 @@ class KVCacheManager:
     # -- prefix cache ---------------------------------------------------------------------
     def _extra_key(self, req: Request) -> Optional[str]:
         # Without prefix caching a request shares only with itself (after preemption) and with the
-        # siblings of an n>1 request, to which the front gives one salt.
-        return req.cache_salt if self.enable_caching else (req.cache_salt or f"\0{req.request_id}")
+        # siblings of an n>1 request, to which the front gives one salt. An adapter's KV differs from the base
+        # model's for the same tokens: its id keys its blocks apart (a reloaded adapter gets a new id).
+        key = req.cache_salt if self.enable_caching else (req.cache_salt or f"\0{req.request_id}")
+        return f"{key or ''}\0lora:{req.lora_int_id}" if req.lora_int_id else key
 
     def _update_hashes(self, req: Request, num_tokens: int) -> None:
         bs, hashes = self.block_size, req.block_hashes

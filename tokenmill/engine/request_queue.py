@@ -43,6 +43,14 @@ class WaitingQueue:
         else:
             self._front.appendleft(req)
 
+    def put_back(self, reqs: list[Request]) -> None:
+        """Requests just popped from the head this step, in order, back where they were."""
+        if self.by_priority:
+            for req in reqs:
+                self.add(req)
+        else:
+            self._front.extendleft(reversed(reqs))
+
     def to_front(self, req: Request) -> None:
         """Put a waiting request at the head whatever its rank (the quarantine's suspect)."""
         self.remove(req)

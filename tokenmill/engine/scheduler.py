@@ -90,6 +90,7 @@ class Scheduler:
         self.in_flight: set[str] = set()
         self._free_when_back: list[Request] = []
         self.pipeline_depth = config.parallel.pipeline_parallel_size  # steps the engine keeps in flight
+        self.max_loras = config.lora.max_loras if config.lora is not None else 0  # distinct adapters running
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
@@ -302,11 +303,19 @@ class Scheduler:
     def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str],
                           out: SchedulerOutput) -> None:
         """Then waiting requests in arrival (or rank) order, their prefix-cache (and lower-tier) hit counted as
-        computed."""
+        computed. A request whose adapter would be one more than --max-loras among the running ones keeps its
+        place and waits (the worker has max_loras adapter slots; the running requests' adapters hold them).
+        Later requests for adapters wait behind it too, so that the running adapters drain and it gets a slot
+        rather than starve; base-model requests, which hold no slot, go ahead."""
+        loras = {r.lora_int_id for r in self.running} - {0}
+        skipped: list[Request] = []
         while self.waiting and budget > 0:
             req = self.waiting.peek()
             if suspect is not None and (req.request_id != suspect or chosen):
                 break
+            if req.lora_int_id and (skipped or (req.lora_int_id not in loras and len(loras) >= self.max_loras)):
+                skipped.append(self.waiting.pop())
+                continue
             if len(self.running) >= self.max_num_seqs:
                 freed = self._preempt_for(req, chosen, out)
                 if freed is None:
@@ -347,6 +356,9 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, [], True))
             budget -= n
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+        self.waiting.put_back(skipped)
 
     def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
                    out: SchedulerOutput) -> ScheduledRequest:
@@ -355,7 +367,7 @@ class Scheduler:
         start, sp = req.num_computed_tokens, req.sampling_params
         if new:
             out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_ids,
-                                               req.output_token_ids))
+                                               req.output_token_ids, req.lora_request))
             req.num_blocks_sent = req.num_outputs_sent = 0
         new_blocks = self.kv.new_block_ids(req.request_id, req.num_blocks_sent)  # per KV group, as many each
         new_outputs = req.all_token_ids[req.num_prompt_tokens + req.num_outputs_sent:] if not new else []

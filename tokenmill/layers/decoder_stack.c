@@ -12,6 +12,10 @@
  * (quantization/kernels.py) do in Python. Each linear is the float panel kernel, int8_linear_iq (int8
  * weight-only with 16-bit activations, or w8a8) or gg_linear (ggml block weights: quantization/ggml.c): the
  * call the Python layer would make for these rows.
+ *
+ * LoRA adapters (layers/lora.py), float32 models only: a linear with a `lora_t` adds, for each token whose
+ * `lora_slot` is not -1, x A_s^T B_s^T of its own slot s after the layer's kernel (per token: no work for other
+ * slots). Same values as the Python path's masked matmuls up to summation order, not bit-identical.
  */
 #include "cpu_vec.h"
 
@@ -39,6 +43,14 @@ typedef int (*write_kv_fn)(const char *k, int64_t k_row_bytes, const char *v, in
 enum { LINEAR_PANEL = 0, LINEAR_INT8 = 1, LINEAR_BLOCKS = 2 };
 
 typedef struct {
+    const float *a;         /* [max_loras, parts, rank, K] */
+    const float *b[3];      /* per merged part: [max_loras, rank, part_n], scaling folded in */
+    int64_t part_n[3];
+    const uint8_t *present; /* [max_loras, parts]: the slot's adapter has this part (else its A, B are zero) */
+    int32_t parts, rank, max_loras;
+} lora_t;
+
+typedef struct {
     const void *fn;     /* linear_fn (LINEAR_PANEL), int8_fn (LINEAR_INT8) or blocks_fn (LINEAR_BLOCKS) */
     const void *w;      /* panels, int8 [N, K], or the gg_part_t array */
     const float *bias;  /* float32 or NULL */
@@ -46,6 +58,7 @@ typedef struct {
     int64_t N, K;
     int32_t kind, qmax; /* qmax: LINEAR_INT8's activation grid (32767 weight-only, 127 w8a8); LINEAR_BLOCKS:
                          * the number of parts */
+    const lora_t *lora; /* the layer's adapter slots, or NULL */
 } linear_t;
 
 typedef struct {
@@ -73,6 +86,7 @@ typedef struct {
     int64_t M, bt_stride;
     const int64_t *positions, *slots;
     const int32_t *block_table, *req_of, *kv_start, *kv_end;
+    const int32_t *lora_slot; /* [M]: each token's adapter slot, -1 for the base model; NULL: no adapter */
 } step_t;
 
 static void linear_f32(const linear_t *l, const float *x, float *y, int64_t M, int nt) {
@@ -84,10 +98,61 @@ static void linear_f32(const linear_t *l, const float *x, float *y, int64_t M, i
         ((linear_fn)l->fn)(x, l->w, l->bias, y, M, l->N, l->K, nt);
 }
 
+/* h[0..R) = rows of a [R, K] dotted with x, four rows at a time (independent sums) */
+static void shrink_rows(const float *x, const float *a, float *h, int64_t R, int64_t K) {
+    int64_t i = 0;
+    for (; i + 4 <= R; i += 4) {
+        const float *a0 = a + i * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t k = 0; k < K; k++) s0 += x[k] * a0[k], s1 += x[k] * a1[k], s2 += x[k] * a2[k], s3 += x[k] * a3[k];
+        h[i] = s0, h[i + 1] = s1, h[i + 2] = s2, h[i + 3] = s3;
+    }
+    for (; i < R; i++) {
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t k = 0; k < K; k++) acc += x[k] * a[i * K + k];
+        h[i] = acc;
+    }
+}
+
+/* y[t] += (x[t] A_s^T) B_s^T for each token t with slot s >= 0, each merged part from its own B (parts the
+ * slot's adapter lacks are skipped). Tokens run grouped by slot, so a slot's A and B stay in cache from one of
+ * its tokens to the next (all slots' weights of all layers are far more than the cache); they are handed out
+ * dynamically: a descheduled thread holds up one token's work, not half of it. */
+static void lora_add(const lora_t *L, const float *x, float *y, int64_t M, int64_t K, int64_t N,
+                     const int32_t *slot, int nt) {
+    const int64_t P = L->parts, R = L->rank, ML = L->max_loras;
+    int64_t next[ML + 1], order[M > 0 ? M : 1], n_rows = 0; /* adapter tokens, slot by slot (counting sort) */
+    memset(next, 0, sizeof next);
+    for (int64_t t = 0; t < M; t++) next[slot[t] + 1] += slot[t] >= 0;
+    for (int64_t s = 0; s < ML; s++) next[s + 1] += next[s];
+    for (int64_t t = 0; t < M; t++)
+        if (slot[t] >= 0) order[next[slot[t]]++] = t, n_rows++;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_rows; i++) {
+        const int64_t t = order[i], s = slot[t];
+        float h[R];
+        float *yt = y + t * N;
+        for (int64_t p = 0; p < P; yt += L->part_n[p], p++) {
+            if (!L->present[s * P + p]) continue;
+            shrink_rows(x + t * K, L->a + (s * P + p) * R * K, h, R, K);
+            const int64_t n = L->part_n[p];
+            const float *b = L->b[p] + s * R * n;
+            for (int64_t r = 0; r < R; r++) {
+                const float hr = h[r], *br = b + r * n;
+#pragma omp simd
+                for (int64_t j = 0; j < n; j++) yt[j] += hr * br[j];
+            }
+        }
+    }
+}
+
 static void linear(const stack_t *s, const linear_t *l, const void *x, void *y, int64_t M, float *fx, float *fy,
-                   int nt) {
+                   const int32_t *lora_slot, int nt) {
     if (!s->bf16) {
         linear_f32(l, x, y, M, nt);
+        if (l->lora && lora_slot) lora_add(l->lora, x, y, M, l->K, l->N, lora_slot, nt);
         return;
     }
     const uint16_t *xb = x;
@@ -133,7 +198,7 @@ int decoder_stack_run(const stack_t *s, const step_t *st, void *x, void *out, vo
         } else {
             s->norm(x, res, res, L->norm1, h, M, H, s->eps, nt);
         }
-        linear(s, &L->qkv, h, qkv, M, fx, fy, nt);
+        linear(s, &L->qkv, h, qkv, M, fx, fy, st->lora_slot, nt);
         /* q into its own dense buffer (the attention kernel reads dense rows), k too when it gets normed */
         gather_rows(q, qkv, M, q_n * es, qkv_n * es);
         const char *kp = qkv + q_n * es;
@@ -153,11 +218,11 @@ int decoder_stack_run(const stack_t *s, const step_t *st, void *x, void *out, vo
         const char *kc = L->kv_cache, *vc = kc + s->Hkv * s->num_slots * D * es;
         s->attn(q, kc, vc, att, st->block_table, st->bt_stride, st->req_of, st->kv_start, st->kv_end, M, s->Hq,
                 s->Hkv, D, s->num_slots * D, s->block_size, s->scale, nt, 0, 0, 0, 0); /* no sinks */
-        linear(s, &L->o, att, o, M, fx, fy, nt);
+        linear(s, &L->o, att, o, M, fx, fy, st->lora_slot, nt);
         s->norm(o, res, res, L->norm2, h, M, H, s->eps, nt);
-        linear(s, &L->gate_up, h, gu, M, fx, fy, nt);
+        linear(s, &L->gate_up, h, gu, M, fx, fy, st->lora_slot, nt);
         s->silu(gu, mid, M, s->I, nt);
-        linear(s, &L->down, mid, x, M, fx, fy, nt);
+        linear(s, &L->down, mid, x, M, fx, fy, st->lora_slot, nt);
     }
     s->norm(x, res, res, s->final_norm, out, M, H, s->eps, nt);
     return 0;

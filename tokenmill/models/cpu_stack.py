@@ -11,9 +11,13 @@ rows.
 `CpuStack.build` returns None where the stack does not apply as a whole (fp8/fp4 or unpacked linears, an
 8-bit KV cache, per-layer sliding windows, row-parallel biases, a non-SiLU MLP, a family whose layers differ
 (Gemma 3: `cpu_stack_unsupported`), no C compiler; `unavailable` says which);
-`run` returns None for a step it does not take (a prefill, hooks on the layers, more rows than some layer's
-measured matmul plan gives the panel kernel); the caller then runs the Python layers. `status` is the engine's
-kernels-report line for it.
+A linear layer with LoRA adapters (layers/lora.py, float32 models) hands the C side its slot tensors, and a step's
+adapter rows add their own slot's x A^T B^T there (`lora_slot` per token); a bfloat16 model's adapter steps
+go layer by layer.
+
+`run` returns None for a step it does not take (a prefill, hooks on the layers, bfloat16 adapter rows, more rows
+than some layer's measured matmul plan gives the panel kernel); the caller then runs the Python layers.
+`status` is the engine's kernels-report line for it.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from tokenmill.layers.attention.base import AttentionMetadata
 from tokenmill.layers.attention.cpu import PagedAttentionBackend, step_plan
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 from tokenmill.layers.linear import UnquantizedLinearMethod
+from tokenmill.layers.lora import LoRALayer
 from tokenmill.layers.quantization import ggml
 from tokenmill.layers.quantization import kernels as qkernels
 from tokenmill.layers.quantization.int8 import Int8LinearMethod
@@ -42,9 +47,14 @@ vp, i64 = ctypes.c_void_p, ctypes.c_int64
 LINEAR_PANEL, LINEAR_INT8, LINEAR_BLOCKS = 0, 1, 2  # decoder_stack.c's linear kinds
 
 
+class _LoRA(ctypes.Structure):
+    _fields_ = [("a", vp), ("b", vp * 3), ("part_n", i64 * 3), ("present", vp), ("parts", ctypes.c_int32),
+                ("rank", ctypes.c_int32), ("max_loras", ctypes.c_int32)]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [("fn", vp), ("w", vp), ("bias", vp), ("scale", vp), ("N", i64), ("K", i64),
-                ("kind", ctypes.c_int32), ("qmax", ctypes.c_int32)]
+                ("kind", ctypes.c_int32), ("qmax", ctypes.c_int32), ("lora", vp)]
 
 
 class _Layer(ctypes.Structure):
@@ -61,7 +71,7 @@ class _Stack(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("M", i64), ("bt_stride", i64), ("positions", vp), ("slots", vp), ("block_table", vp),
-                ("req_of", vp), ("kv_start", vp), ("kv_end", vp)]
+                ("req_of", vp), ("kv_start", vp), ("kv_end", vp), ("lora_slot", vp)]
 
 
 def _load():
@@ -90,7 +100,10 @@ class CpuStack:
         self.lib, self.model, self.window = lib, model, window
         self.kv_caches = kv_caches  # kept alive: the C side points into them
         self.group, self.dtype = attn.num_heads // attn.num_kv_heads, dtype
-        self._keep = []  # float32 biases the C side points at
+        self._keep = []  # float32 biases and LoRA descriptions the C side points at
+        loras = [_lora_layer(lin) for layer in model.layers for lin in _linears(layer)]
+        # the step's token -> adapter slot (one LoRABatch shared by the model's LoRA layers), None without LoRA
+        self.lora_batch = next((lora.batch for lora in loras if lora is not None), None)
 
         def lin(layer) -> _Linear:
             bias = None
@@ -98,17 +111,18 @@ class CpuStack:
                 bias = layer.bias.detach().float().contiguous()
                 self._keep.append(bias)
             bias = bias.data_ptr() if bias is not None else None
+            lora = self._lora(_lora_layer(layer))
             method = layer.quant_method
             blocks = _block_linear(layer)
             if blocks is not None:  # w: the gg_part_t array, qmax: its length
                 return _Linear(_addr(blocks.kernel(dtype)), ctypes.addressof(blocks.c_parts), bias, None,
-                               blocks.N, blocks.K, LINEAR_BLOCKS, len(blocks.c_parts))
+                               blocks.N, blocks.K, LINEAR_BLOCKS, len(blocks.c_parts), lora)
             if isinstance(method, Int8LinearMethod):
                 return _Linear(_addr(qkernels.load().int8_linear_iq), layer.weight.data_ptr(), bias,
                                layer.weight_row_scale.data_ptr(), layer.out_features, layer.in_features,
-                               LINEAR_INT8, method.act_qmax)
+                               LINEAR_INT8, method.act_qmax, lora)
             p = layer.packed_weight
-            return _Linear(_addr(p.kernel), p.ptr, bias, None, p.out_features, p.in_features, LINEAR_PANEL, 0)
+            return _Linear(_addr(p.kernel), p.ptr, bias, None, p.out_features, p.in_features, LINEAR_PANEL, 0, lora)
 
         ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
         layers = []
@@ -139,6 +153,16 @@ class CpuStack:
                  if type(lin.quant_method) is UnquantizedLinearMethod]
         self.max_rows = min([matmul_plan.panel_row_limit(plans)] + int8 + blocks)
 
+    def _lora(self, lora: Optional[LoRALayer]) -> Optional[int]:
+        """The address of a C description of a layer's adapter slots (kept alive here), or None."""
+        if lora is None or self.dtype != torch.float32:
+            return None
+        parts = len(lora.b)
+        desc = _LoRA(lora.a.data_ptr(), (vp * 3)(*[b.data_ptr() for b in lora.b]),
+                     (i64 * 3)(*lora.part_sizes), lora.present.data_ptr(), parts, lora.rank, lora.a.shape[0])
+        self._keep.append(desc)
+        return ctypes.addressof(desc)
+
     @classmethod
     def build(cls, model, kv_caches: list[torch.Tensor]) -> Optional["CpuStack"]:
         if unavailable(model, kv_caches) is not None:
@@ -149,6 +173,11 @@ class CpuStack:
         """The final-normed hidden states [T, H] of the step, or None when this step is not the stack's."""
         if torch.is_grad_enabled() or _hooked(self.model):
             return None
+        lora_slot = None
+        if meta.adapters:  # LoRA rows: the C side applies float32 adapters only
+            if self.lora_batch is None or self.dtype != torch.float32:
+                return None
+            lora_slot = self.lora_batch.slots.data_ptr()
         plan = step_plan(meta, self.window, self.group, True)
         if not (plan.dec_all and plan.use_kernel):
             return None
@@ -164,7 +193,7 @@ class CpuStack:
         act, f32 = self._scratch_for(M)
         bt = plan.dec_block_table
         step = _Step(M, bt.stride(0), pos.data_ptr(), slots.data_ptr(), bt.data_ptr(), plan.dec_rows.data_ptr(),
-                     plan.dec_kv_start.data_ptr(), plan.dec_kv_end.data_ptr())
+                     plan.dec_kv_start.data_ptr(), plan.dec_kv_end.data_ptr(), lora_slot)
         if self.lib.decoder_stack_run(ctypes.byref(self.stack), ctypes.byref(step), x.data_ptr(), out.data_ptr(),
                                       act.data_ptr(), f32.data_ptr() if f32 is not None else None,
                                       torch.get_num_threads()):
@@ -184,6 +213,11 @@ class CpuStack:
 def _block_linear(layer) -> Optional["ggml.BlockLinear"]:
     """The bound block kernel of a layer with ggml block weights (gguf_blocks, int4), else None."""
     return getattr(layer.quant_method, "block_linear", None)
+
+
+def _lora_layer(linear) -> Optional[LoRALayer]:
+    """The LoRA adapter slots hooked on a linear layer (layers/lora.py attach), or None."""
+    return next((hook for hook in linear._forward_hooks.values() if isinstance(hook, LoRALayer)), None)
 
 
 def _hooked(model) -> bool:

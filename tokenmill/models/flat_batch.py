@@ -28,9 +28,9 @@ def group_block_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarr
 
 
 def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, block_table: np.ndarray,
-               block_size: int, device: torch.device, layer_group: Sequence[int] = ()):
+               block_size: int, device: torch.device, layer_group: Sequence[int] = (), adapters: bool = False):
     """input_ids [T] (already packed); qlens/starts [B]; block_table [B, nb], or [G, B, nb] for G KV groups
-    with layer_group (model layer index -> group). Returns (input_ids tensor, AttentionMetadata (group 0's),
+    with layer_group (model layer index -> group); adapters: some token runs a LoRA adapter. Returns (input_ids tensor, AttentionMetadata (group 0's),
     query_start_loc as numpy [B+1])."""
     B = len(qlens)
     qsl = np.zeros(B + 1, dtype=np.int64)
@@ -46,7 +46,7 @@ def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, blo
     metas: list[AttentionMetadata] = []  # filled below: every group's metadata holds this one list
     common = dict(positions=to(positions), query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
                   block_size=block_size, cache={}, layer_group=tuple(layer_group) if grouped else (),
-                  group_metas=metas if grouped else [])
+                  group_metas=metas if grouped else [], adapters=adapters)
     metas.extend(AttentionMetadata(slot_mapping=to(slots[g]), block_table=to(tables[g]), kv_group=g, **common)
                  for g in range(len(tables)))
     return to(np.ascontiguousarray(input_ids, dtype=np.int64)), metas[0], qsl

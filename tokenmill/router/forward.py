@@ -139,8 +139,9 @@ class Router:
     def routing_key(self, request: dict) -> tuple[str, list[int]]:
         """The request's routing text and its prefix-chunk hashes."""
         text = routing_text(request) if request else ""
-        salt = request.get("cache_salt")
-        return text, prefix_hashes(text, self.config.prefix_chunk_chars, salt if isinstance(salt, str) else None)
+        salt, model = request.get("cache_salt"), request.get("model")
+        return text, prefix_hashes(text, self.config.prefix_chunk_chars, salt if isinstance(salt, str) else None,
+                                   model if isinstance(model, str) else None)
 
     def ready(self) -> bool:
         """/health answers 200: some replica can take requests."""

@@ -13,10 +13,11 @@ from collections import OrderedDict
 from typing import Hashable, Optional
 
 
-def prefix_hashes(text: str, chunk_chars: int, salt: Optional[str] = None) -> list[int]:
+def prefix_hashes(text: str, chunk_chars: int, salt: Optional[str] = None, model: Optional[str] = None) -> list[int]:
     """Chained hashes of the text's full chunks (a partial last chunk is not cached by a replica either).
-    A salt (the request's cache_salt) starts a separate chain: salted prompts share nothing with others."""
-    hashes, h = [], hash(("tokenmill-router", salt))
+    A salt (the request's cache_salt) starts a separate chain: salted prompts share nothing with others. So does
+    the request's model name: a LoRA adapter's KV for a prompt is not the base model's (nor another adapter's)."""
+    hashes, h = [], hash(("tokenmill-router", salt, model))
     for start in range(0, len(text) - chunk_chars + 1, chunk_chars):
         h = hash((h, text[start:start + chunk_chars]))
         hashes.append(h)

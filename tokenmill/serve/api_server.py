@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NoReturn, Optional
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 import tokenmill
 from tokenmill.config import EngineConfig
@@ -31,14 +31,17 @@ from tokenmill.http.body_limit import BodyLimitMiddleware
 from tokenmill.http.cors import add_cors, cors_config
 from tokenmill.http.errors import APIError, bad_request, install_error_handlers
 from tokenmill.http.server import DrainingServer, bind_listening_socket
+from tokenmill.lora import LoRARequest
 from tokenmill.models.resolution import resolve_engine_config
 from tokenmill.serve.args import request_limits
 from tokenmill.serve.dashboard import DashboardStats, StatFanout
 from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 from tokenmill.serve.drain import DrainMiddleware, DrainState
+from tokenmill.serve.lora import LoRAAdapters, parse_lora_modules
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     EmbeddingRequest, RequestLimits, ResponsesRequest, TokenizeRequest)
+                                     EmbeddingRequest, LoadLoRAAdapterRequest, RequestLimits, ResponsesRequest,
+                                     TokenizeRequest, UnloadLoRAAdapterRequest)
 from tokenmill.serve.reasoning import AnyReasoningParser
 from tokenmill.serve.reasoning import get_parser as get_reasoning_parser
 from tokenmill.serve.serving import (Admission, json_response, load_grammar_support, num_waiting, off_loop,
@@ -68,10 +71,19 @@ class ServerState:
     dashboard: Optional[DashboardStats] = None  # None with --no-dashboard
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
     admission: Admission = field(default_factory=Admission)  # sequences admitted, not yet sent to the engine
+    loras: Optional[LoRAAdapters] = None  # --enable-lora: the adapters served by name (serve/lora.py)
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
+    def __post_init__(self) -> None:
+        self.loras = self.loras or LoRAAdapters(self.config.lora, self.model_name)
+
+    def check_model(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter `name` selects (None: the base model); 404 for a name served neither way."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return lora
 
     def check_task(self, task: str) -> None:
         """An embedding server (--task embed) does not generate and a generating one does not embed."""
@@ -93,6 +105,7 @@ def build_app(state: ServerState) -> FastAPI:
     _mount_server_routes(app, state)
     _mount_generation_routes(app, state)
     _mount_token_routes(app, state)
+    _mount_lora_routes(app, state)
     if state.dashboard is not None:
         from tokenmill.serve.dashboard_engine import mount_engine_dashboard  # ~4 ms: --no-dashboard skips it
 
@@ -194,7 +207,7 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
         card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                 "root": state.config.model.model or state.config.model.model_dir, "parent": None,
                 "max_model_len": state.config.model.max_model_len, "permission": []}
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card] + state.loras.cards(state.created)})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -232,6 +245,19 @@ def _mount_generation_routes(app: FastAPI, state: ServerState) -> None:
         raise APIError(404, f"No response {response_id.split('/')[0]!r}: this server keeps no responses (it is "
                             "stateless; send the whole conversation as input).", param="response_id",
                        code="response_not_found")
+
+
+def _mount_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's run-time adapter endpoints (under /v1, so behind --api-key)."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        await off_loop(state.loras.load, req.lora_name, req.lora_path)  # reads the adapter's config file
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        state.loras.unload(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def _mount_token_routes(app: FastAPI, state: ServerState) -> None:
@@ -293,6 +319,17 @@ def _read_chat_template(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def _startup_adapters(args: argparse.Namespace, config: EngineConfig) -> LoRAAdapters:
+    """--lora-modules, checked before the model loads."""
+    loras = LoRAAdapters(config.lora, config.model.served_model_name)
+    for name, path in parse_lora_modules(getattr(args, "lora_modules", None)):
+        try:
+            loras.load(name, path)
+        except APIError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+    return loras
+
+
 def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoReturn:
     """Serve until stopped, then end the process with its exit status (0 after a clean stop); start-up errors
     raise. ledger: the start-up ledger the CLI began at its entry (startup.py); a fresh one otherwise.
@@ -309,6 +346,7 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     config = EngineConfig.from_cli_args(args)
     resolve_engine_config(config, getattr(args, "install_default_model", False), ledger)
     chat_template = _read_chat_template(args.chat_template)
+    loras = _startup_adapters(args, config)
     sock = bind_listening_socket(args.host, args.port)  # fail fast on a busy port, before loading the model
     metrics = ServerMetrics(config.model.served_model_name)
     dashboard = stat_logger = None
@@ -325,7 +363,8 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
                         args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard)
+                        get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard,
+                        loras=loras)
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:

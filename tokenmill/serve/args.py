@@ -34,6 +34,8 @@ def _add_server_args(g) -> None:
                         "the engine; a request carrying more than this gets 400 (default: no limit)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served under their own model names; needs --enable-lora")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template overriding the tokenizer's: a file path, the template itself, or a "
                         "shipped one by name (hermes_tools: ChatML with tool calls, for --tool-call-parser hermes)")

@@ -138,14 +138,15 @@ async def template_tools(state: "ServerState", tools: Optional[list]) -> Optiona
 async def start_chat(state: "ServerState", req: ChatCompletionRequest, rid: str) -> tuple[Generation, ToolPlan]:
     """Validate, render and admit a chat request as engine request `rid` (the Responses API enters here too);
     the tool plan reads the generated text back into content and tool calls."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     plan = await plan_request_tools(state, req)
     params = req.to_sampling_params(state.limits, plan.constraint)
     if state.reasoning is not None and state.reasoning.keep_special_tokens:  # harmony's channels are special tokens
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     prompt = await render_request_chat(state, req, plan.template_tools())
     params = _grammar_after_reasoning(state, params, prompt)
-    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params, req.priority), plan
+    return Generation(state, rid, [prompt], params, req.cache_salt, req.kv_transfer_params, req.priority,
+                      lora), plan
 
 
 def _grammar_after_reasoning(state: "ServerState", params: SamplingParams, prompt: Prompt) -> SamplingParams:
@@ -207,7 +208,7 @@ async def collect_chat(state: "ServerState", req: ChatCompletionRequest, gen: Ge
         choices.append({"index": i, "message": message, "logprobs": logprobs,
                         "finish_reason": plan.finish_reason(finish[i], bool(calls)), "stop_reason": stop[i]})
     return with_kv_transfer_params(
-        {"id": rid, "object": "chat.completion", "created": now_s(), "model": state.model_name,
+        {"id": rid, "object": "chat.completion", "created": now_s(), "model": req.model or state.model_name,
          "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen)
 
 
@@ -232,7 +233,7 @@ async def chat_chunks(state: "ServerState", req: ChatCompletionRequest, gen: Gen
     """The chat.completion.chunk bodies of an admitted streaming request (without the SSE framing)."""
     top_n = req.top_logprobs or 0
     created = now_s()
-    model = state.model_name
+    model = req.model or state.model_name  # an adapter answers under its own name
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage
     continuous = include_usage and opts.continuous_usage_stats

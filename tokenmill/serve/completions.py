@@ -72,12 +72,12 @@ async def _prompts(state: "ServerState", req: CompletionRequest) -> list[Prompt]
 
 
 async def create_completion(state: "ServerState", req: CompletionRequest, raw: Request) -> Response:
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     prompts = await _prompts(state, req)
     want_lp = req.logprobs is not None
     params = req.to_sampling_params(state.limits, echo_logprobs=req.echo and want_lp)
     rid = random_id("cmpl")
-    gen = Generation(state, rid, prompts, params, req.cache_salt, req.kv_transfer_params, req.priority)
+    gen = Generation(state, rid, prompts, params, req.cache_salt, req.kv_transfer_params, req.priority, lora)
     if req.stream:
         return stream_response(_stream(state, req, gen, rid), gen)
     try:
@@ -127,13 +127,13 @@ async def _collect(state: "ServerState", req: CompletionRequest, gen: Generation
                                          for d in prompt_lps[k // n]]
         choices.append(choice)
     return json_response(with_kv_transfer_params(
-        {"id": rid, "object": "text_completion", "created": now_s(), "model": state.model_name,
+        {"id": rid, "object": "text_completion", "created": now_s(), "model": req.model or state.model_name,
          "choices": choices, "usage": gen.usage(), "system_fingerprint": None}, gen))
 
 
 async def _stream(state: "ServerState", req: CompletionRequest, gen: Generation, rid: str) -> AsyncIterator[bytes]:
     created = now_s()
-    model = state.model_name
+    model = req.model or state.model_name  # an adapter answers under its own name
     n = gen.params.n
     opts = req.stream_options
     include_usage = opts is not None and opts.include_usage

@@ -434,6 +434,18 @@ class ResponsesRequest(RequestBody):
     background: Optional[bool] = None
 
 
+class LoadLoRAAdapterRequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """POST /v1/unload_lora_adapter (vLLM's body; its lora_int_id is accepted and not needed)."""
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 class TokenizeRequest(RequestBody):
     model: Optional[str] = None
     prompt: Optional[str] = None

@@ -16,6 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from tokenmill.engine.async_llm import EngineDeadError, RequestFailedError, RequestRejectedError, next_outputs
 from tokenmill.http.errors import APIError, bad_request
 from tokenmill.kv_transfer.p2p_params import check_request_params
+from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -164,7 +165,7 @@ class Generation:
 
     def __init__(self, state: "ServerState", base_id: str, prompts: list[Prompt], params: SamplingParams,
                  cache_salt: Optional[str] = None, kv_transfer_params: Optional[dict] = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, lora_request: Optional[LoRARequest] = None) -> None:
         engine = state.engine
         try:
             engine.check_alive()
@@ -188,7 +189,7 @@ class Generation:
         self.timing_enabled = bool(getattr(state.args, "enable_request_timing", False))
         self.timings: list[dict[str, float]] = []  # of finished prompts (RequestTimes.timing)
         self._request_kw = {"cache_salt": cache_salt, "kv_transfer_params": kv_transfer_params,
-                            "priority": priority}
+                            "priority": priority, "lora_request": lora_request}
         self._pending = deque(range(len(prompts)))  # prompts not yet sent to the engine
         self._unstarted: dict[str, int] = {}        # sent, no output yet: engine id -> prompt tokens x n
         self._window = max(1, state.config.scheduler.max_num_seqs)

@@ -24,6 +24,7 @@ from typing import Optional
 
 import msgspec
 
+from tokenmill.lora import LoRARequest
 from tokenmill.step.offload_plan import OffloadOutput, OffloadPlan
 from tokenmill.step.p2p_plan import TransferOutput, TransferPlan
 from tokenmill.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
+    lora_request: Optional[LoRARequest] = None  # its adapter (the worker loads it by path, once); None: base
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

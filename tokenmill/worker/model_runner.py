@@ -22,6 +22,7 @@ from tokenmill.spec_decode.rejection_sampler import rejection_sample
 from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest, SchedulerOutput
 from tokenmill.step.kv_groups import KVLayout
 from tokenmill.models.flat_batch import flat_batch, group_block_tables
+from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.request_states import RequestStates
 
 
@@ -49,9 +50,11 @@ def generator_seed(seed: int, device) -> int:
 class ModelRunner:
     def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
                  drafter: Optional[Proposer] = None, max_model_len: int = 0,
-                 pooler: Optional[PoolerConfig] = None, kv_layout: Optional[KVLayout] = None) -> None:
-        """kv_layout: the KV groups (default one group of every layer)."""
+                 pooler: Optional[PoolerConfig] = None, kv_layout: Optional[KVLayout] = None,
+                 lora: Optional[LoRAManager] = None) -> None:
+        """kv_layout: the KV groups (default one group of every layer); lora: the adapters (--enable-lora)."""
         self.model = model
+        self.lora = lora
         self.pooler = pooler  # --task embed: pool the prompt's hidden states instead of sampling
         self.device = torch.device(device)
         self.block_size = block_size
@@ -84,7 +87,9 @@ class ModelRunner:
         starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=B)
         input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(qlens.sum()))
         tables = group_block_tables([self.states[r.request_id].block_ids for r in reqs])  # [G, B, nb]
-        return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group)
+        adapters = self.lora is not None and self.lora.prepare([self.states[r.request_id].lora_request
+                                                                for r in reqs], qlens)
+        return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group, adapters)
 
     def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
         sp = self.states[r.request_id].sampling_params

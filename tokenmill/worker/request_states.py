@@ -8,13 +8,15 @@ from tokenmill.step import NewRequest, SchedulerOutput
 
 
 class RequestState:
-    __slots__ = ("prompt_token_ids", "sampling_params", "eos_token_ids", "output_token_ids", "block_ids")
+    __slots__ = ("prompt_token_ids", "sampling_params", "eos_token_ids", "output_token_ids", "block_ids",
+                 "lora_request")
 
     def __init__(self, new: NewRequest, num_kv_groups: int) -> None:
         self.prompt_token_ids: list[int] = new.prompt_token_ids
         self.sampling_params: SamplingParams = new.sampling_params
         self.eos_token_ids: list[int] = new.eos_token_ids
         self.output_token_ids: list[int] = list(new.output_token_ids)
+        self.lora_request = new.lora_request
         # per KV group, by position (an entry a sliding group gave back is stale: never read)
         self.block_ids: list[list[int]] = [[] for _ in range(num_kv_groups)]
 

@@ -22,6 +22,7 @@ from tokenmill.startup import Ledger
 from tokenmill.step.kv_groups import kv_layout
 from tokenmill.worker import kernels_report
 from tokenmill.worker.cpu_threads import ThreadSizer
+from tokenmill.worker.lora_manager import LoRAManager
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("tokenmill")
@@ -86,8 +87,9 @@ class Worker:
         if config.speculative is not None:
             self.drafter = make_proposer(config, self.model, self.backend)
         self.kv_layout = kv_layout(config)  # the scheduler computes the same
+        lora = LoRAManager(self.model, config.lora, mc.torch_dtype, self.device) if config.lora is not None else None
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size, mc.hf_config.vocab_size,
-                                  mc.seed, self.drafter, mc.max_model_len, mc.pooler, self.kv_layout)
+                                  mc.seed, self.drafter, mc.max_model_len, mc.pooler, self.kv_layout, lora)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         self.kernels: dict = {}  # kernels_report.report, once the KV cache exists

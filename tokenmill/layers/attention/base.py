@@ -29,6 +29,7 @@ class AttentionMetadata:
     kv_group: int = 0
     layer_group: Sequence[int] = ()  # model layer index -> its KV group; empty: one group (this metadata)
     group_metas: list["AttentionMetadata"] = field(default_factory=list)  # [g]: group g's (one list, shared)
+    adapters: bool = False  # some token runs a LoRA adapter (layers/lora.py): paths without adapters step aside
 
     def for_layer(self, layer_idx: int) -> "AttentionMetadata":
         """The metadata holding this layer's KV group's block table and slots (self with one group)."""
