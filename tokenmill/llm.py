@@ -8,7 +8,8 @@ from typing import Any, Optional, Sequence, Union
 from tokenmill.chat_template import render_chat_template
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.frontend import PromptType, eos_token_ids, fan_out, load_tokenizer, tokenize_prompt
+from tokenmill.engine.frontend import (PromptType, eos_token_ids, fan_out, load_image_processor, load_tokenizer,
+                                      prepare_images, tokenize_prompt)
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
 from tokenmill.models.resolution import resolve_engine_config
@@ -24,6 +25,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
+        self.image_processor = load_image_processor(self.config)  # None unless a vision-language model
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -104,8 +106,11 @@ class LLM:
     def _add(self, rid: str, prompt: PromptType, sp: SamplingParams) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
+        images = (extra.get("multi_modal_data") or {}).get("image") or []  # PIL images, one per placeholder
+        ids, mm = prepare_images(ids, images if isinstance(images, list) else [images], self.image_processor,
+                                 self.config, extra.get("mm_processor_kwargs"))
         reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
-                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"))
+                       extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"), mm_inputs=mm)
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

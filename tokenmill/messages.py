@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import msgspec
 
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.multimodal import ImageInput
 
 
 class FinishReason(enum.IntEnum):
@@ -38,6 +39,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Disaggregated prefill/decode (vLLM's kv_transfer_params): {"do_remote_decode": true} to a prefill
     # instance; to a decode instance, the params the prefill instance returned (where to pull the KV from).
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Images in the prompt, by position (a VLM's; step/multimodal.py), as the front preprocessed them
+    mm_inputs: list[ImageInput] = msgspec.field(default_factory=list)
 
 
 def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
@@ -120,6 +123,7 @@ class Request:
         self.eos_token_ids = req.eos_token_ids
         self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
+        self.mm_inputs = req.mm_inputs  # images in the prompt (step/multimodal.py)
         self.arrival_time = req.arrival_time or time.time()
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

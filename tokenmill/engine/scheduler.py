@@ -332,7 +332,7 @@ class Scheduler:
         start, sp = req.num_computed_tokens, req.sampling_params
         if new:
             out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_ids,
-                                               req.output_token_ids))
+                                               req.output_token_ids, req.mm_inputs))
             req.num_blocks_sent = req.num_outputs_sent = 0
         new_blocks = self.kv.new_block_ids(req.request_id, req.num_blocks_sent)  # per KV group, as many each
         new_outputs = req.all_token_ids[req.num_prompt_tokens + req.num_outputs_sent:] if not new else []

@@ -24,6 +24,7 @@ from typing import Optional
 
 import msgspec
 
+from tokenmill.step.multimodal import ImageInput
 from tokenmill.step.offload_plan import OffloadOutput, OffloadPlan
 from tokenmill.step.p2p_plan import TransferOutput, TransferPlan
 from tokenmill.sampling_params import SamplingParams
@@ -39,6 +40,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int]
     output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
+    mm_inputs: list[ImageInput] = msgspec.field(default_factory=list)  # images in the prompt, for the encoder
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
