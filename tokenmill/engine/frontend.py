@@ -70,7 +70,7 @@ def prepare_images(ids: list[int], images: list, processor: Optional[ImageProces
                    options: Optional[dict] = None) -> tuple[list[int], list[ImageInput]]:
     """The prompt with its image placeholders widened and its images preprocessed (PIL images, in prompt
     order; options: the request's mm_processor_kwargs). ValueError, a 400, for images a model cannot take."""
-    if not images:
+    if not images and (processor is None or processor.image_token_id not in ids):
         return ids, []
     if processor is None:
         raise ValueError(f"{config.model.served_model_name} is not a vision-language model; it takes no images")
