@@ -26,13 +26,16 @@ from starlette.responses import Response
 import tokenmill
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend import load_image_processor
 from tokenmill.http.auth import APIKeyMiddleware, check_admin
 from tokenmill.http.body_limit import BodyLimitMiddleware
 from tokenmill.http.cors import add_cors, cors_config
 from tokenmill.http.errors import APIError, bad_request, install_error_handlers
 from tokenmill.http.server import DrainingServer, bind_listening_socket
 from tokenmill.models.resolution import resolve_engine_config
-from tokenmill.serve.args import request_limits
+from tokenmill.multimodal.media import MediaPolicy
+from tokenmill.multimodal.processor import ImageProcessor
+from tokenmill.serve.args import media_policy, request_limits
 from tokenmill.serve.dashboard import DashboardStats, StatFanout
 from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 from tokenmill.serve.drain import DrainMiddleware, DrainState
@@ -68,6 +71,8 @@ class ServerState:
     dashboard: Optional[DashboardStats] = None  # None with --no-dashboard
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
     admission: Admission = field(default_factory=Admission)  # sequences admitted, not yet sent to the engine
+    image_processor: Optional[ImageProcessor] = None  # a vision-language model's (serve/images.py)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image_url parts may point
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.model_name:
@@ -325,7 +330,8 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
     state = ServerState(args, config, engine, engine.tokenizer, metrics, config.model.served_model_name,
                         chat_template, request_limits(args),
                         args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard)
+                        get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard,
+                        image_processor=load_image_processor(config), media=media_policy(args))
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
 
 import msgspec
 from starlette.requests import Request
@@ -14,6 +14,7 @@ from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
+from tokenmill.serve.images import IMAGE_PART_TYPES, attach_images, image_url, image_urls
 from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
@@ -29,19 +30,27 @@ logger = logging.getLogger("tokenmill")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def _content_text(m: ChatMessage, i: int) -> str:
+def _content(m: ChatMessage, i: int) -> Union[str, list[dict]]:
+    """The content the template sees: text parts joined, or with images the parts in order, each image as
+    {"type": "image"} (templates of vision-language models write their placeholder for it)."""
     c = m.content
     if c is None:
         return ""
     if isinstance(c, str):
         return c
-    texts = []
+    parts = []
     for j, part in enumerate(c):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"messages[{i}].content[{j}]: only text content parts are supported "
+        if part.get("type") in IMAGE_PART_TYPES:
+            image_url(part, f"messages[{i}].content[{j}]")
+            parts.append({"type": "image"})
+        elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}]: only text and image_url content parts are supported "
                               f"(got type {part.get('type')!r})", f"messages[{i}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        else:
+            parts.append({"type": "text", "text": part["text"]})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,
@@ -59,7 +68,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
         if m.role not in ROLES:
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", f"messages[{i}].role")
         d = m.model_dump(exclude_none=True)
-        d["content"] = _content_text(m, i)
+        d["content"] = _content(m, i)
         conv.append(d)
     conv = template_messages(conv)
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -93,7 +102,7 @@ async def render_request_chat(state: "ServerState", req, tools: Optional[list[di
                             continue_final_message=req.continue_final_message,
                             template_kwargs=req.chat_template_kwargs, tools=tools, limits=state.limits)
     check_text_length(state, prompt.text, "messages")
-    return prompt
+    return await attach_images(state, prompt, image_urls(req.messages), getattr(req, "mm_processor_kwargs", None))
 
 
 def _lp_entry(token: str, lp: Logprob) -> dict:
