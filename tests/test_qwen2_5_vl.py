@@ -44,7 +44,8 @@ def _image_token(path: str) -> int:
 _HF: dict = {}
 
 
-def _hf_reference(path: str, ids: list[int], images: list, max_pixels: int = 28 * 28 * 64):
+def _hf_reference(path: str, ids: list[int], images: list, max_pixels: int = 28 * 28 * 64,
+                  max_tokens: int = MAX_TOKENS):
     """transformers' greedy tokens and per-step log-softmax for the prompt ids (one placeholder per image),
     with transformers' own image processor (PIL backend) making the pixels."""
     import transformers
@@ -63,7 +64,7 @@ def _hf_reference(path: str, ids: list[int], images: list, max_pixels: int = 28 
         expanded = [t for i in ids for t in ([token] * next(counts) if i == token else [i])]
     inp = torch.tensor([expanded])
     with torch.no_grad():
-        g = _HF["model"].generate(inp, mm_token_type_ids=(inp == token).int(), max_new_tokens=MAX_TOKENS,
+        g = _HF["model"].generate(inp, mm_token_type_ids=(inp == token).int(), max_new_tokens=max_tokens,
                                   do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
     return g.sequences[0, len(expanded):].tolist(), [lg[0].log_softmax(-1) for lg in g.logits]
 
@@ -177,3 +178,20 @@ def test_decoder_stack_steps_aside_with_a_reason(vlm):
     path, _ = vlm
     llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
     assert llm.engine.executor.kernels()["decoder_stack"].startswith("off: Qwen2.5-VL's M-RoPE")
+
+
+def test_preemption_recomputes_images_exactly(vlm):
+    """Three two-image prompts (~76 tokens each) in a cache of 14 blocks of 16 tokens: some are preempted and
+    recomputed (their images encoded again) and still match transformers."""
+    path, _ = vlm
+    llm = LLM(path, dtype="float32", num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=32)
+    sets = [[_image(*IMAGES["wide"]), _image(*IMAGES["long"])], [_image(*IMAGES["long"]), _image(*IMAGES["wide"])],
+            [_image(112, 168, 11), _image(90, 200, 12)]]
+    prompts = [{"prompt_token_ids": _ids(llm, PROMPT), "multi_modal_data": {"image": s}} for s in sets]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5),
+                        use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
+    assert llm.engine.scheduler.kv.is_whole()
+    for out, images in zip(outs, sets):
+        ref = _hf_reference(path, _ids(llm, PROMPT), images, max_tokens=24)
+        _assert_matches(out, ref)
