@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -169,25 +170,32 @@ VLM_CHAT_TEMPLATE = (
 
 def tiny_vlm() -> str:
     """Path of a tiny random Qwen2_5_VLForConditionalGeneration directory (with preprocessor_config.json)."""
-    if "qwen2_5_vl" in _cache:
-        return _cache["qwen2_5_vl"]
+    if "qwen2_5_vl" not in _cache:
+        _cache["qwen2_5_vl"] = build_vlm(os.path.join(_root_dir(), "qwen2_5_vl"))
+    return _cache["qwen2_5_vl"]
+
+
+def build_vlm(path: str, text_sizes: Optional[dict] = None, vision_sizes: Optional[dict] = None,
+              max_pixels: int = 28 * 28 * 64) -> str:
+    """A random Qwen2.5-VL in `path`: tiny_vlm's, or with the text / vision config sizes given (benchmarks)."""
     import json
 
     import transformers
 
-    path = os.path.join(_root_dir(), "qwen2_5_vl")
     tok = build_tokenizer(path)
     tok.add_special_tokens({"additional_special_tokens": VLM_SPECIAL})
     tok.chat_template = VLM_CHAT_TEMPLATE
     tok.save_pretrained(path)
     ids = {t: tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL}
-    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
-                  fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2)
+                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id),
+            **(text_sizes or {})}
+    vision = {**dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[1],
+                     window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+              **(vision_sizes or {})}
+    vision["out_hidden_size"] = text["hidden_size"]
     config = transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
@@ -203,9 +211,8 @@ def tiny_vlm() -> str:
                 param.normal_(0, 0.08)
     model.save_pretrained(path)
     with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
-        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64,
+        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": max_pixels,
                    "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
                    "image_std": [0.26862954, 0.26130258, 0.27577711]}, f)
-    _cache["qwen2_5_vl"] = path
     return path

@@ -157,3 +157,19 @@ def test_a_text_model_refuses_images(request):
                                 api_key=API_KEY)  # test_server.py's server, shared in one session
     msg = _error(_chat(text_server, _data_uri(_image(*IMAGES["small"]))))
     assert "is not a vision-language model" in msg
+
+
+def test_bench_serve_random_mm(server):
+    from tokenmill.bench.serve import ServeConfig, run_benchmark
+
+    cfg = ServeConfig(base_url=server.url, api_key=API_KEY, endpoint="chat", dataset="random-mm",
+                      mm_image_size="112x84", mm_images_per_request=2, input_len=8, output_len=2, num_prompts=2,
+                      progress=False)
+    s = run_benchmark(cfg)["summary"]
+    assert s["completed"] == 2 and s["failed"] == 0
+    text_only = run_benchmark(ServeConfig(base_url=server.url, api_key=API_KEY, endpoint="chat", input_len=8,
+                                          output_len=2, num_prompts=2, progress=False))["summary"]
+    # per image: 12 tokens (84x112 pixels, 28x28 each) and the <|vision_start|>, <|vision_end|> around them
+    assert s["total_input_tokens"] - text_only["total_input_tokens"] == 2 * 2 * (12 + 2)
+    with pytest.raises(ValueError, match="use --endpoint chat"):
+        run_benchmark(ServeConfig(base_url=server.url, dataset="random-mm"))
