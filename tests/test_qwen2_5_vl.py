@@ -195,3 +195,50 @@ def test_preemption_recomputes_images_exactly(vlm):
     for out, images in zip(outs, sets):
         ref = _hf_reference(path, _ids(llm, PROMPT), images, max_tokens=24)
         _assert_matches(out, ref)
+
+
+def test_images_share_an_encoder_budget_per_step(vlm):
+    """A 32-token step budget is also the step's encoder budget. Prompts of an image (24 tokens) then two tokens:
+    the first prompt's 27 tokens leave 5, enough to reach the second's image, but encoding it would make 48
+    image tokens in one step; that chunk stops before the image instead. Tokens still match transformers."""
+    path, proc = vlm
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=32)
+    sets = [[_image(*IMAGES["wide"])], [_image(112, 168, 5)], [_image(84, 112, 6)]]
+    ids = _ids(llm, "<|vision_start|><|image_pad|><|vision_end|>hi")
+    encoded, steps = _runner(llm).mm, []
+    for i, images in enumerate(sets):
+        expanded, mm = proc.expand_prompt(ids, images)
+        llm.engine.add_request(EngineCoreRequest(f"r{i}", expanded, GREEDY, mm_inputs=mm))
+    while llm.engine.has_unfinished_requests():
+        before = encoded.encoded_tokens
+        llm.engine.step()
+        steps.append(encoded.encoded_tokens - before)
+    assert encoded.num_encoded == 3 and sum(steps) == 24 + 24 + 12
+    assert max(steps) <= 32, steps
+    outs = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": s}} for s in sets], GREEDY,
+                        use_tqdm=False)
+    for out, images in zip(outs, sets):
+        _assert_matches(out, _hf_reference(path, ids, images))
+
+
+def test_llm_chat_takes_image_parts(vlm, tmp_path):
+    """LLM.chat: image_url parts as data: URIs and file:// paths give the tokens generate gives for the
+    rendered prompt and the images; remote URLs are refused offline."""
+    import base64
+    import io
+
+    path, _ = vlm
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=32 << 20)
+    wide, long = _image(*IMAGES["wide"]), _image(*IMAGES["long"])
+    buf = io.BytesIO()
+    wide.save(buf, format="PNG")
+    long.save(tmp_path / "long.png")
+    data_uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [{"type": "image_url", "image_url": {"url": data_uri}}, {"type": "text", "text": "and"},
+               {"type": "image_url", "image_url": {"url": f"file://{tmp_path}/long.png"}}]
+    out = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)[0]
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>and<|vision_start|><|image_pad|>"
+            "<|vision_end|><|im_end|>\n<|im_start|>assistant\n")
+    _assert_matches(out, _hf_reference(path, _ids(llm, text), [wide, long]))
+    with pytest.raises(ValueError, match="remote image URLs are not allowed"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x.test/a.png"}}]}])

@@ -13,10 +13,25 @@ from tokenmill.engine.frontend import (PromptType, eos_token_ids, fan_out, load_
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
 from tokenmill.models.resolution import resolve_engine_config
+from tokenmill.multimodal.chat import template_content
+from tokenmill.multimodal.media import MediaPolicy, load_image
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
+
+# LLM.chat's images: the caller's own files and data: URIs; no remote URL (nothing is downloaded at run time)
+OFFLINE_MEDIA = MediaPolicy(allowed_local_media_path="/")
+
+
+def _with_image_parts(conversation: list[dict]) -> tuple[list[dict], list[str]]:
+    """The conversation as the template sees it (multimodal/chat.py) and its image URLs in order."""
+    out, urls = [], []
+    for message in conversation:
+        content, found = template_content(message.get("content")) if isinstance(message, dict) else (None, [])
+        out.append({**message, "content": content} if found else message)
+        urls += found
+    return out, urls
 
 
 class LLM:
@@ -69,17 +84,21 @@ class LLM:
              chat_template: Optional[str] = None, continue_final_message: bool = False,
              tools: Optional[list] = None, **template_kwargs: Any) -> list[RequestOutput]:
         """Generate for one conversation or a list of them, each rendered with the chat template
-        (tokenmill.chat_template; `template_kwargs` become template variables)."""
+        (tokenmill.chat_template; `template_kwargs` become template variables). A vision-language model's
+        messages may hold image_url parts: data: URIs and file:// paths (nothing is downloaded)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [render_chat_template(self.tokenizer, conv, chat_template=chat_template,
-                                      add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message, tools=tools,
-                                      template_kwargs=template_kwargs)
-                 for conv in conversations]
-        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
-                   for text in texts]
+        prompts = []
+        for conv in conversations:
+            conv, urls = _with_image_parts(conv)
+            text = render_chat_template(self.tokenizer, conv, chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tools=tools,
+                                        template_kwargs=template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids,
+                            "multi_modal_data": {"image": [load_image(url, OFFLINE_MEDIA) for url in urls]}})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: Union[EmbedInput, Sequence[EmbedInput]], truncate_prompt_tokens: Optional[int] = None,

@@ -57,7 +57,8 @@ class ImageProcessor:
             return self
         unknown = sorted(set(options) - set(PIXEL_KEYS))
         if unknown:
-            raise ValueError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; supported: {', '.join(PIXEL_KEYS)}")
+            raise ValueError(f"unsupported mm_processor_kwargs {', '.join(unknown)}; "
+                             f"supported: {', '.join(PIXEL_KEYS)}")
         values = {}
         for key in PIXEL_KEYS:
             if key in options:

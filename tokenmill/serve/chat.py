@@ -14,7 +14,8 @@ from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
-from tokenmill.serve.images import IMAGE_PART_TYPES, attach_images, image_url, image_urls
+from tokenmill.multimodal.chat import IMAGE_PART_TYPES, template_content
+from tokenmill.serve.images import attach_images, image_url, image_urls
 from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
@@ -31,26 +32,20 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _content(m: ChatMessage, i: int) -> Union[str, list[dict]]:
-    """The content the template sees: text parts joined, or with images the parts in order, each image as
-    {"type": "image"} (templates of vision-language models write their placeholder for it)."""
+    """The content the template sees (multimodal/chat.py: text parts joined, or with images the parts in order);
+    a part that is neither text nor an image with a URL is a 400 naming it."""
     c = m.content
     if c is None:
         return ""
     if isinstance(c, str):
         return c
-    parts = []
     for j, part in enumerate(c):
         if part.get("type") in IMAGE_PART_TYPES:
             image_url(part, f"messages[{i}].content[{j}]")
-            parts.append({"type": "image"})
         elif part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"messages[{i}].content[{j}]: only text and image_url content parts are supported "
                               f"(got type {part.get('type')!r})", f"messages[{i}].content")
-        else:
-            parts.append({"type": "text", "text": part["text"]})
-    if any(p["type"] == "image" for p in parts):
-        return parts
-    return "\n".join(p["text"] for p in parts)
+    return template_content(c)[0]
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,

@@ -9,20 +9,17 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tokenmill.engine.frontend import prepare_images
 from tokenmill.http.errors import bad_request
+from tokenmill.multimodal.chat import IMAGE_PART_TYPES, part_url
 from tokenmill.multimodal.media import load_image
 from tokenmill.serve.serving import Prompt, off_loop
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
 
-IMAGE_PART_TYPES = ("image_url", "image")
-
-
 def image_url(part: dict, where: str) -> str:
-    """The URL of an image content part (OpenAI's {"image_url": {"url": ...}}, or a bare string)."""
-    value = part.get("image_url", part.get("image"))
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
+    """The URL of an image content part (multimodal/chat.py), else a 400 naming the part."""
+    url = part_url(part)
+    if url is None:
         raise bad_request(f"{where}: an image_url part needs image_url.url (a data:, file:// or http(s) URL)",
                           "messages")
     return url

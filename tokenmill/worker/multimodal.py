@@ -22,6 +22,7 @@ class MultimodalInputs:
         self.positions: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (prompt's [3, L], decode delta)
         self.features: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> its tokens
         self.num_encoded = 0  # images the vision tower has run (a test checks: once per image per request)
+        self.encoded_tokens = 0  # their tokens (the scheduler's encoder budget bounds a step's)
 
     def drop(self, request_ids) -> None:
         for rid in request_ids:
@@ -64,6 +65,7 @@ class MultimodalInputs:
                 if tokens is None:
                     tokens = self.features[key] = self.model.encode_image(img)
                     self.num_encoded += 1
+                    self.encoded_tokens += img.num_tokens
                 rows.append(torch.arange(lo - start, hi - start) + int(qsl[i]))
                 feats.append(tokens[lo - img.offset:hi - img.offset])
                 if hi == img.end:  # consumed: a later chunk never reads it (a re-run after a failure re-encodes)
