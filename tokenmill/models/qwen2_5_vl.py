@@ -26,6 +26,7 @@ from torch import nn
 
 from tokenmill.layers.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.attention.bidirectional import bidirectional_attention
+from tokenmill.layers.linear import materialize
 from tokenmill.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from tokenmill.models.llama import LlamaForCausalLM
 from tokenmill.step.multimodal import ImageInput
@@ -58,26 +59,43 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+class VisionAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
+        S = x.shape[0]
+        q, k, v = self.qkv(x).view(S, 3, self.num_heads, self.head_dim).unbind(1)
+        c, s = cos[:, None], sin[:, None]  # the rotation in float32, as HF does
+        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
+        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
+        return self.proj(bidirectional_attention(q, k, v, segments, self.head_dim ** -0.5).reshape(S, -1))
+
+
 class VisionBlock(nn.Module):
     def __init__(self, vc) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = vc.num_heads, vc.hidden_size // vc.num_heads
         self.norm1, self.norm2 = VisionRMSNorm(vc.hidden_size), VisionRMSNorm(vc.hidden_size)
-        self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(vc.hidden_size, 3 * vc.hidden_size)
-        self.attn.proj = nn.Linear(vc.hidden_size, vc.hidden_size)
+        self.attn = VisionAttention(vc.hidden_size, vc.num_heads)
         self.mlp = VisionMLP(vc.hidden_size, vc.intermediate_size, vc.hidden_act)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
         """x [S, E]; cos/sin [S, head_dim] (float32); segments: attention runs within each [s_i, s_i+1)."""
-        S = x.shape[0]
-        q, k, v = self.attn.qkv(self.norm1(x)).view(S, 3, self.num_heads, self.head_dim).unbind(1)
-        c, s = cos[:, None], sin[:, None]  # the rotation in float32, as HF does
-        q = (q.float() * c + _rotate_half(q.float()) * s).to(x.dtype)
-        k = (k.float() * c + _rotate_half(k.float()) * s).to(x.dtype)
-        o = bidirectional_attention(q, k, v, segments, self.head_dim ** -0.5)
-        x = x + self.attn.proj(o.reshape(S, -1))
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """HF's Conv3d with stride = kernel is a linear map of each flattened patch (loaded reshaped)."""
+
+    def __init__(self, patch_dim: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(patch_dim, dim, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.proj(pixels.to(self.proj.weight.dtype))
 
 
 class PatchMerger(nn.Module):
@@ -97,8 +115,7 @@ class VisionTransformer(nn.Module):
         self.merge, self.patch, self.window = vc.spatial_merge_size, vc.patch_size, vc.window_size
         self.full_blocks = set(vc.fullatt_block_indexes)
         patch_dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Linear(patch_dim, vc.hidden_size, bias=False)  # checkpoint: a Conv3d kernel
+        self.patch_embed = PatchEmbed(patch_dim, vc.hidden_size)
         head_dim = vc.hidden_size // vc.num_heads
         theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float) / (head_dim // 2)
@@ -111,7 +128,7 @@ class VisionTransformer(nn.Module):
         t, h, w = grid
         unit = self.merge ** 2
         order, windows = window_order(grid, self.merge, self.window // self.merge // self.patch)
-        x = self.patch_embed.proj(pixels.to(self.patch_embed.proj.weight.dtype))
+        x = self.patch_embed(pixels)
         x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
         cos, sin = self._rope(t, h, w, order)
         frames = [i * h * w for i in range(t + 1)]  # full attention: within each frame
@@ -208,5 +225,5 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     @staticmethod
     def _load_param(name: str, param: nn.Parameter, module: nn.Module, tensor, shard: int) -> None:
         if name.endswith("patch_embed.proj.weight"):  # the Conv3d kernel [E, C, T, p, p] as a linear map
-            tensor = tensor[:].reshape(tensor.shape[0], -1) if hasattr(tensor, "shape") else tensor
+            tensor = materialize(tensor).reshape(tensor.shape[0], -1)
         LlamaForCausalLM._load_param(name, param, module, tensor, shard)

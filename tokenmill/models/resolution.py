@@ -99,10 +99,8 @@ def text_view(config: Any) -> Any:
     if getattr(config, "vision_config", None) is None or getattr(config, "text_config", None) is None:
         return config
     text = config.text_config
-    for name in _VLM_FIELDS:
-        if getattr(config, name, None) is not None:
-            setattr(text, name, getattr(config, name))
-    return text
+    extras = {name: getattr(config, name) for name in _VLM_FIELDS if getattr(config, name, None) is not None}
+    return type(text)(**{**text.to_dict(), **extras})
 
 
 # -- the model's folder ------------------------------------------------------------------------------------
