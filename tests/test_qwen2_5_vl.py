@@ -242,3 +242,19 @@ def test_llm_chat_takes_image_parts(vlm, tmp_path):
     _assert_matches(out, _hf_reference(path, _ids(llm, text), [wide, long]))
     with pytest.raises(ValueError, match="remote image URLs are not allowed"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x.test/a.png"}}]}])
+
+
+def test_prefix_hit_ending_inside_an_image(vlm):
+    """A prompt ending with its image: the second run's hit (16 tokens) ends inside the image, so the rest of the
+    image's tokens are this run's rows of a fresh encoding."""
+    path, _ = vlm
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=32 << 20, block_size=16)
+    ids = _ids(llm, "<|vision_start|><|image_pad|><|vision_end|>hi")
+    image = _image(*IMAGES["wide"])
+    runs = [llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": [image]}}], GREEDY,
+                         use_tqdm=False)[0] for _ in range(2)]
+    assert runs[1].num_cached_tokens == 16 and 1 < 16 < 1 + 24  # inside the image's tokens [1, 25)
+    ref = _hf_reference(path, ids, [image])
+    _assert_matches(runs[0], ref)
+    _assert_matches(runs[1], ref)
+    assert _runner(llm).mm.num_encoded == 2
