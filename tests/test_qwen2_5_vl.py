@@ -258,3 +258,19 @@ def test_prefix_hit_ending_inside_an_image(vlm):
     _assert_matches(runs[0], ref)
     _assert_matches(runs[1], ref)
     assert _runner(llm).mm.num_encoded == 2
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_matches_transformers(vlm):
+    """TP=2 (mp executor: the images travel to both ranks in the step message; each rank runs the replicated
+    vision tower and its half of the decoder's heads, q/k/v biases included) gives transformers' tokens."""
+    path, _ = vlm
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=32 << 20)
+    try:
+        two = [_image(*IMAGES["wide"]), _image(*IMAGES["long"])]
+        out = llm.generate([{"prompt_token_ids": _ids(llm, PROMPT), "multi_modal_data": {"image": two}}], GREEDY,
+                           use_tqdm=False)
+        _assert_matches(out[0], _hf_reference(path, _ids(llm, PROMPT), two))
+    finally:
+        llm.engine.shutdown()
