@@ -13,6 +13,7 @@ from models import tiny_vlm
 from tokenmill import LLM, SamplingParams
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.multimodal.processor import ImageProcessor
+from tokenmill.step.multimodal import patch_values
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
@@ -92,9 +93,10 @@ def test_image_processor_matches_transformers(vlm):
     _, proc = vlm
     images = [_image(*IMAGES["wide"]), _image(*IMAGES["long"]), _image(*IMAGES["small"])]
     ref = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64)(images=images, return_tensors="np")
-    ours = [proc.patches(im) for im in images]
-    assert [list(g) for _, g in ours] == ref["image_grid_thw"].tolist()
-    np.testing.assert_allclose(np.concatenate([p for p, _ in ours]), ref["pixel_values"], atol=1e-6)
+    ours = [proc.image_input(im, 0) for im in images]
+    assert [list(i.grid_thw) for i in ours] == ref["image_grid_thw"].tolist()
+    patches = np.concatenate([patch_values(i, proc.patch_size, proc.merge_size, proc.temporal_patch_size) for i in ours])
+    np.testing.assert_array_equal(patches, ref["pixel_values"])  # bit for bit
     # the dial: fewer pixels, fewer tokens; bad options are one-line errors
     assert proc.with_options({"max_pixels": 28 * 28 * 8}).num_tokens(112, 168) <= 8 < proc.num_tokens(112, 168)
     with pytest.raises(ValueError, match="unsupported mm_processor_kwargs"):

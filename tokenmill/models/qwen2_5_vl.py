@@ -29,7 +29,7 @@ from tokenmill.layers.attention.bidirectional import bidirectional_attention
 from tokenmill.layers.linear import materialize
 from tokenmill.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from tokenmill.models.llama import LlamaForCausalLM
-from tokenmill.step.multimodal import ImageInput
+from tokenmill.step.multimodal import ImageInput, patch_values
 
 
 class VisionRMSNorm(nn.Module):
@@ -200,8 +200,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     def encode_image(self, image: ImageInput) -> torch.Tensor:
         """The image's tokens [num_tokens, hidden] in the model dtype."""
-        pixels = torch.frombuffer(bytearray(image.pixel_values), dtype=torch.float32)
-        pixels = pixels.view(image.grid_thw[0] * image.grid_thw[1] * image.grid_thw[2], -1)
+        vc = self.config.vision_config
+        pixels = torch.from_numpy(patch_values(image, vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size))
         return self.visual(pixels.to(self.embed_tokens.weight.device), image.grid_thw).to(self.dtype)
 
     def mrope_positions(self, prompt_len: int, images: Sequence[ImageInput]) -> tuple[np.ndarray, int]:

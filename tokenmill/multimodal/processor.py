@@ -1,7 +1,7 @@
 """Qwen2-VL's image processor (Qwen2.5-VL uses it as is), as transformers' PIL backend computes it: RGB, resize
-(bicubic) to the nearest multiple of patch x merge within [min_pixels, max_pixels] (smart_resize), rescale to
-[0, 1], normalize per channel, and patchify into merge-block order, each patch repeated over the temporal
-patch. max_pixels / min_pixels are the quality/speed dial: an image costs (h/28) x (w/28) tokens.
+(bicubic) to the nearest multiple of patch x merge within [min_pixels, max_pixels] (smart_resize); the worker
+then rescales to [0, 1], normalizes per channel and patchifies (step/multimodal.patch_values). max_pixels /
+min_pixels are the quality/speed dial: an image costs (h/28) x (w/28) tokens.
 
 The prompt names each image with one placeholder token (`<|image_pad|>`, as the chat template writes it);
 expand_prompt widens the i-th to the i-th image's token count and records where each image sits.
@@ -96,19 +96,22 @@ class ImageProcessor:
         h, w = self.target_size(height, width)
         return (h // self.unit) * (w // self.unit)
 
-    def patches(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """A PIL image -> (float32 patches [h*w, 3 * temporal * patch^2] in merge-block order, grid (1, h, w))."""
+    def resize(self, image) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """A PIL image -> (its RGB pixels resized to the patch grid, uint8 [h * patch, w * patch, 3], grid
+        (1, h, w)). The worker normalizes and patchifies them (step/multimodal.patch_values)."""
         from PIL import Image  # the API process's and LLM's only PIL use; a text-only server never imports it
 
         height, width = self.target_size(image.height, image.width)
         rgb = image.convert("RGB").resize((width, height), resample=Image.Resampling.BICUBIC)
-        x = (np.asarray(rgb).astype(np.float64) * (1 / 255)).astype(np.float32)
-        x = ((x - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)).astype(np.float32)
-        p, m, T = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = height // p, width // p
-        x = x.transpose(2, 0, 1).reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)
-        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], T, p, p))
-        return np.ascontiguousarray(x.reshape(gh * gw, 3 * T * p * p)), (1, gh, gw)
+        return np.asarray(rgb, dtype=np.uint8), (1, height // self.patch_size, width // self.patch_size)
+
+    def image_input(self, image, offset: int) -> ImageInput:
+        """The engine's record of a PIL image whose placeholder tokens start at prompt index `offset`."""
+        pixels, grid = self.resize(image)
+        digest = hashlib.blake2b(pixels.tobytes(), digest_size=16)
+        digest.update(repr((grid, self.image_mean, self.image_std)).encode())
+        return ImageInput(offset, grid[0] * grid[1] * grid[2] // self.merge_size ** 2, grid, pixels.tobytes(),
+                          self.image_mean, self.image_std, digest.hexdigest())
 
     def expand_prompt(self, token_ids: Sequence[int], images: Sequence) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its i-th placeholder widened to image i's tokens, and the images as the engine takes
@@ -121,13 +124,9 @@ class ImageProcessor:
         inputs: list[ImageInput] = []
         prev = 0
         for slot, image in zip(slots, images):
-            pixels, grid = self.patches(image)
-            n = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
             out.extend(token_ids[prev:slot])
-            digest = hashlib.blake2b(pixels.tobytes(), digest_size=16)
-            digest.update(repr(grid).encode())
-            inputs.append(ImageInput(len(out), n, grid, pixels.tobytes(), digest.hexdigest()))
-            out.extend([self.image_token_id] * n)
+            inputs.append(self.image_input(image, len(out)))
+            out.extend([self.image_token_id] * inputs[-1].num_tokens)
             prev = slot + 1
         out.extend(token_ids[prev:])
         return out, inputs

@@ -1,23 +1,41 @@
-"""An image in a request, as the front preprocessed it: where its placeholder tokens sit in the prompt and the
-patches the worker's vision tower encodes. Carried in EngineCoreRequest (API -> engine) and NewRequest
-(engine -> worker), so both contracts import it from here."""
+"""An image in a request, as the front preprocessed it: where its placeholder tokens sit in the prompt and its
+resized pixels, which the worker normalizes and cuts into the patches its vision tower encodes (patch_values).
+Carried in EngineCoreRequest (API -> engine) and NewRequest (engine -> worker), so both contracts import it
+from here. The pixels travel as the resized RGB bytes, not as float32 patches: 8x fewer bytes (4 for the
+float, 2 for the temporal patch's copy), held by the engine for as long as the request may be recomputed."""
 from __future__ import annotations
 
 from typing import Optional
 
 import msgspec
+import numpy as np
 
 
 class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     offset: int                      # prompt index of its first placeholder token
     num_tokens: int                  # its placeholder tokens (= merged patches, t*h*w / merge^2)
     grid_thw: tuple[int, int, int]   # the patch grid (frames, rows, columns)
-    pixel_values: bytes              # float32 [t*h*w, channels * temporal_patch * patch^2], native byte order
-    content_hash: str                # of the preprocessed pixels and grid: its prefix-cache key
+    pixels: bytes                    # the resized image, uint8 RGB [rows * patch, columns * patch, 3]
+    image_mean: tuple[float, ...]    # per channel, of pixels / 255 (the processor's normalization)
+    image_std: tuple[float, ...]
+    content_hash: str                # of the pixels, grid and normalization: its prefix-cache key
 
     @property
     def end(self) -> int:
         return self.offset + self.num_tokens
+
+
+def patch_values(image: ImageInput, p: int, merge: int, temporal: int) -> np.ndarray:
+    """The image's patches (p x p pixels) as its processor makes them (transformers' PIL backend, bit for bit):
+    normalized float32 [rows * columns, 3 * temporal * p^2] in merge-block order (each merge x merge block's patches together, row
+    by row), each patch repeated over the temporal patch."""
+    _, gh, gw = image.grid_thw
+    x = np.frombuffer(image.pixels, dtype=np.uint8).reshape(gh * p, gw * p, 3)
+    x = (x.astype(np.float64) * (1 / 255)).astype(np.float32)
+    x = ((x - np.asarray(image.image_mean, np.float32)) / np.asarray(image.image_std, np.float32)).astype(np.float32)
+    x = x.transpose(2, 0, 1).reshape(3, gh // merge, merge, p, gw // merge, merge, p).transpose(1, 4, 2, 5, 0, 3, 6)
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], temporal, p, p))
+    return np.ascontiguousarray(x.reshape(gh * gw, 3 * temporal * p * p))
 
 
 def image_cache_key(images: list[ImageInput], start: int, end: int) -> str:
