@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -201,4 +202,66 @@ def tiny_bert() -> str:
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}, f)
     _cache["bert"] = path
+    return path
+
+
+# Qwen2.5-VL: a tiny random model with a 2-block vision tower. Each field is set where getting it wrong shows:
+# window attention in block 0 (a window of 2x2 merged patches, smaller than the test images) and full attention
+# in block 1, an M-RoPE split of the text head's 8 frequencies other than an even one, q/k/v biases randomized.
+VLM_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' or c['type'] == 'image_url' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_vlm() -> str:
+    """Path of a tiny random Qwen2_5_VLForConditionalGeneration directory (with preprocessor_config.json)."""
+    if "qwen2_5_vl" not in _cache:
+        _cache["qwen2_5_vl"] = build_vlm(os.path.join(_root_dir(), "qwen2_5_vl"))
+    return _cache["qwen2_5_vl"]
+
+
+def build_vlm(path: str, text_sizes: Optional[dict] = None, vision_sizes: Optional[dict] = None,
+              max_pixels: int = 28 * 28 * 64) -> str:
+    """A random Qwen2.5-VL in `path`: tiny_vlm's, or with the text / vision config sizes given (benchmarks)."""
+    import json
+
+    import transformers
+
+    tok = build_tokenizer(path)
+    tok.add_special_tokens({"additional_special_tokens": VLM_SPECIAL})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VLM_SPECIAL}
+    text = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id),
+            **(text_sizes or {})}
+    vision = {**dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[1],
+                     window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+              **(vision_sizes or {})}
+    vision["out_hidden_size"] = text["hidden_size"]
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False, initializer_range=0.08,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(5234)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or "ln_q" in name:
+                param.normal_(0, 0.3 if "bias" in name else 0.1).add_(0 if "bias" in name else 1)
+            else:
+                param.normal_(0, 0.08)
+    model.save_pretrained(path)
+    with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+        json.dump({"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": max_pixels,
+                   "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                   "image_std": [0.26862954, 0.26130258, 0.27577711]}, f)
     return path

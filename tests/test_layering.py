@@ -24,7 +24,7 @@ LAYERS = [
     ("tools", ["tune", "bench", "plan", "eval", "fleet"]),
     ("serving", ["router", "serve"]),
     ("http", ["http"]),
-    ("front", ["llm", "engine.async_llm", "engine.frontend", "engine.output_processor", "engine.prestart",
+    ("front", ["llm", "engine.async_llm", "engine.frontend", "engine.output_processor", "engine.prestart", "multimodal",
                "chat_template"]),
     ("core", ["engine", "structured"]),
     ("executor", ["executor"]),

@@ -103,6 +103,24 @@ class PoolerConfig:
         return self.encoder or self.method != "last"
 
 
+MM_PIXEL_KEYS = ("max_pixels", "min_pixels")
+DEFAULT_IMAGES_PER_PROMPT = 16
+
+
+def _json_flag(flag: str, value: Any, keys: tuple[str, ...]) -> dict:
+    """A JSON-object flag (a string from the command line, or a dict) with only `keys` in it."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} must be a JSON object, e.g. {{\"{keys[0]}\": 4}}: {e}") from None
+    if not isinstance(value, dict) or set(value) - set(keys):
+        raise ValueError(f"{flag} takes a JSON object with the keys {', '.join(keys)}; got {value!r}")
+    return dict(value)
+
+
 @dataclass
 class ModelConfig:
     model: Optional[str] = None
@@ -116,6 +134,10 @@ class ModelConfig:
     quantize_lm_head: bool = False      # online quantization covers the LM head too (default: model dtype)
     task: str = "auto"                  # generate | embed | auto (an encoder or sentence-transformers folder: embed)
     gguf_weights: str = "auto"          # a GGUF's weights: native (its own blocks) | dequantize (float) | auto
+    # A vision-language model's images: at most this many per prompt ({"image": N}), and the image processor's
+    # defaults (max_pixels / min_pixels: the quality/speed dial; a request's mm_processor_kwargs override them)
+    limit_mm_per_prompt: Any = None
+    mm_processor_kwargs: Any = None
     # Resolved in finalize():
     model_dir: str = ""
     hf_config: Any = None
@@ -141,6 +163,17 @@ class ModelConfig:
         if self.quantization in QUANTIZATION_METHODS and not getattr(self.hf_config, "quantization_config", None):
             return self.quantization
         return None
+
+    def __post_init__(self) -> None:
+        self.limit_mm_per_prompt = _json_flag("--limit-mm-per-prompt", self.limit_mm_per_prompt, ("image",))
+        self.mm_processor_kwargs = _json_flag("--mm-processor-kwargs", self.mm_processor_kwargs, MM_PIXEL_KEYS)
+        for key, value in {**self.limit_mm_per_prompt, **self.mm_processor_kwargs}.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+
+    @property
+    def max_images_per_prompt(self) -> int:
+        return self.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT)
 
     def finalize(self, device: str, resolver: ModelResolver) -> None:
         resolver.resolve_model(self, device)
@@ -716,6 +749,8 @@ class EngineConfig:
             kv_cache_dtype=a.kv_cache_dtype, quantization=getattr(a, "quantization", None),
             quantize_lm_head=getattr(a, "quantize_lm_head", False), task=getattr(a, "task", "auto"),
             gguf_weights=getattr(a, "gguf_weights", "auto"),
+            limit_mm_per_prompt=getattr(a, "limit_mm_per_prompt", None),
+            mm_processor_kwargs=getattr(a, "mm_processor_kwargs", None),
             kv_offloading_size=a.kv_offloading_size, kv_offloading_disk_dir=a.kv_offloading_disk_dir,
             kv_offloading_disk_size=a.kv_offloading_disk_size,
             disable_hybrid_kv_cache_manager=getattr(a, "disable_hybrid_kv_cache_manager", False),
@@ -792,6 +827,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the engine's random state (sampling)")
     p.add_argument("--served-model-name", default=None,
                    help="model name the API reports and accepts (default: the model argument)")
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help=f'a vision-language model\'s images per prompt, e.g. \'{{"image": 4}}\' '
+                        f"(default {DEFAULT_IMAGES_PER_PROMPT})")
+    p.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help='image processor defaults, e.g. \'{"max_pixels": 401408}\': an image costs '
+                        "pixels / 784 tokens at most, the quality/speed dial (requests may override it)")
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:

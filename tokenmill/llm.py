@@ -8,15 +8,31 @@ from typing import Any, Optional, Sequence, Union
 from tokenmill.chat_template import render_chat_template
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core import EngineCore
-from tokenmill.engine.frontend import PromptType, eos_token_ids, fan_out, load_tokenizer, tokenize_prompt
+from tokenmill.engine.frontend import (PromptType, eos_token_ids, fan_out, load_image_processor, load_tokenizer,
+                                      prepare_images, tokenize_prompt)
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.engine.pooling import EmbedInput, check_dimensions, embed_params, embed_token_ids, final_vector
 from tokenmill.lora import LoRARequest, read_adapter_config
 from tokenmill.models.resolution import resolve_engine_config
+from tokenmill.multimodal.chat import template_content
+from tokenmill.multimodal.media import MediaPolicy, load_image
 from tokenmill.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
+
+# LLM.chat's images: the caller's own files and data: URIs; no remote URL (nothing is downloaded at run time)
+OFFLINE_MEDIA = MediaPolicy(allowed_local_media_path="/")
+
+
+def _with_image_parts(conversation: list[dict]) -> tuple[list[dict], list[str]]:
+    """The conversation as the template sees it (multimodal/chat.py) and its image URLs in order."""
+    out, urls = [], []
+    for message in conversation:
+        content, found = template_content(message.get("content")) if isinstance(message, dict) else (None, [])
+        out.append({**message, "content": content} if found else message)
+        urls += found
+    return out, urls
 
 
 class LLM:
@@ -25,6 +41,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(self.config)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
+        self.image_processor = load_image_processor(self.config)  # None unless a vision-language model
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._adapters: set[int] = set()  # lora_int_ids whose adapter config was checked
@@ -90,17 +107,22 @@ class LLM:
              tools: Optional[list] = None, lora_request: Union[LoRARequest, Sequence[LoRARequest], None] = None,
              **template_kwargs: Any) -> list[RequestOutput]:
         """Generate for one conversation or a list of them, each rendered with the chat template
-        (tokenmill.chat_template; `template_kwargs` become template variables); lora_request as in generate."""
+        (tokenmill.chat_template; `template_kwargs` become template variables); lora_request as in generate. A
+        vision-language model's messages may hold image_url parts: data: URIs and file:// paths (nothing is
+        downloaded)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init is set)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [render_chat_template(self.tokenizer, conv, chat_template=chat_template,
-                                      add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message, tools=tools,
-                                      template_kwargs=template_kwargs)
-                 for conv in conversations]
-        prompts = [{"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
-                   for text in texts]
+        prompts = []
+        for conv in conversations:
+            conv, urls = _with_image_parts(conv)
+            text = render_chat_template(self.tokenizer, conv, chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tools=tools,
+                                        template_kwargs=template_kwargs)
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids,
+                            "multi_modal_data": {"image": [load_image(url, OFFLINE_MEDIA) for url in urls]}})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Union[EmbedInput, Sequence[EmbedInput]], truncate_prompt_tokens: Optional[int] = None,
@@ -128,9 +150,12 @@ class LLM:
              priority: int = 0) -> None:
         text, ids = tokenize_prompt(prompt, self.tokenizer)
         extra = prompt if isinstance(prompt, dict) else {}  # as vLLM's prompt dicts
+        images = (extra.get("multi_modal_data") or {}).get("image") or []  # PIL images, one per placeholder
+        ids, mm = prepare_images(ids, images if isinstance(images, list) else [images], self.image_processor,
+                                 self.config, extra.get("mm_processor_kwargs"))
         reqs = fan_out(rid, ids, sp, self.eos_token_ids, self.config.cache.enable_prefix_caching,
                        extra.get("cache_salt"), kv_transfer_params=extra.get("kv_transfer_params"),
-                       priority=priority, lora_request=lora)
+                       priority=priority, lora_request=lora, mm_inputs=mm)
         for r in reqs:
             self.engine.add_request(r)  # validates; raises before anything runs for a bad request
         self.processor.add_request(RequestState(rid, text, ids, sp, self.tokenizer, delta=False),

@@ -12,6 +12,7 @@ import msgspec
 
 from tokenmill.lora import LoRARequest
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.multimodal import ImageInput
 
 
 class FinishReason(enum.IntEnum):
@@ -42,6 +43,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # --scheduling-policy priority: lower runs first (ties by arrival); must be 0 under fcfs
     priority: int = 0
     lora_request: Optional[LoRARequest] = None  # the adapter it runs (--enable-lora); None: the base model
+    # Images in the prompt, by position (a VLM's; step/multimodal.py), as the front preprocessed them
+    mm_inputs: list[ImageInput] = msgspec.field(default_factory=list)
 
 
 def check_token_ids(prompt_token_ids: list[int], sp: SamplingParams, vocab_size: int) -> None:
@@ -131,6 +134,7 @@ class Request:
         self.cache_salt = req.cache_salt
         self.kv_transfer_params = req.kv_transfer_params  # disaggregated prefill/decode (kv_transfer/p2p_*)
         self.lora_request = req.lora_request
+        self.mm_inputs = req.mm_inputs  # images in the prompt (step/multimodal.py)
         self.arrival_time = req.arrival_time or time.time()
         self.priority = req.priority
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -7,6 +7,9 @@
   length as the output length.
 - `jsonl:PATH`: one JSON object per line: "prompt" and an output length ("output_len", "max_tokens" or
   "expected_output_len"; default --output-len).
+- `random-mm`: `random` prompts, each after `--mm-images-per-request` random images of `--mm-image-size`
+  (WxH) sent as PNG data URIs in chat image_url parts (--endpoint chat; a vision-language model). Each image
+  is new (smooth random colour fields), so no prefix-cache hit covers one.
 
 With a tokenizer (`--tokenizer`) prompt lengths are exact in its tokens; without one a prompt gets one common
 word per requested token, which BPE tokenizers encode as about one token each (the real counts are read
@@ -18,7 +21,7 @@ import json
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 logger = logging.getLogger("tokenmill")
@@ -45,8 +48,12 @@ class BenchRequest:
     prompt_len: int                 # tokens as the dataset counted them (exact with a tokenizer)
     output_len: int
     system: Optional[str] = None    # shared-prefix: the shared part, sent as a system message for chat
+    images: list[str] = field(default_factory=list)  # random-mm: data URIs, before the prompt text
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
+        if self.images:
+            parts = [{"type": "image_url", "image_url": {"url": u}} for u in self.images]
+            return [{"role": "user", "content": parts + [{"type": "text", "text": self.prompt}]}]
         if self.system is None:
             return [{"role": "user", "content": self.prompt}]
         return [{"role": "system", "content": self.system},
@@ -213,9 +220,37 @@ def jsonl_dataset(path: str, n: int, default_output_len: int, tokenizer=None) ->
     return [out[i % len(out)] for i in range(n)]
 
 
+def random_mm_dataset(n: int, input_len: int, output_len: int, range_ratio: float, seed: int, tokenizer,
+                      image_size: str, images_per_request: int) -> list[BenchRequest]:
+    try:
+        w, h = (int(v) for v in image_size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--mm-image-size must be WxH, e.g. 448x448, got {image_size!r}") from None
+    if min(w, h) < 1 or images_per_request < 1:
+        raise ValueError("--mm-image-size sides and --mm-images-per-request must be at least 1")
+    out = random_dataset(n, input_len, output_len, range_ratio, seed, tokenizer)
+    rng = random.Random(seed + 1)
+    for req in out:
+        req.images = [_random_image_uri(rng, w, h) for _ in range(images_per_request)]
+    return out
+
+
+def _random_image_uri(rng: random.Random, w: int, h: int) -> str:
+    import base64
+    import io
+
+    from PIL import Image  # random-mm only
+
+    coarse = Image.frombytes("RGB", (8, 8), bytes(rng.randrange(256) for _ in range(8 * 8 * 3)))
+    buf = io.BytesIO()
+    coarse.resize((w, h), Image.Resampling.BICUBIC).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def build_dataset(spec: str, n: int, *, input_len: int = 256, output_len: int = 128, range_ratio: float = 0.0,
-                  prefix_len: int = 512, num_prefixes: int = 4, seed: int = 0, tokenizer=None) -> list[BenchRequest]:
-    """`n` requests of workload `spec` (random, shared-prefix, sharegpt:PATH, jsonl:PATH)."""
+                  prefix_len: int = 512, num_prefixes: int = 4, seed: int = 0, tokenizer=None,
+                  mm_image_size: str = "448x448", mm_images_per_request: int = 1) -> list[BenchRequest]:
+    """`n` requests of workload `spec` (random, shared-prefix, sharegpt:PATH, jsonl:PATH, random-mm)."""
     kind, _, path = spec.partition(":")
     if min(input_len, output_len) < 1:
         raise ValueError("--input-len and --output-len must be at least 1")
@@ -227,4 +262,7 @@ def build_dataset(spec: str, n: int, *, input_len: int = 256, output_len: int = 
         return sharegpt_dataset(path, n, seed, tokenizer)
     if kind == "jsonl" and path:
         return jsonl_dataset(path, n, output_len, tokenizer)
-    raise ValueError(f"unknown dataset {spec!r}; use random, shared-prefix, sharegpt:PATH or jsonl:PATH")
+    if kind == "random-mm" and not path:
+        return random_mm_dataset(n, input_len, output_len, range_ratio, seed, tokenizer, mm_image_size,
+                                 mm_images_per_request)
+    raise ValueError(f"unknown dataset {spec!r}; use random, shared-prefix, sharegpt:PATH, jsonl:PATH or random-mm")

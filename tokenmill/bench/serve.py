@@ -53,6 +53,8 @@ class ServeConfig:
     range_ratio: float = 0.0
     prefix_len: int = 512
     num_prefixes: int = 4
+    mm_image_size: str = "448x448"         # random-mm: each image's WxH
+    mm_images_per_request: int = 1         # random-mm
     num_prompts: int = 100
     duration: Optional[float] = None       # seconds; instead of a fixed number of prompts
     request_rate: float = math.inf
@@ -90,6 +92,8 @@ class ServeConfig:
             raise ValueError(f"--warmup must be at least 0, got {self.warmup}")
         if self.priority_classes and self.endpoint == "embeddings":
             raise ValueError("--priority-classes is for the completions and chat endpoints")
+        if self.dataset == "random-mm" and self.endpoint != "chat":
+            raise ValueError("--dataset random-mm sends images in chat messages: use --endpoint chat")
 
     @property
     def api_base(self) -> str:
@@ -319,7 +323,8 @@ def request_source(cfg: ServeConfig, tokenizer, seed: int) -> Iterator[BenchRequ
     while True:
         batch = build_dataset(cfg.dataset, cfg.num_prompts, input_len=cfg.input_len, output_len=cfg.output_len,
                               range_ratio=cfg.range_ratio, prefix_len=cfg.prefix_len, num_prefixes=cfg.num_prefixes,
-                              seed=seed + 7919 * chunk, tokenizer=tokenizer)
+                              seed=seed + 7919 * chunk, tokenizer=tokenizer, mm_image_size=cfg.mm_image_size,
+                              mm_images_per_request=cfg.mm_images_per_request)
         yield from batch
         chunk += 1
 
@@ -516,13 +521,16 @@ def _json_obj(text: str) -> dict:
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags (dataset, lengths, sampling), shared by `bench serve | sweep | matrix` and `tune`."""
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", help="random, shared-prefix, sharegpt:PATH or jsonl:PATH")
+    g.add_argument("--dataset", default="random",
+                   help="random, shared-prefix, sharegpt:PATH, jsonl:PATH or random-mm (images; --endpoint chat)")
     g.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, shared-prefix question)")
     g.add_argument("--output-len", type=int, default=128, help="output tokens (max_tokens)")
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)] (random, shared-prefix)")
     g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens of each shared system prompt")
     g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: how many distinct system prompts")
+    g.add_argument("--mm-image-size", default="448x448", help="random-mm: each image's WxH in pixels")
+    g.add_argument("--mm-images-per-request", type=int, default=1, help="random-mm: images in each request")
     g.add_argument("--tokenizer", default=None,
                    help="HF directory or .gguf ('default': the built-in model's) for exact prompt lengths; "
                         "without it a prompt gets one common word per requested token")
@@ -576,6 +584,7 @@ def workload_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """ServeConfig fields from add_workload_args' flags."""
     return dict(dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
                 range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                mm_image_size=args.mm_image_size, mm_images_per_request=args.mm_images_per_request,
                 seed=args.seed, temperature=args.temperature, ignore_eos=args.ignore_eos, tokenizer=args.tokenizer,
                 extra_body=args.extra_body, priority_classes=args.priority_classes)
 

@@ -34,6 +34,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.startup import Ledger, timed
 from tokenmill.step.kv_groups import kv_layout
+from tokenmill.step.multimodal import ImageInput
 
 logger = logging.getLogger("tokenmill")
 
@@ -303,17 +304,19 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
                     queue: Optional[asyncio.Queue] = None, cache_salt: Optional[str] = None,
                     kv_transfer_params: Optional[dict] = None, priority: int = 0,
-                    lora_request: Optional[LoRARequest] = None) -> RequestState:
+                    lora_request: Optional[LoRARequest] = None,
+                    mm_inputs: Optional[list[ImageInput]] = None) -> RequestState:
         """Queue a request; its RequestOutput deltas (or an exception) arrive on the returned record's
         queue, which several requests may share. Raises ValueError for an invalid request.
         kv_transfer_params (disaggregated prefill/decode) and lora_request (its adapter; None: the base model)
-        go to every engine request of it."""
+        go to every engine request of it; mm_inputs: its prompt's images (frontend.prepare_images)."""
         self.check_alive()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params, priority)
         reqs = fan_out(request_id, prompt_ids, params, self.eos_token_ids, self.config.cache.enable_prefix_caching,
-                       cache_salt, time.time(), kv_transfer_params, priority=priority, lora_request=lora_request)
+                       cache_salt, time.time(), kv_transfer_params, priority=priority, lora_request=lora_request,
+                       mm_inputs=mm_inputs)
         payload = self._encoder.encode(reqs)  # before any bookkeeping: a request that cannot be sent leaves none
         ids = [r.request_id for r in reqs]
         state = RequestState(request_id, prompt, prompt_ids, params, self.tokenizer, delta=True,

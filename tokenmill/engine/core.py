@@ -17,6 +17,7 @@ from tokenmill.kv_transfer import make_scheduler_connector
 from tokenmill.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_priority,
                                 check_token_ids)
 from tokenmill.startup import Ledger
+from tokenmill.step.multimodal import check_images
 
 logger = logging.getLogger("tokenmill")
 MAX_FAILED_STEPS = 32  # consecutive failed steps after which the engine gives up (and is restarted)
@@ -48,6 +49,7 @@ class EngineCore:
         if layout.frees_blocks or layout.one_group_reason:  # a model with sliding-window layers
             logger.info("KV groups: %s", layout.describe())
         self.vocab_size = config.model.hf_config.vocab_size
+        self.image_token_id = getattr(config.model.hf_config, "image_token_id", None)  # a VLM's placeholder
         self.num_failed_steps = 0  # in a row; past MAX_FAILED_STEPS the engine itself is broken
         self.step_stats = None
         if config.log_step_stats:
@@ -78,6 +80,7 @@ class EngineCore:
         if req.lora_request is not None and self.config.lora is None:
             raise ValueError(f"request for LoRA adapter {req.lora_request.lora_name!r}, but this engine runs "
                              "without --enable-lora")
+        check_images(req.prompt_token_ids, req.mm_inputs, self.image_token_id)
         self.scheduler.check_fits(len(req.prompt_token_ids), req.sampling_params)
         if self.scheduler.connector is not None:  # e.g. kv_transfer_params naming a pull source not allowed
             self.scheduler.connector.check_request(req)

@@ -11,6 +11,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.lora import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.models import resolution_cache
+from tokenmill.multimodal.processor import ImageProcessor
+from tokenmill.step.multimodal import ImageInput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -56,6 +58,29 @@ def _generation_eos(model_dir: str) -> Optional[Union[int, list[int]]]:
         return None
 
 
+def load_image_processor(config: EngineConfig) -> Optional[ImageProcessor]:
+    """A vision-language model's image processor with the server's --mm-processor-kwargs; None for others."""
+    hf = config.model.hf_config
+    if getattr(hf, "vision_config", None) is None or getattr(hf, "image_token_id", None) is None:
+        return None
+    return ImageProcessor.from_model_dir(config.model.model_dir, hf.image_token_id).with_options(
+        config.model.mm_processor_kwargs)
+
+
+def prepare_images(ids: list[int], images: list, processor: Optional[ImageProcessor], config: EngineConfig,
+                   options: Optional[dict] = None) -> tuple[list[int], list[ImageInput]]:
+    """The prompt with its image placeholders widened and its images preprocessed (PIL images, in prompt
+    order; options: the request's mm_processor_kwargs). ValueError, a 400, for images a model cannot take."""
+    if not images and (processor is None or processor.image_token_id not in ids):
+        return ids, []
+    if processor is None:
+        raise ValueError(f"{config.model.served_model_name} is not a vision-language model; it takes no images")
+    limit = config.model.max_images_per_prompt
+    if len(images) > limit:
+        raise ValueError(f"{len(images)} images in one prompt; at most {limit} are allowed (--limit-mm-per-prompt)")
+    return processor.with_options(options).expand_prompt(ids, images)
+
+
 def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[int]]:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
@@ -72,7 +97,8 @@ def tokenize_prompt(prompt: PromptType, tokenizer) -> tuple[Optional[str], list[
 def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_ids: list[int],
             enable_prefix_caching: bool, cache_salt: Optional[str] = None,
             arrival_time: float = 0.0, kv_transfer_params: Optional[dict] = None,
-            priority: int = 0, lora_request: Optional[LoRARequest] = None) -> list[EngineCoreRequest]:
+            priority: int = 0, lora_request: Optional[LoRARequest] = None,
+            mm_inputs: Optional[list[ImageInput]] = None) -> list[EngineCoreRequest]:
     """One engine request per sample. Siblings share the prompt's KV blocks through the prefix cache
     (with caching off, through a salt only they carry); seeded siblings get seed + index, as in vLLM.
     kv_transfer_params (disaggregated prefill/decode) goes to every one of them, less a prefill instance's
@@ -81,7 +107,7 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_
     if params.n == 1:
         return [EngineCoreRequest(request_id, prompt_ids, params, eos_ids, arrival_time,
                                   cache_salt if enable_prefix_caching else None, kv_transfer_params, priority,
-                                  lora_request)]
+                                  lora_request, mm_inputs or [])]
     if kv_transfer_params is not None:
         kv_transfer_params = {k: v for k, v in kv_transfer_params.items() if k != "first_token_id"}
     salt = cache_salt if enable_prefix_caching else f"\0n:{request_id}"
@@ -91,5 +117,5 @@ def fan_out(request_id: str, prompt_ids: list[int], params: SamplingParams, eos_
         seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
         child = params.clone(n=1, seed=seed)
         reqs.append(EngineCoreRequest(f"{i}-{request_id}", prompt_ids, child, eos_ids, arrival_time, salt,
-                                      kv_transfer_params, priority, lora_request))
+                                      kv_transfer_params, priority, lora_request, mm_inputs or []))
     return reqs

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
 from tokenmill.messages import Request
+from tokenmill.step.multimodal import image_cache_key
 
 NULL_BLOCK_ID = 0  # a sliding group's entry for a block it gave back (reserved only when some group slides)
 
@@ -145,7 +146,10 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         extra = self._extra_key(req)
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+            # a block holding image tokens is keyed by the images too (their placeholder ids are all alike)
+            images = image_cache_key(req.mm_inputs, i * bs, (i + 1) * bs) if req.mm_inputs else ""
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs],
+                                     f"{extra or ''}\0img:{images}" if images else extra))
 
     @staticmethod
     def reuses_cache(req: Request) -> bool:

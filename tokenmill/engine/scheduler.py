@@ -40,6 +40,10 @@ update that reported the pull, so that the request's first step decodes from it.
 a finished request's blocks out of the pool (`held`: a prefill instance until the decode instance has pulled
 them); it names the requests whose blocks may go back, polled at the start of each step.
 
+Images (a vision-language model): the worker encodes an image in the step of the chunk that first reaches its
+placeholder tokens. Those encodings share an encoder budget per step of max_num_batched_tokens image tokens
+(_fit_encoder): a chunk stops before an image that would exceed it, unless the step has encoded nothing yet.
+
 --task embed (engine/pooling.py): a request finishes with its pooled vector as soon as its prompt has run; with
 an encoder or a mean/CLS pooler its prompt is admitted only whole (never chunked).
 """
@@ -72,6 +76,7 @@ class Scheduler:
         # encoder's or a mean/CLS pooler's prompt runs whole in one step (never chunked)
         self.pooler = config.model.pooler
         self.whole_prompts = self.pooler is not None and self.pooler.whole_prompt
+        self.encoder_left = 0  # this step's encoder budget left (image tokens; _fit_encoder)
         self.connector = connector
         self.kv_layout = kv_layout(config)  # the layers' KV groups (the workers compute the same)
         self.kv = KVCacheManager(num_blocks, self.block_size, config.cache.enable_prefix_caching,
@@ -230,7 +235,7 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         suspect = self.quarantine[0] if self.quarantine else None  # run alone: only it is scheduled
-        budget = self.max_num_batched_tokens
+        budget = self.encoder_left = self.max_num_batched_tokens
         if self.spec is not None:  # the batch this step will (about) have
             batch = len(self.running) + min(len(self.waiting), max(self.max_num_seqs - len(self.running), 0))
             k = self.spec.choose_k(batch)
@@ -275,7 +280,10 @@ class Scheduler:
             if (suspect is not None and req.request_id != suspect) or req.request_id in self.in_flight:
                 i += 1
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._fit_encoder(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if n == 0:  # its next image waits for the next step's encoder budget
+                i += 1
+                continue
             drafts = self._drafts_to_verify(req, n, budget, k)
             lookahead = self._lookahead(req, req.num_computed_tokens + n, k)
             ok = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=lookahead)
@@ -330,9 +338,9 @@ class Scheduler:
                     self.loading.append(self.waiting.pop())
                     continue
                 num_ext = ext.num_tokens
-            n = min(req.num_tokens - num_hit - num_ext, budget)
-            if self.whole_prompts and n < req.num_tokens - num_hit - num_ext:
-                break  # next step: it runs whole or not at all
+            n = self._fit_encoder(req, num_hit + num_ext, min(req.num_tokens - num_hit - num_ext, budget), True)
+            if n == 0 or (self.whole_prompts and n < req.num_tokens - num_hit - num_ext):
+                break  # next step: it runs whole or not at all, or its image gets the encoder budget
             lookahead = self._lookahead(req, num_hit + num_ext + n, k)
             if not self.kv.allocate_slots(req, num_ext + n, hits, num_lookahead_tokens=lookahead):
                 if not lookahead or not self.kv.allocate_slots(req, num_ext + n, hits):
@@ -360,6 +368,19 @@ class Scheduler:
                 loras.add(req.lora_int_id)
         self.waiting.put_back(skipped)
 
+    def _fit_encoder(self, req: Request, start: int, n: int, admitted: bool = False) -> int:
+        """How many of the chunk's n tokens from `start` fit this step's encoder budget: the images it reaches
+        first (on admission, an image the prefix hit ends inside is not encoded yet either) spend it; the chunk
+        stops before one that would overspend it, unless nothing was encoded this step (an image larger than the
+        budget runs alone)."""
+        for img in req.mm_inputs:
+            if img.offset >= start + n or img.end <= start or (img.offset < start and not admitted):
+                continue
+            if img.num_tokens > self.encoder_left and self.encoder_left < self.max_num_batched_tokens:
+                return max(img.offset - start, 0)
+            self.encoder_left -= img.num_tokens
+        return n
+
     def _scheduled(self, req: Request, n: int, drafts: list[int], new: bool, k: int,
                    out: SchedulerOutput) -> ScheduledRequest:
         """req's step message: n known tokens then the drafts, as a delta on the worker's copy of req (a
@@ -367,7 +388,7 @@ class Scheduler:
         start, sp = req.num_computed_tokens, req.sampling_params
         if new:
             out.new_requests.append(NewRequest(req.request_id, req.prompt_token_ids, sp, req.eos_token_ids,
-                                               req.output_token_ids, req.lora_request))
+                                               req.output_token_ids, req.lora_request, req.mm_inputs))
             req.num_blocks_sent = req.num_outputs_sent = 0
         new_blocks = self.kv.new_block_ids(req.request_id, req.num_blocks_sent)  # per KV group, as many each
         new_outputs = req.all_token_ids[req.num_prompt_tokens + req.num_outputs_sent:] if not new else []

@@ -116,3 +116,29 @@ class RotaryEmbedding(nn.Module):
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rope (Qwen2-VL's M-RoPE): positions are [3, T] (temporal, height, width), and the head's
+    rotary frequencies are split in config `mrope_section` runs, run i rotating by row i % 3's position. For text
+    the three rows are equal and this is the plain rope; image tokens get their patch's (t, h, w)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__(config, head_dim, max_positions)
+        sections = (getattr(config, "rope_parameters", None) or {}).get("mrope_section")
+        if not sections or sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} must split the head's {head_dim // 2} rotary frequencies")
+        rows = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)])
+        self.register_buffer("section_rows", rows, persistent=False)  # frequency j -> its position row
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, step_cache: dict):
+        """positions [3, T] (a text-only [T] is every row the same)."""
+        if positions.dim() == 1:
+            return super().forward(positions, q, k, step_cache)
+        key = ("mrope", id(self), q.dtype)
+        cs = step_cache.get(key)
+        if cs is None:
+            pick = self.section_rows[None, None, :].expand(1, positions.shape[1], -1)  # [1, T, D/2]
+            cs = step_cache[key] = tuple(table[positions].gather(0, pick)[0].unsqueeze(1).to(q.dtype)
+                                         for table in (self.cos, self.sin))
+        return _rotate(q, *cs), _rotate(k, *cs)

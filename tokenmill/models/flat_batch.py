@@ -6,7 +6,7 @@ group, each in its own AttentionMetadata (meta.for_layer picks a layer's).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,9 +28,12 @@ def group_block_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarr
 
 
 def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, block_table: np.ndarray,
-               block_size: int, device: torch.device, layer_group: Sequence[int] = (), adapters: bool = False):
+               block_size: int, device: torch.device, layer_group: Sequence[int] = (), adapters: bool = False,
+               rope_positions: Optional[np.ndarray] = None):
     """input_ids [T] (already packed); qlens/starts [B]; block_table [B, nb], or [G, B, nb] for G KV groups
-    with layer_group (model layer index -> group); adapters: some token runs a LoRA adapter. Returns (input_ids tensor, AttentionMetadata (group 0's),
+    with layer_group (model layer index -> group); adapters: some token runs a LoRA adapter; rope_positions: the
+    positions the rope reads when they are not the KV positions (M-RoPE's [3, T]: worker/multimodal.py). Returns
+    (input_ids tensor, AttentionMetadata (group 0's),
     query_start_loc as numpy [B+1])."""
     B = len(qlens)
     qsl = np.zeros(B + 1, dtype=np.int64)
@@ -44,7 +47,8 @@ def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, blo
     to = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     grouped = len(tables) > 1
     metas: list[AttentionMetadata] = []  # filled below: every group's metadata holds this one list
-    common = dict(positions=to(positions), query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
+    rope = positions if rope_positions is None else np.ascontiguousarray(rope_positions)
+    common = dict(positions=to(rope), query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
                   block_size=block_size, cache={}, layer_group=tuple(layer_group) if grouped else (),
                   group_metas=metas if grouped else [], adapters=adapters)
     metas.extend(AttentionMetadata(slot_mapping=to(slots[g]), block_table=to(tables[g]), kv_group=g, **common)

@@ -40,6 +40,9 @@ def attention_tp_size(config) -> int:
     return tp
 
 
+_QKV_BIAS_ONLY = ("qwen2", "qwen2_5_vl_text")  # q/k/v have biases, o_proj none
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, backend: AttentionBackend,
                  rotary: RotaryEmbedding) -> None:
@@ -49,14 +52,15 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.window = layer_window(config, layer_idx)
         self.layer_idx = layer_idx  # of the whole model: it names the layer's KV group (meta.for_layer)
-        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type in _QKV_BIAS_ONLY
         hd = self.head_dim
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, hd, config.num_attention_heads, num_kv_heads,
                                           bias=qkv_bias, dtype=dtype, replicated=replicated)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2",
+                                        bias=(getattr(config, "attention_bias", False)
+                                              and config.model_type not in _QKV_BIAS_ONLY),
                                         dtype=dtype, replicated=replicated)
         self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
@@ -211,6 +215,11 @@ class LlamaForCausalLM(nn.Module):
                              "intermediate tensors")
         else:
             x, residual = intermediate.hidden, intermediate.residual
+        return self.run_layers(x, residual, meta, kv_caches)
+
+    def run_layers(self, x: torch.Tensor, residual: Optional[torch.Tensor], meta: AttentionMetadata,
+                   kv_caches: list[torch.Tensor]):
+        """This stage's layers from the first one's input (x, residual), then the final norm (last stage)."""
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, meta, kv)
         if self.norm is None:

@@ -1,7 +1,7 @@
 """Architecture name (config.json "architectures") -> model class."""
 from __future__ import annotations
 
-from tokenmill.models import bert, deepseek, gemma3, gpt_oss, llama, moe
+from tokenmill.models import bert, deepseek, gemma3, gpt_oss, llama, moe, qwen2_5_vl
 
 _REGISTRY = {
     "BertModel": bert.BertModel,
@@ -15,6 +15,7 @@ _REGISTRY = {
     "Qwen3ForCausalLM": llama.LlamaForCausalLM,
     "MixtralForCausalLM": moe.MixtralForCausalLM,
     "Qwen3MoeForCausalLM": moe.Qwen3MoeForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": qwen2_5_vl.Qwen2_5_VLForConditionalGeneration,
 }
 
 

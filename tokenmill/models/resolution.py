@@ -83,9 +83,24 @@ def read_hf_config(model_dir: str) -> Any:
     from transformers import AutoConfig  # with torch: most of a cold start's resolution time
 
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # noqa: BLE001 - surface a one-line reason
         raise ValueError(f"cannot read {os.path.join(model_dir, 'config.json')}: {e}") from None
+    return text_view(config)
+
+
+_VLM_FIELDS = ("architectures", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
+               "vision_end_token_id", "tie_word_embeddings")
+
+
+def text_view(config: Any) -> Any:
+    """A vision-language model's config as every reader of hf_config expects one (layers, heads, vocabulary at
+    the top): its text decoder's config, with the vision config and image token ids beside them."""
+    if getattr(config, "vision_config", None) is None or getattr(config, "text_config", None) is None:
+        return config
+    text = config.text_config
+    extras = {name: getattr(config, name) for name in _VLM_FIELDS if getattr(config, name, None) is not None}
+    return type(text)(**{**text.to_dict(), **extras})
 
 
 # -- the model's folder ------------------------------------------------------------------------------------

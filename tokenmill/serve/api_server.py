@@ -26,6 +26,7 @@ from starlette.responses import PlainTextResponse, Response
 import tokenmill
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.frontend import load_image_processor
 from tokenmill.http.auth import APIKeyMiddleware, check_admin
 from tokenmill.http.body_limit import BodyLimitMiddleware
 from tokenmill.http.cors import add_cors, cors_config
@@ -33,7 +34,9 @@ from tokenmill.http.errors import APIError, bad_request, install_error_handlers
 from tokenmill.http.server import DrainingServer, bind_listening_socket
 from tokenmill.lora import LoRARequest
 from tokenmill.models.resolution import resolve_engine_config
-from tokenmill.serve.args import request_limits
+from tokenmill.multimodal.media import MediaPolicy
+from tokenmill.multimodal.processor import ImageProcessor
+from tokenmill.serve.args import media_policy, request_limits
 from tokenmill.serve.dashboard import DashboardStats, StatFanout
 from tokenmill.serve.dashboard import end_streams as end_dashboard_streams
 from tokenmill.serve.drain import DrainMiddleware, DrainState
@@ -72,6 +75,8 @@ class ServerState:
     drain: DrainState = field(default_factory=DrainState)  # POST /admin/drain
     admission: Admission = field(default_factory=Admission)  # sequences admitted, not yet sent to the engine
     loras: Optional[LoRAAdapters] = None  # --enable-lora: the adapters served by name (serve/lora.py)
+    image_processor: Optional[ImageProcessor] = None  # a vision-language model's (serve/images.py)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where image_url parts may point
 
     def __post_init__(self) -> None:
         self.loras = self.loras or LoRAAdapters(self.config.lora, self.model_name)
@@ -364,7 +369,7 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
                         chat_template, request_limits(args),
                         args.tool_call_parser if args.enable_auto_tool_choice else None,
                         get_reasoning_parser(getattr(args, "reasoning_parser", None)), ledger, dashboard=dashboard,
-                        loras=loras)
+                        loras=loras, image_processor=load_image_processor(config), media=media_policy(args))
     # Read when scraped: the engine's stats alone lag behind what was sent to it (serving.num_waiting)
     metrics.waiting.set_function(lambda: num_waiting(state))
     try:

@@ -9,6 +9,7 @@ import os
 from tokenmill.http.auth import ADMIN_KEY_HELP
 from tokenmill.http.body_limit import add_body_args
 from tokenmill.http.cors import add_cors_args
+from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.serve.protocol import RequestLimits
 from tokenmill.serve.reasoning import PARSERS as REASONING_PARSERS
 from tokenmill.serve.tool_parsers import TOOL_PARSERS
@@ -21,6 +22,29 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     _add_process_args(g)
     add_cors_args(p)
     _add_limit_args(p.add_argument_group("request limits (each one exceeded is a 400 naming it)"))
+    _add_media_args(p.add_argument_group("images (a vision-language model's image_url content parts)"))
+
+
+def _add_media_args(g) -> None:
+    d = MediaPolicy()
+    g.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="allow file:// image URLs inside DIR (default: refused)")
+    g.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="allow http(s) image URLs to these hosts (default: none; the server connects nowhere a "
+                        "request names; redirects to another host are never followed)")
+    g.add_argument("--max-image-bytes", type=int, default=d.max_image_bytes, help="largest image file, in bytes")
+    g.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels,
+                   help="largest image, in decoded pixels (width x height)")
+    g.add_argument("--media-fetch-timeout", type=float, default=d.fetch_timeout_s,
+                   help="seconds for fetching one http(s) image, redirects included")
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    return MediaPolicy(getattr(args, "allowed_local_media_path", None),
+                       tuple(h.lower() for h in getattr(args, "allowed_media_domains", None) or ()),
+                       getattr(args, "max_image_bytes", MediaPolicy.max_image_bytes),
+                       getattr(args, "max_image_pixels", MediaPolicy.max_image_pixels),
+                       getattr(args, "media_fetch_timeout", MediaPolicy.fetch_timeout_s))
 
 
 def _add_server_args(g) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Union
 
 import msgspec
 from starlette.requests import Request
@@ -14,6 +14,9 @@ from tokenmill.http.errors import bad_request
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
+from tokenmill.multimodal.chat import IMAGE_PART_TYPES, template_content
+from tokenmill.serve.images import attach_images, image_url, image_urls
+from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
@@ -28,19 +31,21 @@ logger = logging.getLogger("tokenmill")
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def _content_text(m: ChatMessage, i: int) -> str:
+def _content(m: ChatMessage, i: int) -> Union[str, list[dict]]:
+    """The content the template sees (multimodal/chat.py: text parts joined, or with images the parts in order);
+    a part that is neither text nor an image with a URL is a 400 naming it."""
     c = m.content
     if c is None:
         return ""
     if isinstance(c, str):
         return c
-    texts = []
     for j, part in enumerate(c):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise bad_request(f"messages[{i}].content[{j}]: only text content parts are supported "
+        if part.get("type") in IMAGE_PART_TYPES:
+            image_url(part, f"messages[{i}].content[{j}]")
+        elif part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}]: only text and image_url content parts are supported "
                               f"(got type {part.get('type')!r})", f"messages[{i}].content")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return template_content(c)[0]
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Optional[str] = None,
@@ -58,7 +63,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], *, chat_template: Option
         if m.role not in ROLES:
             raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(ROLES)}", f"messages[{i}].role")
         d = m.model_dump(exclude_none=True)
-        d["content"] = _content_text(m, i)
+        d["content"] = _content(m, i)
         conv.append(d)
     conv = template_messages(conv)
     template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -92,7 +97,7 @@ async def render_request_chat(state: "ServerState", req, tools: Optional[list[di
                             continue_final_message=req.continue_final_message,
                             template_kwargs=req.chat_template_kwargs, tools=tools, limits=state.limits)
     check_text_length(state, prompt.text, "messages")
-    return prompt
+    return await attach_images(state, prompt, image_urls(req.messages), getattr(req, "mm_processor_kwargs", None))
 
 
 def _lp_entry(token: str, lp: Logprob) -> dict:

@@ -357,6 +357,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None  # a VLM's image processor options (max_pixels, min_pixels)
     tools: Optional[list[dict[str, Any]]] = None     # checked and planned in tools.py
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None

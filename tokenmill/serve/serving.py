@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 import msgspec
@@ -19,6 +19,7 @@ from tokenmill.kv_transfer.p2p_params import check_request_params
 from tokenmill.lora import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step.multimodal import ImageInput
 
 if TYPE_CHECKING:
     from tokenmill.serve.api_server import ServerState
@@ -61,6 +62,7 @@ def engine_error(e: Exception) -> APIError:
 class Prompt:
     text: Optional[str]
     token_ids: list[int]
+    mm_inputs: list[ImageInput] = field(default_factory=list)  # its images, placeholders widened (serve/images.py)
 
 
 # No tokenizer packs more characters than this into a token on average, so a longer text cannot fit the
@@ -221,7 +223,7 @@ class Generation:
             self._admission.held -= n
             rid = self.ids[i]
             self.engine.add_request(rid, self.prompts[i].text, self.prompts[i].token_ids, self.params,
-                                    queue=self.queue, **self._request_kw)
+                                    queue=self.queue, mm_inputs=self.prompts[i].mm_inputs, **self._request_kw)
             self.open.add(rid)
             self._unstarted[rid] = tokens
 

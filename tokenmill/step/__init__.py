@@ -25,6 +25,7 @@ from typing import Optional
 import msgspec
 
 from tokenmill.lora import LoRARequest
+from tokenmill.step.multimodal import ImageInput
 from tokenmill.step.offload_plan import OffloadOutput, OffloadPlan
 from tokenmill.step.p2p_plan import TransferOutput, TransferPlan
 from tokenmill.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     eos_token_ids: list[int]
     output_token_ids: list[int]   # its output so far: a re-admitted request's, or a prefill instance's first token
     lora_request: Optional[LoRARequest] = None  # its adapter (the worker loads it by path, once); None: base
+    mm_inputs: list[ImageInput] = msgspec.field(default_factory=list)  # images in the prompt, for the encoder
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):

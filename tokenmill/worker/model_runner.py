@@ -23,6 +23,7 @@ from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest
 from tokenmill.step.kv_groups import KVLayout
 from tokenmill.models.flat_batch import flat_batch, group_block_tables
 from tokenmill.worker.lora_manager import LoRAManager
+from tokenmill.worker.multimodal import MultimodalInputs
 from tokenmill.worker.request_states import RequestStates
 
 
@@ -66,6 +67,8 @@ class ModelRunner:
         self.states = RequestStates(num_groups)  # the worker's copy of each running request (tokenmill/step/)
         self.stage, self.num_stages = pp_rank(), pp_size()  # pipeline stage: only the last one samples
         self.count_experts = hasattr(model, "expert_load")  # MoE: tokens routed per expert, for /metrics
+        # a VLM: M-RoPE positions and encoded images per request
+        self.mm = MultimodalInputs(model) if hasattr(model, "encode_image") else None
         self._sending: list = []  # a pipeline stage's pending sends of its last step's hidden states ...
         self._sent: list[torch.Tensor] = []  # ... and those tensors
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -89,7 +92,9 @@ class ModelRunner:
         tables = group_block_tables([self.states[r.request_id].block_ids for r in reqs])  # [G, B, nb]
         adapters = self.lora is not None and self.lora.prepare([self.states[r.request_id].lora_request
                                                                 for r in reqs], qlens)
-        return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group, adapters)
+        rope = self.mm.rope_positions(reqs, self.states) if self.mm is not None else None
+        return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group, adapters,
+                          rope)
 
     def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
         sp = self.states[r.request_id].sampling_params
@@ -177,6 +182,8 @@ class ModelRunner:
         self.states.apply(so)
         for rid in so.finished_req_ids:
             self.request_generators.pop(rid, None)
+        if self.mm is not None:
+            self.mm.drop(so.finished_req_ids)
         if self.drafter is not None and so.finished_req_ids:
             self.drafter.free(so.finished_req_ids)
         out = ModelRunnerOutput()
@@ -185,7 +192,8 @@ class ModelRunner:
             return out
         input_ids, meta, qsl = self._build_attention(reqs)
         self._aux.clear()
-        hidden = self._forward(input_ids, meta)
+        images = self.mm.image_rows(reqs, self.states, qsl) if self.mm is not None and self.stage == 0 else None
+        hidden = self._forward(input_ids, meta, images)
         if hidden is None:  # a pipeline stage before the last: its part is done
             return out
         if self.pooler is not None:
@@ -227,16 +235,17 @@ class ModelRunner:
             out.pooled = {reqs[i].request_id: v for i, v in zip(done, vecs)}
         return out
 
-    def _forward(self, input_ids: torch.Tensor, meta) -> Optional[torch.Tensor]:
+    def _forward(self, input_ids: torch.Tensor, meta, images=None) -> Optional[torch.Tensor]:
         """This stage's layers: a stage after the first takes the previous one's hidden states and residual
         (stages run the steps in the same order, so the point-to-point messages pair up), a stage before the
-        last hands them on and returns None."""
+        last hands them on and returns None. images: a VLM's image tokens for the step's placeholder rows."""
         intermediate = None
         if self.stage > 0:
             shape = (input_ids.shape[0], self.model.config.hidden_size)
             hidden, residual = pp_recv([shape, shape], self.model.dtype, self.stage - 1, self.device)
             intermediate = IntermediateTensors(hidden, residual)
-        out = self.model(input_ids, meta, self.kv_caches, intermediate)
+        extra = {} if images is None else {"image_rows": images}
+        out = self.model(input_ids, meta, self.kv_caches, intermediate, **extra)
         if self.stage == self.num_stages - 1:
             return out
         for work in self._sending:  # the previous step's hand-off has landed (stages run steps in order)

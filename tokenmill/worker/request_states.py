@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.step import NewRequest, SchedulerOutput
+from tokenmill.step.multimodal import ImageInput
 
 
 class RequestState:
     __slots__ = ("prompt_token_ids", "sampling_params", "eos_token_ids", "output_token_ids", "block_ids",
-                 "lora_request")
+                 "lora_request", "mm_inputs")
 
     def __init__(self, new: NewRequest, num_kv_groups: int) -> None:
         self.prompt_token_ids: list[int] = new.prompt_token_ids
@@ -17,6 +18,7 @@ class RequestState:
         self.eos_token_ids: list[int] = new.eos_token_ids
         self.output_token_ids: list[int] = list(new.output_token_ids)
         self.lora_request = new.lora_request
+        self.mm_inputs: list[ImageInput] = new.mm_inputs  # images in the prompt (worker/multimodal.py)
         # per KV group, by position (an entry a sliding group gave back is stale: never read)
         self.block_ids: list[list[int]] = [[] for _ in range(num_kv_groups)]
 

@@ -18,7 +18,7 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    positions: torch.Tensor          # [T]
+    positions: torch.Tensor          # [T] rope positions ([3, T] for M-RoPE); attention itself never reads them
     slot_mapping: torch.Tensor       # [T] (of KV group kv_group)
     block_table: torch.Tensor        # [B, max_blocks] (padded with 0; of KV group kv_group)
     query_start_loc: list[int]       # [B+1]

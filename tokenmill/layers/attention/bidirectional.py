@@ -33,9 +33,10 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     """q, k, v: [T, heads, head_dim] of packed sequences (query_start_loc [B+1]); returns [T, heads, head_dim]."""
     starts, ends = query_start_loc[:-1], query_start_loc[1:]
     lengths = [e - s for s, e in zip(starts, ends)]
-    if len(lengths) == 1:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale)
-        return o.transpose(0, 1)
+    if len(lengths) == 1:  # 4-D: torch's CPU flash kernel takes only batched inputs (3-D runs the math path)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           scale=scale)
+        return o[0].transpose(0, 1)
     out = torch.empty_like(q)
     T = q.shape[0]
     pad_row = [T]  # gathers from the zero row appended below
