@@ -23,11 +23,14 @@ import struct
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
 from tokenmill.host import cache_root
+
+if TYPE_CHECKING:  # annotations only: the API process and plan import this module without torch
+    import torch
 
 logger = logging.getLogger("tokenmill")
 

@@ -16,7 +16,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, RequestLimits
 from tokenmill.multimodal.chat import IMAGE_PART_TYPES, template_content
 from tokenmill.serve.images import attach_images, image_url, image_urls
-from tokenmill.serve.reasoning import ReasoningStream
 from tokenmill.serve.serving import (SSE_DONE, Generation, Prompt, check_text_length, json_response, now_s,
                                      off_loop, random_id, sse, stream_response, with_kv_transfer_params,
                                      with_timing_header)
