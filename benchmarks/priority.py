@@ -11,7 +11,8 @@ The phases run idle, priority, same, priority, same, idle, so drift on a shared 
 JSON result and one line: the high class's TTFT P90 under load / idle (target <= 2x), with and without priorities.
 
     python benchmarks/priority.py
-    python benchmarks/priority.py --kv-cache-memory-bytes 128MiB --concurrency 32 --num-prompts 96
+    python benchmarks/priority.py --kv-cache-memory-bytes 128MiB --concurrency 32 --num-prompts 96 \
+        --max-num-batched-tokens 512
 """
 from __future__ import annotations
 
@@ -49,11 +50,14 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=96, help="requests per loaded phase")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", default="512",
+                    help="the step budget: a high-priority request arriving mid-step waits for that step")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     proc, url = start_server(["--scheduling-policy", "priority", "--kv-cache-memory-bytes",
-                              args.kv_cache_memory_bytes, "--max-num-seqs", "64", "--no-dashboard"], args.dtype)
+                              args.kv_cache_memory_bytes, "--max-num-seqs", "64", "--no-dashboard",
+                              "--max-num-batched-tokens", args.max_num_batched_tokens], args.dtype)
     runs: dict[str, list[dict]] = {"idle": [], "priority": [], "same": []}
     try:
         phase(url, [("high", 0, 1.0)], 1, 4, args)  # warm-up

@@ -106,6 +106,26 @@ def test_high_priority_preempts_low_priority_work(tiny, limit):
     assert waited["fcfs"] > 10, waited      # behind the low-priority requests' remaining decodes
 
 
+def test_lower_priority_prefill_yields_the_step(tiny):
+    """While a high-priority request waits, a running low-priority request's prefill chunk sits the step out: the
+    high one's whole prompt runs in that step (its first token), then the low one's prefill goes on."""
+    llm = _engine(tiny, "priority", num_gpu_blocks_override=64)
+    vocab = llm.config.model.hf_config.vocab_size
+    low, high = _prompts(2, 200, vocab, 4)
+    _add(llm, "low", low, 4, 5)
+    llm.engine.step()
+    sched = llm.engine.scheduler
+    assert sched.requests["low"].num_computed_tokens == 64
+    _add(llm, "high", high[:60], 4, 0)
+    outs = {o.request_id: o for o in llm.engine.step()}
+    assert outs["high"].new_token_ids and "low" not in outs
+    assert sched.requests["low"].num_computed_tokens == 64
+    llm.engine.step()
+    assert sched.requests["low"].num_computed_tokens > 64
+    _run(llm)
+    assert sched.kv.is_whole()
+
+
 def test_generate_admits_in_priority_order(tiny):
     """One sequence at a time: prompts start lowest priority value first, ties in submission order."""
     llm = _engine(tiny, "priority", num_gpu_blocks_override=64, max_num_seqs=1)

@@ -10,7 +10,8 @@ the front of the waiting queue, to be recomputed (prefix cache permitting, cheap
 rank (priority, then arrival). Running requests take the budget in rank order and waiting ones are admitted in
 rank order; when a waiting request cannot start (no blocks, or --max-num-seqs running) while a running one
 ranks below it, that one is preempted for it, so a high-priority request does not wait for low-priority work
-to finish.
+to finish; and while it waits, running requests ranked below it decode but run no prefill chunk, so that its
+prefill has the step's budget and the step is no longer than that prefill needs.
 
 KV groups (step/kv_groups.py): a request has a block list per group of layers; after each step, sliding-window
 groups give back the blocks no later query can see (update), and allocation counts the blocks every group needs.
@@ -272,12 +273,12 @@ class Scheduler:
         """Running requests first, oldest first (preempting the newest when blocks run out); returns the budget
         left. Pipeline parallel spreads them over the steps in flight, so that each stage has a share."""
         per_step = -(-len(self.running) // self.pipeline_depth)
-        if self.by_priority:
-            self.running.sort(key=rank)
+        yield_to = self._yield_rank()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if (suspect is not None and req.request_id != suspect) or req.request_id in self.in_flight:
+            if (suspect is not None and req.request_id != suspect) or req.request_id in self.in_flight or (
+                    yield_to is not None and rank(req) > yield_to and req.num_tokens - req.num_computed_tokens > 1):
                 i += 1
                 continue
             n = self._fit_encoder(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
@@ -307,6 +308,18 @@ class Scheduler:
             if len(chosen) >= per_step:
                 break
         return budget
+
+    def _yield_rank(self) -> Optional[tuple]:
+        """Priority policy: the waiting head's rank, when it is a base-model request (an adapter's may wait for a
+        slot, which lower-ranked requests must not wait on in turn). Running requests ranked below it decode but do
+        not run prefill chunks this step (it gets the budget, and a step no longer than its own prefill needs);
+        the running requests are put in rank order here. None under fcfs or with nothing waiting."""
+        if not self.by_priority:
+            return None
+        self.running.sort(key=rank)
+        if not self.waiting or self.waiting.peek().lora_int_id:
+            return None
+        return rank(self.waiting.peek())
 
     def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str],
                           out: SchedulerOutput) -> None:
