@@ -117,8 +117,10 @@ def test_lower_priority_prefill_yields_the_step(tiny):
     sched = llm.engine.scheduler
     assert sched.requests["low"].num_computed_tokens == 64
     _add(llm, "high", high[:60], 4, 0)
+    _add(llm, "later-low", high[60:80], 4, 5)  # admitted in a later step, not beside the high one's prefill
     outs = {o.request_id: o for o in llm.engine.step()}
     assert outs["high"].new_token_ids and "low" not in outs
+    assert sched.requests["later-low"].num_computed_tokens == 0
     assert sched.requests["low"].num_computed_tokens == 64
     llm.engine.step()
     assert sched.requests["low"].num_computed_tokens > 64

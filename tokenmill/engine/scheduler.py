@@ -10,8 +10,9 @@ the front of the waiting queue, to be recomputed (prefix cache permitting, cheap
 rank (priority, then arrival). Running requests take the budget in rank order and waiting ones are admitted in
 rank order; when a waiting request cannot start (no blocks, or --max-num-seqs running) while a running one
 ranks below it, that one is preempted for it, so a high-priority request does not wait for low-priority work
-to finish; and while it waits, running requests ranked below it decode but run no prefill chunk, so that its
-prefill has the step's budget and the step is no longer than that prefill needs.
+to finish; and while it waits, running requests ranked below it decode but run no prefill chunk, and no
+request of a lower priority is admitted in the step that admits it, so that its prefill has the step's budget
+and the step is no longer than that prefill needs.
 
 KV groups (step/kv_groups.py): a request has a block list per group of layers; after each step, sliding-window
 groups give back the blocks no later query can see (update), and allocation counts the blocks every group needs.
@@ -330,9 +331,11 @@ class Scheduler:
         rather than starve; base-model requests, which hold no slot, go ahead."""
         loras = {r.lora_int_id for r in self.running} - {0}
         skipped: list[Request] = []
+        best = None  # priority policy: the best priority admitted this step; worse ones wait for the next
         while self.waiting and budget > 0:
             req = self.waiting.peek()
-            if suspect is not None and (req.request_id != suspect or chosen):
+            if (suspect is not None and (req.request_id != suspect or chosen)) or (
+                    best is not None and req.priority > best):
                 break
             if req.lora_int_id and (skipped or (req.lora_int_id not in loras and len(loras) >= self.max_loras)):
                 skipped.append(self.waiting.pop())
@@ -379,6 +382,8 @@ class Scheduler:
             budget -= n
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
+            if self.by_priority:
+                best = req.priority if best is None else min(best, req.priority)
         self.waiting.put_back(skipped)
 
     def _fit_encoder(self, req: Request, start: int, n: int, admitted: bool = False) -> int:
