@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_gemma3 import GREEDY, _assert_matches
+from test_gemma3 import GREEDY, _assert_matches, check_prefix_hit_matches_transformers
 from test_model_exactness import MAX_TOKENS, _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
 from tokenmill import LLM, SamplingParams
@@ -32,16 +32,8 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(tiny, arch):
 
 
 def test_prefix_cache_hit_matches_transformers(tiny):
-    """The same 100-token prompt twice: the second run reads 96 tokens' latents from cached blocks."""
-    path = tiny("deepseek_v3")
-    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=32, num_gpu_blocks_override=64)
-    prompt = _prompts(400)[1][:100]
-    ref = _hf_reference(path, [prompt])
-    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
-    second = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
-    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens >= 96
-    _assert_matches(first, ref)
-    _assert_matches(second, ref)
+    """The second run reads 96 tokens' latents from cached blocks."""
+    check_prefix_hit_matches_transformers(tiny("deepseek_v3"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

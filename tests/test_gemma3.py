@@ -57,8 +57,12 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(tiny):
 
 
 def test_prefix_cache_hit_matches_transformers(tiny):
-    """The same 100-token prompt twice: the second run reads most of it from cached blocks, past the window."""
-    path = tiny("gemma3")
+    check_prefix_hit_matches_transformers(tiny("gemma3"))
+
+
+def check_prefix_hit_matches_transformers(path: str) -> None:
+    """The same 100-token prompt twice: the second run reads most of it from cached blocks (past a sliding window
+    where the model has one); both match transformers (test_deepseek and test_gpt_oss use it too)."""
     llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=32, num_gpu_blocks_override=64)
     prompt = _prompts(400)[1][:100]
     ref = _hf_reference(path, [prompt])

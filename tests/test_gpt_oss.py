@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from test_attention import _run_step
-from test_gemma3 import GREEDY, _assert_matches
+from test_gemma3 import GREEDY, _assert_matches, check_prefix_hit_matches_transformers
 from test_model_exactness import _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
 from tokenmill import LLM
@@ -39,16 +39,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(tiny):
 
 
 def test_prefix_cache_hit_matches_transformers(tiny):
-    """The same 100-token prompt twice: the second run reads most of it from cached blocks, past the window."""
-    path = tiny("gpt_oss")
-    llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=32, num_gpu_blocks_override=64)
-    prompt = _prompts(400)[1][:100]
-    ref = _hf_reference(path, [prompt])
-    first = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
-    second = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
-    assert first[0].num_cached_tokens == 0 and second[0].num_cached_tokens >= 96
-    _assert_matches(first, ref)
-    _assert_matches(second, ref)
+    check_prefix_hit_matches_transformers(tiny("gpt_oss"))
 
 
 def test_sinks_and_biases_matter(tiny, tmp_path):
