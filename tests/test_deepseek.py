@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_gemma3 import GREEDY, _assert_matches, check_prefix_hit_matches_transformers
+from test_gemma3 import (GREEDY, _assert_matches, check_chunked_preempted_matches_transformers,
+                         check_prefix_hit_matches_transformers)
 from test_model_exactness import MAX_TOKENS, _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
 from tokenmill import LLM, SamplingParams
@@ -20,13 +21,7 @@ ARCHS = ["deepseek_v3", "deepseek_v2"]
 def test_greedy_matches_transformers_with_chunking_and_preemption(tiny, arch):
     path = tiny(arch)
     # prompts of 1..300 tokens in 64-token steps, 40 blocks of 16 tokens for ~800 tokens of work: preemption
-    llm = LLM(path, dtype="float32", num_gpu_blocks_override=40, block_size=16, max_num_batched_tokens=64)
-    prompts = _prompts(llm.config.model.hf_config.vocab_size)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-    assert llm.engine.scheduler.kv.is_whole()
-    _assert_matches(outs, _hf_reference(path, prompts))
-    kernels = llm.engine.executor.kernels()
+    kernels = check_chunked_preempted_matches_transformers(path)
     assert kernels["decoder_stack"].startswith("off: DeepSeek layers")
     assert kernels["attention"] == "mla-torch-gathered"
 

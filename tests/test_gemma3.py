@@ -47,13 +47,21 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(tiny):
     # test_model_exactness's setting: prompts of 1..300 tokens (the window is 24) in 64-token steps, and a cache
     # too small for ~800 tokens of work, so preemption is certain: 40 blocks of 16 tokens and one layer slot (KV
     # groups: the local layers give back what leaves their window, so 24 blocks of all 3 layers no longer preempt)
+    kernels = check_chunked_preempted_matches_transformers(path)
+    assert kernels["decoder_stack"].startswith("off: Gemma 3 layers")
+
+
+def check_chunked_preempted_matches_transformers(path: str) -> dict:
+    """Prompts of 1..300 tokens in 64-token steps, 40 blocks of 16 tokens for ~800 tokens of work (preemption is
+    certain): greedy tokens and logprobs match transformers, the pool is whole after. Returns the kernels report
+    (test_deepseek and test_gpt_oss use it too)."""
     llm = LLM(path, dtype="float32", num_gpu_blocks_override=40, block_size=16, max_num_batched_tokens=64)
     prompts = _prompts(llm.config.model.hf_config.vocab_size)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
     assert llm.engine.scheduler.kv.is_whole()
     _assert_matches(outs, _hf_reference(path, prompts))
-    assert llm.engine.executor.kernels()["decoder_stack"].startswith("off: Gemma 3 layers")
+    return llm.engine.executor.kernels()
 
 
 def test_prefix_cache_hit_matches_transformers(tiny):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from test_attention import _run_step
-from test_gemma3 import GREEDY, _assert_matches, check_prefix_hit_matches_transformers
+from test_gemma3 import (GREEDY, _assert_matches, check_chunked_preempted_matches_transformers,
+                         check_prefix_hit_matches_transformers)
 from test_model_exactness import _hf_reference, _prompts
 from test_parallel_engine import _check_plan_agrees
 from tokenmill import LLM
@@ -28,13 +29,7 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(tiny):
     path = tiny("gpt_oss")
     # prompts of 1..300 tokens (the window is 24) in 64-token steps, and a cache too small for ~800 tokens of
     # work, so preemption is certain
-    llm = LLM(path, dtype="float32", num_gpu_blocks_override=40, block_size=16, max_num_batched_tokens=64)
-    prompts = _prompts(llm.config.model.hf_config.vocab_size)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
-    assert llm.engine.scheduler.kv.is_whole()
-    _assert_matches(outs, _hf_reference(path, prompts))
-    kernels = llm.engine.executor.kernels()
+    kernels = check_chunked_preempted_matches_transformers(path)
     assert kernels["decoder_stack"].startswith("off: gpt-oss layers") and kernels["attention"] == "cpu-paged-c"
 
 
