@@ -128,6 +128,33 @@ def test_lower_priority_prefill_yields_the_step(tiny):
     assert sched.kv.is_whole()
 
 
+def test_lower_priority_decodes_sit_out_a_higher_prompt(tiny):
+    """Decoding low-priority requests skip the steps that run a higher-priority prompt (a prompt longer than one
+    step's budget takes two), so its first token comes from steps no longer than its own prefill needs; then they
+    decode on, with the tokens they get alone."""
+    probe = _engine(tiny, "fcfs", num_gpu_blocks_override=64)  # its own engine: no prefix-cache hits below
+    vocab = probe.config.model.hf_config.vocab_size
+    lows, (high,) = _prompts(2, 20, vocab, 6), _prompts(1, 100, vocab, 7)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in probe.generate([{"prompt_token_ids": p} for p in lows + [high]], sp,
+                                                            use_tqdm=False)]
+    llm = _engine(tiny, "priority", num_gpu_blocks_override=64)
+    for i, p in enumerate(lows):
+        _add(llm, f"low{i}", p, 12, 5)
+    tokens = _steps_until_decoding(llm, 2)
+    _add(llm, "high", high, 12, 0)
+    steps = [{o.request_id: o.new_token_ids for o in llm.engine.step()} for _ in range(3)]
+    assert [sorted(s) for s in steps] == [[], ["high"], ["high", "low0", "low1"]]  # 64 + 36 prompt tokens
+    for s in steps:
+        for rid, toks in s.items():
+            tokens.setdefault(rid, []).extend(toks)
+    rest, _ = _run(llm)
+    for rid, toks in rest.items():
+        tokens[rid].extend(toks)
+    assert [tokens["low0"], tokens["low1"], tokens["high"]] == alone
+    assert llm.engine.scheduler.kv.is_whole()
+
+
 def test_generate_admits_in_priority_order(tiny):
     """One sequence at a time: prompts start lowest priority value first, ties in submission order."""
     llm = _engine(tiny, "priority", num_gpu_blocks_override=64, max_num_seqs=1)

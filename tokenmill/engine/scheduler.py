@@ -245,13 +245,16 @@ class Scheduler:
             k = 0
         out.spec_k = k
         chosen: list[tuple[Request, int, list[int], bool]] = []  # (request, known tokens to run, drafts, new)
-        budget = self._schedule_running(chosen, budget, k, suspect, out)
+        budget, victims = self._schedule_running(chosen, budget, k, suspect, out)
         if suspect is not None and not chosen:  # a suspect waiting anywhere goes first
             req = self.requests[suspect]
             if req in self.waiting:
                 self.waiting.to_front(req)
-        if not out.num_preempted:  # no admission in a step that had to preempt
-            self._schedule_waiting(chosen, budget, k, suspect, out)
+        # No admission in a step that had to preempt running requests for KV room, except (priority policy) of a
+        # request ranked above every one it preempted: a high-priority arrival does not wait behind a low one's room.
+        if not victims or self.by_priority:
+            self._schedule_waiting(chosen, budget, k, suspect, out,
+                                   min((v.priority for v in victims), default=None))
 
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
@@ -270,16 +273,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, chosen: list, budget: int, k: int, suspect: Optional[str],
-                          out: SchedulerOutput) -> int:
+                          out: SchedulerOutput) -> tuple[int, list[Request]]:
         """Running requests first, oldest first (preempting the newest when blocks run out); returns the budget
-        left. Pipeline parallel spreads them over the steps in flight, so that each stage has a share."""
+        left and the requests preempted. Pipeline parallel spreads them over the steps in flight, so that each
+        stage has a share."""
         per_step = -(-len(self.running) // self.pipeline_depth)
-        yield_to = self._yield_rank()
+        yield_to = self._yield_priority()
+        victims: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if (suspect is not None and req.request_id != suspect) or req.request_id in self.in_flight or (
-                    yield_to is not None and rank(req) > yield_to and req.num_tokens - req.num_computed_tokens > 1):
+                    yield_to is not None and req.priority > yield_to):
                 i += 1
                 continue
             n = self._fit_encoder(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
@@ -298,6 +303,7 @@ class Scheduler:
                     break
                 self._preempt(victim)
                 out.num_preempted += 1
+                victims.append(victim)
                 if victim is req:
                     break
                 ok = self.kv.allocate_slots(req, n)
@@ -308,25 +314,29 @@ class Scheduler:
             i += 1
             if len(chosen) >= per_step:
                 break
-        return budget
+        return budget, victims
 
-    def _yield_rank(self) -> Optional[tuple]:
-        """Priority policy: the waiting head's rank, when it is a base-model request (an adapter's may wait for a
-        slot, which lower-ranked requests must not wait on in turn). Running requests ranked below it decode but do
-        not run prefill chunks this step (it gets the budget, and a step no longer than its own prefill needs);
-        the running requests are put in rank order here. None under fcfs or with nothing waiting."""
+    def _yield_priority(self) -> Optional[int]:
+        """Priority policy: the best priority value with a prompt to run, the waiting head's (when it is a
+        base-model request: an adapter's may wait for a slot, which lower-priority requests must not wait on in
+        turn) or a running request's still prefilling. Running requests of a worse priority sit this step out,
+        decodes too: that prompt gets the budget and a step no longer than its own prefill needs, so a
+        high-priority TTFT does not pay for the low-priority batch. The running requests are put in rank order
+        here. None under fcfs or with no prompt to run."""
         if not self.by_priority:
             return None
         self.running.sort(key=rank)
-        if not self.waiting or self.waiting.peek().lora_int_id:
-            return None
-        return rank(self.waiting.peek())
+        prompts = [r.priority for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.waiting and not self.waiting.peek().lora_int_id:
+            prompts.append(self.waiting.peek().priority)
+        return min(prompts, default=None)
 
     def _schedule_waiting(self, chosen: list, budget: int, k: int, suspect: Optional[str],
-                          out: SchedulerOutput) -> None:
+                          out: SchedulerOutput, below: Optional[int]) -> None:
         """Then waiting requests in arrival (or rank) order, their prefix-cache (and lower-tier) hit counted as
-        computed. A request whose adapter would be one more than --max-loras among the running ones keeps its
-        place and waits (the worker has max_loras adapter slots; the running requests' adapters hold them).
+        computed; with `below`, only those of a better priority value. A request whose adapter would be one more
+        than --max-loras among the running ones keeps its place and waits (the worker has max_loras adapter slots;
+        the running requests' adapters hold them).
         Later requests for adapters wait behind it too, so that the running adapters drain and it gets a slot
         rather than starve; base-model requests, which hold no slot, go ahead."""
         loras = {r.lora_int_id for r in self.running} - {0}
@@ -335,7 +345,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting.peek()
             if (suspect is not None and (req.request_id != suspect or chosen)) or (
-                    best is not None and req.priority > best):
+                    best is not None and req.priority > best) or (below is not None and req.priority >= below):
                 break
             if req.lora_int_id and (skipped or (req.lora_int_id not in loras and len(loras) >= self.max_loras)):
                 skipped.append(self.waiting.pop())
