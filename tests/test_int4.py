@@ -230,7 +230,7 @@ def test_blocks_match_the_checkpoint_dequantization(base, tmp_path, fmt, g, sym)
             # rounding of d * q + m
             bound = (2.0 ** -11 * (scale * zero).abs() + 2.0 ** -25).repeat_interleave(32, 1) + 1e-6 * w_ref.abs()
             assert ((got - w_ref).abs() <= bound).all(), (layer, ours, float((got - w_ref).abs().max()))
-            q, d, _ = unpack_q4_1(m.weight.data, m.in_features)
+            q, d, _ = unpack_q4_1(_q4_1_blocks(m), m.in_features)
             assert torch.equal(d, scale.half())  # the checkpoint's fp16 scales, exactly
             assert torch.equal(q, torch.cat([torch.from_numpy(r[0]) for r in parts]))
             checked += 1
@@ -296,7 +296,7 @@ def test_online_int4_blocks_and_greedy_tokens(base):
     w = torch.cat([floats[f"model.layers.1.{p}.weight"] for p in MERGED["mlp.gate_up_proj"]])
     m = model.get_submodule("layers.1.mlp.gate_up_proj")
     assert isinstance(m.quant_method, Int4LinearMethod)
-    q, d, mn = unpack_q4_1(m.weight.data, m.in_features)
+    q, d, mn = unpack_q4_1(_q4_1_blocks(m), m.in_features)
     blocks = w.reshape(w.shape[0], -1, 32)
     assert torch.equal(mn, blocks.amin(-1).half())
     assert torch.equal(d, ((blocks.amax(-1) - blocks.amin(-1)) / 15).half())
@@ -319,7 +319,7 @@ def test_online_int4_g128_repeats_the_group_in_its_blocks(base):
 
     model = _load_online(base[0], "int4-g128")
     m = model.get_submodule("layers.0.mlp.down_proj")
-    _, d, mn = unpack_q4_1(m.weight.data, m.in_features)
+    _, d, mn = unpack_q4_1(_q4_1_blocks(m), m.in_features)
     assert torch.equal(d, d[:, ::4].repeat_interleave(4, 1)) and torch.equal(mn, mn[:, ::4].repeat_interleave(4, 1))
 
 
@@ -522,3 +522,10 @@ def test_layers_the_checkpoint_leaves_float_stay_float():
     assert isinstance(head, CheckpointInt4Method)
     with pytest.raises(ValueError, match="awq version 'gemv' is not supported"):
         AwqConfig.from_checkpoint({"quant_method": "awq", "bits": 4, "version": "gemv"})
+
+
+def _q4_1_blocks(m):
+    """The layer's Q4_1 blocks, whatever layout its kernel runs them in (an x8 repack where the CPU has it)."""
+    from tokenmill.layers.quantization import ggml
+
+    return ggml.unpacked(m.quant_method.block_linear.parts[0], m.in_features).data

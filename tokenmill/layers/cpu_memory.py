@@ -17,27 +17,46 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _HUGE = 2 * 2**20
-_MADV_HUGEPAGE = 14  # Linux
+_MADV_HUGEPAGE, _MADV_PAGEOUT = 14, 21  # Linux
+_PAGE = 4096
 _libc = None
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for huge pages under the whole 2 MiB-aligned pages inside t's storage (CPU, Linux); True if taken."""
-    global _libc
     if t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE:
         return False
+    libc = _libc_madvise()
+    if libc is None:
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
+    return hi > lo and libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
+def _libc_madvise():
+    global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except OSError:
             _libc = False
-    if not _libc:
+    return _libc or None
+
+
+def page_out(t: torch.Tensor) -> bool:
+    """Reclaim the whole 4 KiB pages inside t's bytes (MADV_PAGEOUT, Linux 5.4+): for a view of a mapped file
+    that was copied (repacked weights), its pages leave this process's resident set and a later read faults them
+    back in from the file. Never loses data: anonymous memory would go to swap, or stay where there is none."""
+    libc = _libc_madvise()
+    if libc is None or t.device.type != "cpu":
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
-    return hi > lo and _libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    return hi > lo and libc.madvise(lo, hi - lo, _MADV_PAGEOUT) == 0
 
 
 def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -39,7 +39,9 @@
 
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
-    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30
+    T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
+    /* ours, not ggml's: Q4_0/Q4_1 rows repacked eight at a time (gg_repack_x8) */
+    T_Q4_0X8 = 1002, T_Q4_1X8 = 1003
 };
 
 typedef struct {
@@ -94,8 +96,8 @@ AI int tbytes(const int t) {
     switch (t) {
     case T_F32: return 4;
     case T_F16: case T_BF16: return 2;
-    case T_Q4_0: return 18;
-    case T_Q4_1: return 20;
+    case T_Q4_0: case T_Q4_0X8: return 18;
+    case T_Q4_1: case T_Q4_1X8: return 20;
     case T_Q5_0: return 22;
     case T_Q5_1: return 24;
     case T_Q8_0: return 34;
@@ -111,6 +113,7 @@ AI int tbytes(const int t) {
 }
 
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
+AI int is_x8(const int t) { return t == T_Q4_0X8 || t == T_Q4_1X8; }
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
 
 /* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
@@ -835,6 +838,83 @@ DOT_K(T_Q5_K, d_q5_k)
 DOT_K(T_Q6_K, d_q6_k)
 DOT_K(T_IQ4_XS, d_iq4_xs)
 
+#if defined(__AVX2__)
+/* Q4_0/Q4_1 rows repacked eight at a time (T_Q4_0X8, T_Q4_1X8, written by gg_repack_x8): for each 32-value block,
+ * the eight rows' fp16 scales d (Q4_1: then their fp16 mins m), then 128 bytes in which bytes 4i..4i+3 of
+ * 32-byte chunk c are bytes 4c..4c+3 of row i's nibbles. A chunk's low nibbles are values 4c..4c+3 of the eight
+ * rows and its high nibbles values 16+4c..19+4c, so one vpdpbusd against four activations broadcast to every
+ * lane gives eight rows' partial dots, one row per lane: no horizontal sums, and a block's scale and offset (or
+ * min) terms are one vector FMA each for eight rows, where the per-row kernel spends a convert, a permute and an
+ * FMA per row and block. Decode on Q4_0 is bound by these instructions, not by memory, on two cores. */
+AI __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else /* u <= 15: a pair sum 2 * 15 * 127 does not saturate int16 */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+AI __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* res[8 * r + i] = dot(row i of the group at w, x row r) for r < R */
+AI void dot_x8(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
+    const int hb = t == T_Q4_1X8 ? 32 : 16, gb = hb + 128;
+    const int64_t nb = a->K / 32;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; j++) {
+        const uint8_t *g = w + j * gb;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        const __m256 m = t == T_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
+                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        __m256i lo[4], hi[4];
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(g + hb + 32 * c));
+            lo[c] = _mm256_and_si256(v, m4);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *xq = act_q(a, r) + j * 32;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                s0 = dpbusd(s0, lo[c], bcast4(xq + 4 * c));
+                s1 = dpbusd(s1, hi[c], bcast4(xq + 16 + 4 * c));
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(act_d(a, r)[j])), dot, acc[r]);
+            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(act_s32(a, r)[j]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res + 8 * r, acc[r]);
+}
+
+/* n (a multiple of 8) repacked rows from w, a group of 8 at a time */
+#define ROWS_X8(T, NAME, R) \
+    static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
+                           const float *bias, int pairs) { \
+        enum { RR = R == 8 && RMAX < 8 ? 1 : R }; \
+        for (int64_t i = 0; i < n; i += 8) { \
+            float res[8 * RMAX], col[RMAX]; \
+            dot_x8(T, RR, w + i * stride, a, res); \
+            for (int k = 0; k < 8; k++) { \
+                for (int r = 0; r < RR; r++) col[r] = res[8 * r + k]; \
+                store_rows(RR, col, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
+            } \
+        } \
+    }
+ROWS_X8(T_Q4_0X8, d_q4_0x8, 1) ROWS_X8(T_Q4_0X8, d_q4_0x8, 2) ROWS_X8(T_Q4_0X8, d_q4_0x8, 4)
+ROWS_X8(T_Q4_0X8, d_q4_0x8, 8)
+ROWS_X8(T_Q4_1X8, d_q4_1x8, 1) ROWS_X8(T_Q4_1X8, d_q4_1x8, 2) ROWS_X8(T_Q4_1X8, d_q4_1x8, 4)
+ROWS_X8(T_Q4_1X8, d_q4_1x8, 8)
+#endif
+
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
 /* the kernel for `type` over R rows (R in 1, 2, 4, RMAX) */
 static dot_fn pick(int type, int R) {
@@ -854,6 +934,10 @@ static dot_fn pick(int type, int R) {
     case T_Q5_K: PICK(d_q5_k);
     case T_Q6_K: PICK(d_q6_k);
     case T_IQ4_XS: PICK(d_iq4_xs);
+#if defined(__AVX2__)
+    case T_Q4_0X8: PICK(d_q4_0x8);
+    case T_Q4_1X8: PICK(d_q4_1x8);
+#endif
     default: return NULL;
     }
 }
@@ -973,6 +1057,7 @@ static int64_t column_at(const gg_part_t *parts, int nparts, int64_t K, double t
         const double size = rb * (double)parts[p].rows;
         if (target < before + size) {
             int64_t c = (int64_t)ceil((target - before) / rb);
+            if (is_x8(parts[p].type)) c = (c + 7) & ~(int64_t)7; /* a thread's columns start at a group */
             return col + (c < parts[p].rows ? c : parts[p].rows);
         }
         before += size;
@@ -1160,14 +1245,67 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
     }
 }
 
+/* The x8 layout's one-row pieces (gg_repack_x8): the header bytes of a Q4_0/Q4_1 block (d, m) and its nibbles */
+AI int x8_base(const int t) { return t == T_Q4_0X8 ? T_Q4_0 : T_Q4_1; }
+AI int q4_hdr(const int base) { return base == T_Q4_1 ? 4 : 2; }
+
+/* lane i (< 8) of an x8 group back to its row's Q4_0/Q4_1 blocks */
+static void unpack_x8_row(const int base, const uint8_t *group, int i, int64_t K, uint8_t *row) {
+    const int tb = tbytes(base), hb = q4_hdr(base);
+    for (int64_t j = 0; j < K / 32; j++) {
+        const uint8_t *o = group + j * 8 * tb;
+        uint8_t *b = row + j * tb;
+        for (int h = 0; h < hb; h += 2) memcpy(b + h, o + 8 * h + 2 * i, 2);
+        for (int c = 0; c < 4; c++) memcpy(b + hb + 4 * c, o + 8 * hb + 32 * c + 4 * i, 4);
+    }
+}
+
 void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const int64_t *rows, int64_t R, int64_t K,
                      void *out, int32_t out_bf16, int num_threads) {
     const size_t esize = out_bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1) if (R * K > 65536)
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t src = rows ? rows[r] : r;
-        dequant_row_any(type, w + src * row_stride, K, (char *)out + (size_t)r * K * esize, out_bf16);
+    const int x8 = is_x8(type), base = x8 ? x8_base(type) : type;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) if (R * K > 65536)
+    {
+        uint8_t *row = x8 ? malloc((size_t)(K / 32 * tbytes(base))) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t src = rows ? rows[r] : r;
+            const uint8_t *p = w + src * row_stride;
+            if (x8 && row != NULL) {
+                unpack_x8_row(base, w + (src & ~(int64_t)7) * row_stride, (int)(src & 7), K, row);
+                p = row;
+            }
+            dequant_row_any(base, p, K, (char *)out + (size_t)r * K * esize, out_bf16);
+        }
+        free(row);
     }
+}
+
+/* Q4_0 or Q4_1 rows [rows, K] (row stride src_stride, rows % 8 == 0) into the x8 layout at dst (contiguous, the
+ * same bytes as the rows): returns the x8 type id, or -1 where this build has no x8 kernel (no AVX2) or the shape
+ * does not fit (nothing written then). */
+int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,
+                     int num_threads) {
+#if defined(__AVX2__)
+    if ((type != T_Q4_0 && type != T_Q4_1) || rows % 8 || K % 32) return -1;
+    const int tb = tbytes(type), hb = q4_hdr(type);
+    const int64_t rb = K / 32 * tb;
+#pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int64_t g = 0; g < rows / 8; g++) {
+        for (int64_t j = 0; j < K / 32; j++) {
+            uint8_t *o = dst + g * 8 * rb + j * 8 * tb;
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *b = src + (g * 8 + i) * src_stride + j * tb;
+                for (int h = 0; h < hb; h += 2) memcpy(o + 8 * h + 2 * i, b + h, 2);
+                for (int c = 0; c < 4; c++) memcpy(o + 8 * hb + 32 * c + 4 * i, b + hb + 4 * c, 4);
+            }
+        }
+    }
+    return type == T_Q4_0 ? T_Q4_0X8 : T_Q4_1X8;
+#else
+    (void)type; (void)src; (void)src_stride; (void)rows; (void)K; (void)dst; (void)num_threads;
+    return -1;
+#endif
 }
 
 /* which integer path this build runs (the kernels report, tests) */

@@ -41,6 +41,13 @@ TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", 
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
            Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18), Q2_K: (256, 84), Q3_K: (256, 110),
            Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
+# Ours, not ggml's: Q4_0/Q4_1 rows repacked eight at a time (ggml.c's gg_repack_x8 says how), which `bind` makes
+# where the CPU has the kernel: the same bytes, about twice the decode speed (benchmarks/ggml_kernels.py).
+Q4_0X8, Q4_1X8 = 1002, 1003
+TYPE_NAMES.update({Q4_0X8: "Q4_0x8", Q4_1X8: "Q4_1x8"})
+_BLOCKS.update({Q4_0X8: _BLOCKS[Q4_0], Q4_1X8: _BLOCKS[Q4_1]})
+REPACKABLE = (Q4_0, Q4_1)
+BASE_TYPE = {Q4_0X8: Q4_0, Q4_1X8: Q4_1}  # the ggml type an x8 layout holds
 FLOAT_TYPES = (F32, F16, BF16)
 # Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM (the crossover), measured with
 # `python benchmarks/ggml_kernels.py --crossover [--f32]` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI
@@ -66,6 +73,8 @@ MAX_ROWS_BF16 = 16
 MAX_ROWS_F32 = 64
 _MAX_ROWS_BF16 = {Q4_0: 24, Q4_1: 24, Q5_0: 24, IQ4_XS: 24, Q2_K: 32, Q3_K: 32, Q4_K: 32, Q5_K: 32, Q6_K: 32}
 _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
+_MAX_ROWS_BF16.update({Q4_0X8: _MAX_ROWS_BF16[Q4_0], Q4_1X8: _MAX_ROWS_BF16[Q4_1]})
+_MAX_ROWS_F32.update({Q4_0X8: _MAX_ROWS_F32[Q4_0]})
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
@@ -96,6 +105,7 @@ def typed(lib):
         lib.gg_dequant_rows.argtypes = [i32, vp, i64, vp, i64, i64, vp, i32, i32]
         lib.gg_linear.restype = lib.gg_linear_precise.restype = lib.gg_dequant_rows.restype = None
         lib.gg_isa.argtypes, lib.gg_isa.restype = [], ctypes.c_char_p
+        lib.gg_repack_x8.argtypes, lib.gg_repack_x8.restype = [i32, vp, i64, i64, i64, vp, i32], i32
         lib._typed = True
     return lib
 
@@ -229,7 +239,7 @@ class BlockLinear:
         dt = torch.bfloat16 if bf16 else torch.float32
         x2 = x.reshape(-1, K).to(dt).contiguous()
         y = torch.empty(x2.shape[0], N, dtype=dt)
-        step = max(1, TILE_BYTES // (K * x2.element_size()))
+        step = max(8, TILE_BYTES // (K * x2.element_size()) // 8 * 8)  # whole groups of an x8 part
         buf = _tile_buffer(min(step, max(p.data.shape[0] for p in self.parts)) * K, dt)
         col, nt = 0, torch.get_num_threads()
         for p in self.parts:
@@ -250,6 +260,39 @@ class BlockLinear:
         return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
 
 
-def bind(parts: list[Part], K: int, lib=None) -> BlockLinear:
-    """The bound linear over these parts (their tensors must outlive it: it keeps them)."""
+def repacked(part: Part, K: int, lib=None) -> Part:
+    """A Q4_0/Q4_1 part as a new Part in the x8 layout (a copy: the part is left as it is), where the library has
+    the kernel and the rows come in whole groups of 8; any other part as it is. TOKENMILL_GGML_REPACK=0 turns it
+    off (the per-row kernel, for comparisons)."""
+    lib = lib or load()
+    if (part.type not in REPACKABLE or lib is None or part.data.shape[0] % 8 or part.data.shape[0] == 0
+            or os.environ.get("TOKENMILL_GGML_REPACK", "1") == "0"):
+        return part
+    _check(part, K)
+    out = torch.empty(part.data.shape[0], row_bytes(part.type, K), dtype=torch.uint8)
+    t = lib.gg_repack_x8(part.type, part.data.data_ptr(), part.data.stride(0), part.data.shape[0], K,
+                         out.data_ptr(), torch.get_num_threads())
+    return part if t < 0 else Part(t, out)
+
+
+def unpacked(part: Part, K: int) -> Part:
+    """An x8 part back as its Q4_0/Q4_1 rows (a copy; ggml.c's x8 layout undone with torch views); any other part
+    as it is."""
+    if part.type not in (Q4_0X8, Q4_1X8):
+        return part
+    base = BASE_TYPE[part.type]
+    nbytes = block_size(base)[1]
+    hb, nb, rows = nbytes - 16, K // 32, part.data.shape[0]
+    groups = part.data[:, :row_bytes(base, K)].reshape(rows // 8, nb, 8 * nbytes)
+    heads = groups[..., :8 * hb].reshape(rows // 8, nb, hb // 2, 8, 2).permute(0, 3, 1, 2, 4)
+    nibbles = groups[..., 8 * hb:].reshape(rows // 8, nb, 4, 8, 4).permute(0, 3, 1, 2, 4)
+    blocks = torch.cat([heads.reshape(rows, nb, hb), nibbles.reshape(rows, nb, 16)], dim=-1)
+    return Part(base, blocks.reshape(rows, nb * nbytes).contiguous())
+
+
+def bind(parts: list[Part], K: int, lib=None, repack: bool = True) -> BlockLinear:
+    """The bound linear over these parts (their tensors must outlive it: it keeps them). repack: Q4_0/Q4_1 parts
+    run from x8 copies (`repacked`; the caller drops its own tensor if nothing else reads it)."""
+    if repack:
+        parts = [repacked(p, K, lib) for p in parts]
     return BlockLinear(parts, K, lib)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed import tp_rank, tp_size
+from tokenmill.layers.cpu_memory import page_out
 from tokenmill.layers.embedding import vocab_block, vocab_parallel_lookup
 from tokenmill.layers.fused_moe import FusedMoE
 from tokenmill.layers.quantization import apply_quantization, ggml
@@ -65,6 +66,16 @@ def _zero_rows(rows: int, K: int) -> ggml.Part:
     return ggml.Part(FLOAT_TYPES[torch.float32], torch.zeros(rows, 4 * K, dtype=torch.uint8))
 
 
+def _bind(parts: list[ggml.Part], K: int) -> ggml.BlockLinear:
+    """ggml.bind over views of the mapped file; the views it ran from repacked copies of leave the resident set
+    (their pages fault back in from the file should a lookup or a dequantized_weight read them)."""
+    bound = ggml.bind(parts, K)
+    for p, q in zip(parts, bound.parts):
+        if q is not p:
+            page_out(p.data)
+    return bound
+
+
 class BlockLinearMethod:
     """A linear layer over ggml parts. tied_to: a BlockEmbedding whose blocks are this layer's weight (a tied
     LM head); the layer then shares the embedding's placeholder parameter, as a float tied head shares its
@@ -100,7 +111,7 @@ class BlockLinearMethod:
             self.parts = [self.tied_to.head_parts(layer.out_features)]
         if any(p is None for p in self.parts):
             raise ValueError("a GGUF linear layer is missing one of its merged projections")
-        self.block_linear = ggml.bind([p for parts in self.parts for p in parts], layer.in_features)
+        self.block_linear = _bind([p for parts in self.parts for p in parts], layer.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.block_linear(x, bias)
@@ -163,8 +174,8 @@ class BlockMoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         H, n = layer.hidden_size, layer.intermediate_size
         experts = range(layer.num_local_experts)
-        self.w13 = [ggml.bind([self.parts[(e, "gate")], self.parts[(e, "up")]], H) for e in experts]
-        self.w2 = [ggml.bind([self.parts[(e, "down")]], n) for e in experts]
+        self.w13 = [_bind([self.parts[(e, "gate")], self.parts[(e, "up")]], H) for e in experts]
+        self.w2 = [_bind([self.parts[(e, "down")]], n) for e in experts]
 
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
         h = self.w13[expert](x, layer.expert_bias("w13", expert))

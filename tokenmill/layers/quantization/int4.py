@@ -96,17 +96,18 @@ class Q4BlockMethod:
         if blocks.device.type != "cpu":
             raise ValueError("int4 weights (ggml Q4_1 blocks) run on the CPU block kernels only; use --device cpu, "
                              "or int8/fp8 on CUDA")
-        layer.weight = nn.Parameter(blocks.contiguous(), requires_grad=False)
         if hasattr(layer, "packed_weight"):
             del layer.packed_weight
-        self.block_linear = ggml.bind([ggml.Part(Q4_1, layer.weight.data)], layer.in_features)
+        self.block_linear = ggml.bind([ggml.Part(Q4_1, blocks.contiguous())], layer.in_features)
+        # the blocks the kernel runs (Q4_1, or their x8 repack): the layer's weight, and nothing else kept
+        layer.weight = nn.Parameter(self.block_linear.parts[0].data, requires_grad=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.block_linear(x, bias)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The float32 weight the blocks stand for (tests, the quality report)."""
-        return ggml.dequantize(ggml.Part(Q4_1, layer.weight.data), layer.in_features)
+        return ggml.dequantize(self.block_linear.parts[0], layer.in_features)
 
 
 class Int4LinearMethod(Q4BlockMethod):
@@ -161,7 +162,8 @@ class Int4MoEMethod(UnquantizedMoEMethod):
             w = getattr(layer, f"{name}_weight").data
             blocks = torch.stack([quantize_q4_1(w[e], self.group) for e in range(w.shape[0])])
             setattr(layer, f"{name}_weight", nn.Parameter(blocks, requires_grad=False))
-            runs[name] = [ggml.bind([ggml.Part(Q4_1, b)], w.shape[2]) for b in blocks]
+            # per-row kernel: an x8 copy per expert would double the stacked blocks' memory
+            runs[name] = [ggml.bind([ggml.Part(Q4_1, b)], w.shape[2], repack=False) for b in blocks]
         self.w13, self.w2 = runs["w13"], runs["w2"]
 
     def apply(self, layer: nn.Module, expert: int, x: torch.Tensor) -> torch.Tensor:
