@@ -103,7 +103,8 @@ def run_type(type_id: int, args, copy: CopyBandwidth, rng) -> None:
 def crossover(type_id: int, args, rng) -> None:
     """Integer kernel vs dequantized tiles + GEMM at growing row counts, for one layer shape."""
     N, K = args.n, args.k
-    layer = ggml.BlockLinear([ggml.Part(type_id, random_blocks(type_id, N, K, rng))], K, max_rows=1 << 30)
+    parts = ggml.bind([ggml.Part(type_id, random_blocks(type_id, N, K, rng))], K).parts  # as the engine runs them
+    layer = ggml.BlockLinear(parts, K, max_rows=1 << 30)
     tiled = ggml.BlockLinear(layer.parts, K, max_rows=0)
     cells = []
     for M in (8, 16, 24, 32, 48, 64, 96, 128):
