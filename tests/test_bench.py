@@ -264,7 +264,9 @@ def test_measured_latencies_match_injected_delays(fake, tmp_path):
     _assert_injected(s["itl_ms"]["median"], 50, jitter=0.1)
     _assert_injected(s["tpot_ms"]["median"], 50, jitter=0.1)
     _assert_injected(s["e2e_ms"]["median"], 300 + 5 * 50)
-    assert min(x["ttft"] for x in r["requests"]) >= 0.3 and min(min(x["itl"]) for x in r["requests"]) >= 0.045
+    # per request, the lower bounds the server's sleeps guarantee (one gap between chunk arrivals is not one: a
+    # chunk that arrives late, on a loaded machine, shortens the gap after it)
+    assert min(x["ttft"] for x in r["requests"]) >= 0.3 and min(x["e2e"] for x in r["requests"]) >= 0.3 + 5 * 0.05
     assert s["max_concurrency"] == 3
 
 
