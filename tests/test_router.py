@@ -471,7 +471,8 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_streaming(repli
 
     def one(i_prompt):
         i, prompt = i_prompt
-        result = _complete(router.url, prompt, stream=i % 3 == 0, max_tokens=12)
+        # 40 tokens: long enough in flight that the kill lands mid-request (12 let it miss now and then)
+        result = _complete(router.url, prompt, stream=i % 3 == 0, max_tokens=40)
         finished.append(result)
         if len(finished) >= 6:
             done.set()
