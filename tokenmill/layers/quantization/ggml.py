@@ -73,12 +73,13 @@ MAX_ROWS_BF16 = 16
 MAX_ROWS_F32 = 64
 _MAX_ROWS_BF16 = {Q4_0: 24, Q4_1: 24, Q5_0: 24, IQ4_XS: 24, Q2_K: 32, Q3_K: 32, Q4_K: 32, Q5_K: 32, Q6_K: 32}
 _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
-# The x8 layouts (Q4_0/Q4_1 repacked), measured the same way on an Intel Xeon with AVX-512 VNNI/BF16 (ms):
-#   bf16 x   M=16       M=32       M=64       M=96        f32 x  M=32        M=64         M=96         M=128
-#     Q4_0   1.38/3.77  2.53/5.24  5.40/6.70  8.02/7.73          5.17/12.06  10.60/15.90  16.24/20.60  21.77/24.48
-#     Q4_1   1.27/5.30  2.67/5.86  5.36/6.92  8.21/7.21          5.17/13.36  10.71/16.12  16.23/26.05  21.53/26.84
+# The x8 layouts (Q4_0/Q4_1 repacked), measured the same way on an Intel Xeon with AVX-512 VNNI/BF16 (ms; bf16 with
+# the 512-bit two-group kernel, f32 before it, which only makes the integer side faster):
+#   bf16 x   M=32       M=64       M=96       M=128       f32 x  M=32        M=64         M=96         M=128
+#     Q4_0   2.08/5.45  4.09/6.75  6.59/7.19  9.01/8.22          5.17/12.06  10.60/15.90  16.24/20.60  21.77/24.48
+#     Q4_1                                                       5.17/13.36  10.71/16.12  16.23/26.05  21.53/26.84
 # (the per-row Q4_0 kernel on that machine: bf16 M=32 5.58/5.21, f32 M=64 23.60/15.69)
-_MAX_ROWS_BF16.update({Q4_0X8: 64, Q4_1X8: 64})
+_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96})
 _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128})
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
