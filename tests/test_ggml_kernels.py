@@ -127,6 +127,18 @@ def check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tenso
     assert worst <= 1.0, f"error {worst:.2f}x the derived bound ({route} route)"
 
 
+def check_routes(layer: ggml.BlockLinear, lib, w: torch.Tensor, cols: torch.Tensor, row_counts) -> None:
+    """Each M: up to MAX_ROWS both C kernels and BlockLinear (float32 x: the precise kernel), above the tiles."""
+    for M in row_counts:
+        x = torch.randn(M, layer.K, generator=torch.Generator().manual_seed(M))
+        if M > MAX_ROWS:
+            check(layer(x, None), x, w, cols, route="tiles")
+            continue
+        check(kernel_call(layer, lib.gg_linear, x), x, w, cols, route="int")
+        check(kernel_call(layer, lib.gg_linear_precise, x), x, w, cols, route="precise")
+        check(layer(x, None), x, w, cols, route="precise")
+
+
 # -- the builds under test --------------------------------------------------------------------------------
 def _variant(march: str, tmp_dir) -> ctypes.CDLL:
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -169,15 +181,7 @@ def test_linear_matches_reference(lib, type_id):
         part = ggml.Part(type_id, blocks(type_id, 19, K, pad=5))
         w = reference(part, K)
         layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
-        cols = column_blocks(part)
-        for M in (1, 3, 8, 40, 300):
-            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-            if M > MAX_ROWS:
-                check(layer(x, None), x, w, cols, route="tiles")
-                continue
-            check(kernel_call(layer, lib.gg_linear, x), x, w, cols, route="int")
-            check(kernel_call(layer, lib.gg_linear_precise, x), x, w, cols, route="precise")
-            check(layer(x, None), x, w, cols, route="precise")  # float32 x: BlockLinear takes the precise kernel
+        check_routes(layer, lib, w, column_blocks(part), (1, 3, 8, 40, 300))
 
 
 def test_merged_parts_bias_and_shapes(lib):
@@ -298,12 +302,5 @@ def test_x8_repack_matches_reference(lib, type_id):
         rows = torch.tensor([23, 0, 9, 9, 16])
         assert torch.equal(ggml.dequantize(packed, K, rows, lib=lib), w[rows])
         assert torch.equal(ggml.dequantize(packed, K, lib=lib), w[:24])
-        layer.max_rows = layer._max_rows_f32 = MAX_ROWS
-        cols = column_blocks(part, other)
-        for M in (1, 3, 8, 13, 40):
-            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
-            if M > MAX_ROWS:
-                check(layer(x, None), x, w, cols, route="tiles")
-                continue
-            check(kernel_call(layer, lib.gg_linear, x), x, w, cols, route="int")
-            check(kernel_call(layer, lib.gg_linear_precise, x), x, w, cols, route="precise")
+        routed = ggml.BlockLinear(layer.parts, K, lib=lib, max_rows=MAX_ROWS)  # the tests' row limit
+        check_routes(routed, lib, w, column_blocks(part, other), (1, 3, 8, 13, 40))
