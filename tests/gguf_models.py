@@ -147,6 +147,17 @@ _GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm", "p
                  "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def add_base_metadata(w, config: dict, head_count_kv: int) -> None:
+    """The keys every converter writes the same way from a config.json dict (the architecture adds its own)."""
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(head_count_kv)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+
+
 def _gemma3_metadata(w, config: dict) -> None:
     """The converter's Gemma 3 keys: rope.freq_base is the global layers' (with their rope scaling),
     rope.freq_base_swa the local ones'; attention.sliding_window. It writes no per-layer pattern (llama.cpp
@@ -155,15 +166,9 @@ def _gemma3_metadata(w, config: dict) -> None:
     import gguf
 
     layers, rope = config["num_hidden_layers"], config["rope_parameters"]
-    w.add_block_count(layers)
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
+    add_base_metadata(w, config, config["num_key_value_heads"])
     w.add_key_length(config["head_dim"])
     w.add_value_length(config["head_dim"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
     if rope["full_attention"].get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -225,13 +230,7 @@ def _deepseek_metadata(w, config: dict) -> None:
     mscale_all_dim as yarn_log_multiplier = 0.1 x it; the expert groups."""
     import gguf
 
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    add_base_metadata(w, config, 1)  # MLA written as MQA: one KV head
     rope = config.get("rope_parameters") or {}
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_leading_dense_block_count(config["first_k_dense_replace"])

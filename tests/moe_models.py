@@ -139,6 +139,7 @@ def tiny_moe_gguf(hf_dir: str, moe_arch: str, ggml_type: Optional[str] = None) -
     ggml_type (a type gguf-py quantizes, e.g. Q8_0): the weight matrices and expert stacks in it instead (the
     router stays float32, as llama.cpp keeps it)."""
     import gguf
+    from gguf_models import add_base_metadata  # here: gguf_models imports this module
     from transformers import AutoTokenizer
 
     with open(os.path.join(hf_dir, "config.json")) as f:
@@ -146,14 +147,8 @@ def tiny_moe_gguf(hf_dir: str, moe_arch: str, ggml_type: Optional[str] = None) -
     arch = _GGUF_ARCH[moe_arch]
     path = os.path.join(tempfile.mkdtemp(prefix="tokenmill-moe-gguf-"), f"{moe_arch}.gguf")
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
+    add_base_metadata(w, config, config["num_key_value_heads"])
     w.add_key_length(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     w.add_expert_count(config["num_local_experts"])
     w.add_expert_used_count(config["num_experts_per_tok"])

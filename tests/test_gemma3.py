@@ -97,15 +97,21 @@ def test_final_logit_softcapping_matches_transformers(tiny, tmp_path):
     ("use_bidirectional_attention", True, "use_bidirectional_attention"),
 ])
 def test_unsupported_variants_are_refused(tiny, field, value, message):
+    from tokenmill.models.gemma3 import Gemma3ForCausalLM
+
+    check_refused(tiny("gemma3"), Gemma3ForCausalLM, field, value, message)
+
+
+def check_refused(model_dir: str, model_cls, field: str, value, message: str) -> None:
+    """The tiny model's config with `field` set to `value`: building the model refuses it in one line."""
     from transformers import AutoConfig
 
     from tokenmill.layers.attention import get_attention_backend
-    from tokenmill.models.gemma3 import Gemma3ForCausalLM
 
-    config = AutoConfig.from_pretrained(tiny("gemma3"))
+    config = AutoConfig.from_pretrained(model_dir)
     setattr(config, field, value)
     with pytest.raises(ValueError, match=message) as info:
-        Gemma3ForCausalLM(config, torch.float32, get_attention_backend("cpu"), 64)
+        model_cls(config, torch.float32, get_attention_backend("cpu"), 64)
     assert "\n" not in str(info.value)
 
 
