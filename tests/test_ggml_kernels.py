@@ -284,10 +284,10 @@ def test_row_limits_follow_the_measured_crossovers():
     assert ggml.BlockLinear([part(ggml.Q8_0)], 256, max_rows=5).max_rows == 5
 
 
-@pytest.mark.parametrize("type_id", [ggml.Q4_0, ggml.Q4_1], ids=lambda t: ggml.TYPE_NAMES[t])
+@pytest.mark.parametrize("type_id", ggml.REPACKABLE, ids=lambda t: ggml.TYPE_NAMES[t])
 def test_x8_repack_matches_reference(lib, type_id):
-    """`bind` runs Q4_0/Q4_1 from copies repacked eight rows at a time (not on the scalar build, which has no x8
-    kernel): merged with a part of another type, the threads' column split on a group bound, both routes and
+    """`bind` runs the REPACKABLE types from copies repacked eight rows at a time (not on the scalar build, which
+    has no x8 kernel): merged with a part of another type, the threads' column split on a group bound, both routes and
     both kernels within the derived bounds, lookups of single rows exact; the caller's part is left as it is."""
     for K in (512, 288):
         part, other = ggml.Part(type_id, blocks(type_id, 24, K, pad=5)), ggml.Part(ggml.Q8_0, blocks(ggml.Q8_0, 5, K))
@@ -295,8 +295,7 @@ def test_x8_repack_matches_reference(lib, type_id):
         w = torch.cat([reference(part, K), reference(other, K)])
         layer = ggml.bind([part, other], K, lib=lib)
         packed = layer.parts[0]
-        assert packed.type == (type_id if ggml.isa(lib) == "scalar" else {ggml.Q4_0: ggml.Q4_0X8,
-                                                                           ggml.Q4_1: ggml.Q4_1X8}[type_id])
+        assert packed.type == (type_id if ggml.isa(lib) == "scalar" else 1000 + type_id)
         assert torch.equal(part.data, before) and layer.parts[1] is other
         assert torch.equal(ggml.unpacked(packed, K).data, before[:, :ggml.row_bytes(type_id, K)])
         rows = torch.tensor([23, 0, 9, 9, 16])

@@ -136,7 +136,7 @@ def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
         fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
         return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
     tiles = "bf16" if cpu_has_native_bf16() else "f32"
-    # keyed by the file's type; an x8 layout (Q4_0/Q4_1 repacked 8 rows at a time) says so in its kernel
+    # keyed by the file's type; an x8 layout (rows repacked 8 at a time) says so in its kernel
     return {ggml.TYPE_NAMES[ggml.BASE_TYPE.get(t, t)]: (
         f"float dot (1-{rows[t]} rows)" if t in ggml.FLOAT_TYPES else
         f"{isa} int8 dot{', rows repacked 8 at a time' if t in ggml.BASE_TYPE else ''} (1-{rows[t]} rows)")

@@ -40,8 +40,8 @@
 enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
-    /* ours, not ggml's: Q4_0/Q4_1 rows repacked eight at a time (gg_repack_x8) */
-    T_Q4_0X8 = 1002, T_Q4_1X8 = 1003
+    /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
+    T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008
 };
 
 typedef struct {
@@ -98,9 +98,9 @@ AI int tbytes(const int t) {
     case T_F16: case T_BF16: return 2;
     case T_Q4_0: case T_Q4_0X8: return 18;
     case T_Q4_1: case T_Q4_1X8: return 20;
-    case T_Q5_0: return 22;
-    case T_Q5_1: return 24;
-    case T_Q8_0: return 34;
+    case T_Q5_0: case T_Q5_0X8: return 22;
+    case T_Q5_1: case T_Q5_1X8: return 24;
+    case T_Q8_0: case T_Q8_0X8: return 34;
     case T_IQ4_NL: return 18;
     case T_Q2_K: return 84;
     case T_Q3_K: return 110;
@@ -113,7 +113,15 @@ AI int tbytes(const int t) {
 }
 
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
-AI int is_x8(const int t) { return t == T_Q4_0X8 || t == T_Q4_1X8; }
+AI int is_x8(const int t) {
+    return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8;
+}
+AI int x8_base(const int t) { return t - 1000; }
+AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
+AI int is_q5(const int t) { return t == T_Q5_0 || t == T_Q5_1; }
+/* an x8 group record of a block (x8_lane): the d (and m) bytes, then Q5's fifth bits, then the values */
+AI int x8_heads(const int base) { return has_min(base) ? 32 : 16; }
+AI int x8_values(const int base) { return x8_heads(base) + (is_q5(base) ? 32 : 0); }
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
 
 /* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
@@ -477,7 +485,7 @@ typedef struct {
 
 AI void dec_hdr(const int t, const uint8_t *b, hdr_t *h) {
     h->ws[0] = f16(b);
-    h->mc[0] = t == T_Q4_1 || t == T_Q5_1 ? f16(b + 2) : -(float)toffset(t) * h->ws[0];
+    h->mc[0] = has_min(t) ? f16(b + 2) : -(float)toffset(t) * h->ws[0];
 }
 
 #if defined(__AVX2__)
@@ -501,7 +509,7 @@ AI void step_hdr(const int t, const uint8_t *w, int64_t sb, hdr_t *h) {
     const uint8_t *b = w + sb * 8 * tbytes(t);
     const __m256 d = f16x8(b, tbytes(t));
     _mm256_storeu_ps(h->ws, d);
-    if (t == T_Q4_1 || t == T_Q5_1)
+    if (has_min(t))
         _mm256_storeu_ps(h->mc, f16x8(b + 2, tbytes(t)));
     else
         _mm256_storeu_ps(h->mc, _mm256_mul_ps(d, _mm256_set1_ps(-(float)toffset(t))));
@@ -839,111 +847,109 @@ DOT_K(T_Q6_K, d_q6_k)
 DOT_K(T_IQ4_XS, d_iq4_xs)
 
 #if defined(__AVX2__)
-/* Q4_0/Q4_1 rows repacked eight at a time (T_Q4_0X8, T_Q4_1X8, written by gg_repack_x8): for each 32-value block,
- * the eight rows' fp16 scales d (Q4_1: then their fp16 mins m), then 128 bytes in which bytes 4i..4i+3 of
- * 32-byte chunk c are bytes 4c..4c+3 of row i's nibbles. A chunk's low nibbles are values 4c..4c+3 of the eight
- * rows and its high nibbles values 16+4c..19+4c, so one vpdpbusd against four activations broadcast to every
- * lane gives eight rows' partial dots, one row per lane: no horizontal sums, and a block's scale and offset (or
- * min) terms are one vector FMA each for eight rows, where the per-row kernel spends a convert, a permute and an
- * FMA per row and block. Decode on Q4_0 is bound by these instructions, not by memory, on two cores. */
-AI __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, x);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, x);
-#else /* u <= 15: a pair sum 2 * 15 * 127 does not saturate int16 */
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-AI __m256i bcast4(const int8_t *p) {
+/* Rows repacked eight at a time (the x8 types, 1000 + the ggml type, written by gg_repack_x8; x8_lane says the
+ * layout): eight 32-byte vectors U[k] (k < 8) hold values 4k..4k+3 of the eight rows, one row per 32-bit lane, so
+ * one vpdpbusd of U[k] against activations 4k..4k+3 broadcast to every lane gives eight rows' partial dots: no
+ * horizontal sums, and a block's scale and offset (or min) terms are one vector FMA each for eight rows, where
+ * the per-row kernel spends a convert, a permute and an FMA per row and block. Decode is bound by these
+ * instructions, not by memory, on two cores. Where the CPU has 512-bit VNNI, two consecutive groups go at once
+ * (group g in the low half of a register, g + 1 in the high): half the instructions per weight byte. The one
+ * kernel below is written once for both widths (X8_DOT), on these per-width pieces: */
+AI __m256i ld_256(const uint8_t *g, int64_t next) { (void)next; return _mm256_loadu_si256((const __m256i *)g); }
+AI __m256 f16_256(const uint8_t *g, int64_t next) { (void)next; return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)); }
+AI __m256i bcast_256(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
 }
-
-/* res[8 * r + i] = dot(row i of the group at w, x row r) for r < R */
-AI void dot_x8(const int t, const int R, const uint8_t *w, const act_t *a, float *res) {
-    const int hb = t == T_Q4_1X8 ? 32 : 16, gb = hb + 128;
-    const int64_t nb = a->K / 32;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < nb; j++) {
-        const uint8_t *g = w + j * gb;
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-        const __m256 m = t == T_Q4_1X8 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)))
-                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-        __m256i lo[4], hi[4];
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(g + hb + 32 * c));
-            lo[c] = _mm256_and_si256(v, m4);
-            hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-        for (int r = 0; r < R; r++) {
-            const int8_t *xq = act_q(a, r) + j * 32;
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int c = 0; c < 4; c++) {
-                s0 = dpbusd(s0, lo[c], bcast4(xq + 4 * c));
-                s1 = dpbusd(s1, hi[c], bcast4(xq + 16 + 4 * c));
-            }
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(act_d(a, r)[j])), dot, acc[r]);
-            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(act_s32(a, r)[j]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(res + 8 * r, acc[r]);
+AI __m256i dpbusd_256(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else /* u <= 31, or |w| <= 128: a pair sum 2 * 128 * 127 does not saturate int16 */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
 }
+AI __m256i abs_256(__m256i w) { return _mm256_abs_epi8(w); }
+AI __m256i sign_256(__m256i x, __m256i w) { return _mm256_sign_epi8(x, w); } /* x where w > 0, -x where w < 0 */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* Two consecutive x8 groups at once in 512-bit registers (group g in the low half, g + 1 in the high): the same
- * dots for 16 rows per instruction, half the instructions per weight byte of dot_x8 (batched decode runs them
- * once per row of x). res[16 * r + i] for row i of the two groups. */
-AI __m512i ld2(const uint8_t *g0, const uint8_t *g1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)g0)),
-                              _mm256_loadu_si256((const __m256i *)g1), 1);
-}
-
-AI __m512 f16x16(const uint8_t *g0, const uint8_t *g1) {
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)g1), _mm_loadu_si128((const __m128i *)g0)));
-}
-
-AI void dot_x16(const int t, const int R, const uint8_t *w, int64_t group_bytes, const act_t *a, float *res) {
-    const int hb = t == T_Q4_1X8 ? 32 : 16, gb = hb + 128;
-    const int64_t nb = a->K / 32;
-    const __m512i m4 = _mm512_set1_epi8(15);
-    __m512 acc[RMAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < nb; j++) {
-        const uint8_t *g0 = w + j * gb, *g1 = g0 + group_bytes;
-        const __m512 d = f16x16(g0, g1);
-        const __m512 m = t == T_Q4_1X8 ? f16x16(g0 + 16, g1 + 16) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        __m512i lo[4], hi[4];
-        for (int c = 0; c < 4; c++) {
-            const __m512i v = ld2(g0 + hb + 32 * c, g1 + hb + 32 * c);
-            lo[c] = _mm512_and_si512(v, m4);
-            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        }
-        for (int r = 0; r < R; r++) {
-            const int8_t *xq = act_q(a, r) + j * 32;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int c = 0; c < 4; c++) {
-                int32_t x0, x1;
-                memcpy(&x0, xq + 4 * c, 4);
-                memcpy(&x1, xq + 16 + 4 * c, 4);
-                s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(x0));
-                s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(x1));
-            }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(act_d(a, r)[j])), dot, acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(act_s32(a, r)[j]), acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(res + 16 * r, acc[r]);
-}
 #define X16 1
+AI __m512i ld_512(const uint8_t *g, int64_t next) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)g)),
+                              _mm256_loadu_si256((const __m256i *)(g + next)), 1);
+}
+AI __m512 f16_512(const uint8_t *g, int64_t next) {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_loadu_si128((const __m128i *)(g + next)), _mm_loadu_si128((const __m128i *)g)));
+}
+AI __m512i bcast_512(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+AI __m512i dpbusd_512(__m512i acc, __m512i u, __m512i x) { return _mm512_dpbusd_epi32(acc, u, x); }
+AI __m512i abs_512(__m512i w) { return _mm512_abs_epi8(w); }
+/* no vpsignb at 512 bits: -x where w < 0 (where w == 0 the weight's |w| zeroes the product anyway) */
+AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
 #else
 #define X16 0
+#endif
+
+/* res[8 * GROUPS * r + i] = dot(row i of the GROUPS groups at w (the next one `next` bytes on), x row r), r < R */
+#define X8_DOT(W, GROUPS)                                                                                      \
+    AI void dot_x8_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
+        const int base = x8_base(t), gb = 8 * tbytes(base), hv = x8_values(base), q8 = base == T_Q8_0;       \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), m16 = _mm##W##_set1_epi8(16);                              \
+        __m##W acc[RMAX];                                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
+        for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
+            const uint8_t *g = w + j * gb;                                                                     \
+            const __m##W d = f16_##W(g, next);                                                                 \
+            const __m##W m = has_min(base) ? f16_##W(g + 16, next)                                             \
+                                           : _mm##W##_mul_ps(d, _mm##W##_set1_ps(-(float)toffset(base)));      \
+            __m##W##i U[8], S[8];                                                                              \
+            for (int c = 0; c < (q8 ? 8 : 4); c++) {                                                           \
+                const __m##W##i v = ld_##W(g + hv + 32 * c, next);                                             \
+                if (q8) {                                                                                      \
+                    S[c] = v;                                                                                  \
+                    U[c] = abs_##W(v);                                                                         \
+                } else {                                                                                       \
+                    U[c] = _mm##W##_and_si##W(v, m4);                                                          \
+                    U[4 + c] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m4);                              \
+                }                                                                                              \
+            }                                                                                                  \
+            if (is_q5(base)) {                                                                                 \
+                const __m##W##i q = ld_##W(g + x8_heads(base), next);                                          \
+                for (int c = 0; c < 4; c++) {                                                                  \
+                    U[c] = _mm##W##_or_si##W(U[c], _mm##W##_and_si##W(_mm##W##_slli_epi16(q, 4 - c), m16));    \
+                    U[4 + c] = _mm##W##_or_si##W(U[4 + c], _mm##W##_and_si##W(_mm##W##_srli_epi16(q, c), m16)); \
+                }                                                                                              \
+            }                                                                                                  \
+            for (int r = 0; r < R; r++) {                                                                      \
+                const int8_t *xq = act_q(a, r) + j * 32;                                                       \
+                __m##W##i s0 = _mm##W##_setzero_si##W(), s1 = _mm##W##_setzero_si##W();                        \
+                for (int k = 0; k < 8; k += 2) {                                                               \
+                    __m##W##i x0 = bcast_##W(xq + 4 * k), x1 = bcast_##W(xq + 4 * k + 4);                      \
+                    if (q8) {                                                                                  \
+                        x0 = sign_##W(x0, S[k]);                                                               \
+                        x1 = sign_##W(x1, S[k + 1]);                                                           \
+                    }                                                                                          \
+                    s0 = dpbusd_##W(s0, U[k], x0);                                                             \
+                    s1 = dpbusd_##W(s1, U[k + 1], x1);                                                         \
+                }                                                                                              \
+                const __m##W dot = _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(s0, s1));                           \
+                acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(act_d(a, r)[j])), dot, acc[r]); \
+                if (!q8) acc[r] = _mm##W##_fmadd_ps(m, _mm##W##_set1_ps(act_s32(a, r)[j]), acc[r]);            \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                          \
+    }
+X8_DOT(256, 1)
+#if X16
+X8_DOT(512, 2)
+#else
+#define dot_x8_512(t, R, w, next, a, res) ((void)0)
 #endif
 
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
@@ -953,11 +959,6 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
 }
 
 /* n (a multiple of 8) repacked rows from w: two groups at a time where the CPU has 512-bit VNNI, else one */
-#if X16
-#define X16_DOT dot_x16
-#else
-#define X16_DOT(T, R, w, gbytes, a, res) ((void)0)
-#endif
 #define ROWS_X8(T, NAME, R) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
@@ -965,18 +966,20 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
         float res[16 * RMAX]; \
         int64_t i = 0; \
         for (; X16 && i + 16 <= n; i += 16) { \
-            X16_DOT(T, RR, w + i * stride, 8 * stride, a, res); \
+            dot_x8_512(T, RR, w + i * stride, 8 * stride, a, res); \
             for (int k = 0; k < 16; k++) store_x8(RR, res, 16, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
         } \
         for (; i < n; i += 8) { \
-            dot_x8(T, RR, w + i * stride, a, res); \
+            dot_x8_256(T, RR, w + i * stride, 8 * stride, a, res); \
             for (int k = 0; k < 8; k++) store_x8(RR, res, 8, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
         } \
     }
-ROWS_X8(T_Q4_0X8, d_q4_0x8, 1) ROWS_X8(T_Q4_0X8, d_q4_0x8, 2) ROWS_X8(T_Q4_0X8, d_q4_0x8, 4)
-ROWS_X8(T_Q4_0X8, d_q4_0x8, 8)
-ROWS_X8(T_Q4_1X8, d_q4_1x8, 1) ROWS_X8(T_Q4_1X8, d_q4_1x8, 2) ROWS_X8(T_Q4_1X8, d_q4_1x8, 4)
-ROWS_X8(T_Q4_1X8, d_q4_1x8, 8)
+#define KERNELS_X8(T, NAME) ROWS_X8(T, NAME, 1) ROWS_X8(T, NAME, 2) ROWS_X8(T, NAME, 4) ROWS_X8(T, NAME, 8)
+KERNELS_X8(T_Q4_0X8, d_q4_0x8)
+KERNELS_X8(T_Q4_1X8, d_q4_1x8)
+KERNELS_X8(T_Q5_0X8, d_q5_0x8)
+KERNELS_X8(T_Q5_1X8, d_q5_1x8)
+KERNELS_X8(T_Q8_0X8, d_q8_0x8)
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1001,6 +1004,9 @@ static dot_fn pick(int type, int R) {
 #if defined(__AVX2__)
     case T_Q4_0X8: PICK(d_q4_0x8);
     case T_Q4_1X8: PICK(d_q4_1x8);
+    case T_Q5_0X8: PICK(d_q5_0x8);
+    case T_Q5_1X8: PICK(d_q5_1x8);
+    case T_Q8_0X8: PICK(d_q8_0x8);
 #endif
     default: return NULL;
     }
@@ -1309,19 +1315,36 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
     }
 }
 
-/* The x8 layout's one-row pieces (gg_repack_x8): the header bytes of a Q4_0/Q4_1 block (d, m) and its nibbles */
-AI int x8_base(const int t) { return t == T_Q4_0X8 ? T_Q4_0 : T_Q4_1; }
-AI int q4_hdr(const int base) { return base == T_Q4_1 ? 4 : 2; }
-
-/* lane i (< 8) of an x8 group back to its row's Q4_0/Q4_1 blocks */
-static void unpack_x8_row(const int base, const uint8_t *group, int i, int64_t K, uint8_t *row) {
-    const int tb = tbytes(base), hb = q4_hdr(base);
-    for (int64_t j = 0; j < K / 32; j++) {
-        const uint8_t *o = group + j * 8 * tb;
-        uint8_t *b = row + j * tb;
-        for (int h = 0; h < hb; h += 2) memcpy(b + h, o + 8 * h + 2 * i, 2);
-        for (int c = 0; c < 4; c++) memcpy(b + hb + 4 * c, o + 8 * hb + 32 * c + 4 * i, 4);
+/* Block j of row 8g + i <-> lane i of block j's group record (gg_repack_x8), either way (unpack: record to block).
+ * A record holds the eight rows' blocks' bytes regrouped:
+ *   their fp16 scales d (16 bytes); Q4_1/Q5_1: then their fp16 mins m (16 bytes);
+ *   Q5_0/Q5_1: then their fifth bits (32 bytes): bit c of byte 4i + k is the bit of row i's value 4c + k;
+ *   then the values in chunks of 32 bytes, bytes 4i..4i+3 of chunk c being row i's value bytes 4c..4c+3 (Q8_0: 8
+ *   chunks, values 4c..4c+3; the nibble types: 4 chunks, low nibbles values 4c..4c+3, high 16+4c..19+4c). */
+static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
+    const int qh = has_min(base) ? 4 : 2, qs = qh + (is_q5(base) ? 4 : 0), hv = x8_values(base);
+#define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
+    MOVE(b, o + 2 * i, 2);
+    if (has_min(base)) MOVE(b + 2, o + 16 + 2 * i, 2);
+    for (int c = 0; c < (base == T_Q8_0 ? 8 : 4); c++) MOVE(b + qs + 4 * c, o + hv + 32 * c + 4 * i, 4);
+#undef MOVE
+    if (!is_q5(base)) return;
+    uint8_t *bits = o + x8_heads(base) + 4 * i;
+    uint32_t h = unpack ? 0 : le32(b + qh);
+    for (int k = 0; k < 4; k++) {
+        if (!unpack) bits[k] = 0;
+        for (int c = 0; c < 8; c++) {
+            if (unpack) h |= (uint32_t)((bits[k] >> c) & 1) << (4 * c + k);
+            else bits[k] |= (uint8_t)(((h >> (4 * c + k)) & 1) << c);
+        }
     }
+    if (unpack) for (int k = 0; k < 4; k++) b[qh + k] = (uint8_t)(h >> (8 * k));
+}
+
+/* lane i (< 8) of an x8 group back to its row's blocks */
+static void unpack_x8_row(const int base, const uint8_t *group, int i, int64_t K, uint8_t *row) {
+    const int tb = tbytes(base);
+    for (int64_t j = 0; j < K / 32; j++) x8_lane(base, row + j * tb, (uint8_t *)group + j * 8 * tb, i, 1);
 }
 
 void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const int64_t *rows, int64_t R, int64_t K,
@@ -1345,27 +1368,21 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     }
 }
 
-/* Q4_0 or Q4_1 rows [rows, K] (row stride src_stride, rows % 8 == 0) into the x8 layout at dst (contiguous, the
- * same bytes as the rows): returns the x8 type id, or -1 where this build has no x8 kernel (no AVX2) or the shape
- * does not fit (nothing written then). */
+/* Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 rows [rows, K] (row stride src_stride, rows % 8 == 0) into the x8 layout at dst
+ * (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no x8 kernel (no
+ * AVX2) or the type or shape does not fit (nothing written then). */
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,
                      int num_threads) {
 #if defined(__AVX2__)
-    if ((type != T_Q4_0 && type != T_Q4_1) || rows % 8 || K % 32) return -1;
-    const int tb = tbytes(type), hb = q4_hdr(type);
+    if (!is_x8(type + 1000) || rows % 8 || K % 32) return -1;
+    const int tb = tbytes(type);
     const int64_t rb = K / 32 * tb;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
-    for (int64_t g = 0; g < rows / 8; g++) {
-        for (int64_t j = 0; j < K / 32; j++) {
-            uint8_t *o = dst + g * 8 * rb + j * 8 * tb;
-            for (int i = 0; i < 8; i++) {
-                const uint8_t *b = src + (g * 8 + i) * src_stride + j * tb;
-                for (int h = 0; h < hb; h += 2) memcpy(o + 8 * h + 2 * i, b + h, 2);
-                for (int c = 0; c < 4; c++) memcpy(o + 8 * hb + 32 * c + 4 * i, b + hb + 4 * c, 4);
-            }
-        }
-    }
-    return type == T_Q4_0 ? T_Q4_0X8 : T_Q4_1X8;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t j = 0; j < K / 32; j++)
+            for (int i = 0; i < 8; i++)
+                x8_lane(type, (uint8_t *)(src + (g * 8 + i) * src_stride + j * tb), dst + g * 8 * rb + j * 8 * tb, i, 0);
+    return type + 1000;
 #else
     (void)type; (void)src; (void)src_stride; (void)rows; (void)K; (void)dst; (void)num_threads;
     return -1;

@@ -41,13 +41,13 @@ TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", 
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22),
            Q5_1: (32, 24), Q8_0: (32, 34), IQ4_NL: (32, 18), Q2_K: (256, 84), Q3_K: (256, 110),
            Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
-# Ours, not ggml's: Q4_0/Q4_1 rows repacked eight at a time (ggml.c's gg_repack_x8 says how), which `bind` makes
-# where the CPU has the kernel: the same bytes, about twice the decode speed (benchmarks/ggml_kernels.py).
-Q4_0X8, Q4_1X8 = 1002, 1003
-TYPE_NAMES.update({Q4_0X8: "Q4_0x8", Q4_1X8: "Q4_1x8"})
-_BLOCKS.update({Q4_0X8: _BLOCKS[Q4_0], Q4_1X8: _BLOCKS[Q4_1]})
-REPACKABLE = (Q4_0, Q4_1)
-BASE_TYPE = {Q4_0X8: Q4_0, Q4_1X8: Q4_1}  # the ggml type an x8 layout holds
+# Ours, not ggml's: rows repacked eight at a time (ggml.c's x8_lane says how), which `bind` makes where the CPU
+# has the kernel: the same bytes, 1.5-2x the decode speed (benchmarks/ggml_kernels.py). Id: 1000 + the type held.
+REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+BASE_TYPE = {1000 + t: t for t in REPACKABLE}  # the ggml type an x8 layout holds
+Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8 = BASE_TYPE
+TYPE_NAMES.update({x8: TYPE_NAMES[t] + "x8" for x8, t in BASE_TYPE.items()})
+_BLOCKS.update({x8: _BLOCKS[t] for x8, t in BASE_TYPE.items()})
 FLOAT_TYPES = (F32, F16, BF16)
 # Rows of x up to which the integer kernel beats dequantized tiles + torch's GEMM (the crossover), measured with
 # `python benchmarks/ggml_kernels.py --crossover [--f32]` (N = K = 4096, 2 threads, AMD EPYC with AVX512_VNNI
@@ -267,8 +267,8 @@ class BlockLinear:
 
 
 def repacked(part: Part, K: int, lib=None) -> Part:
-    """A Q4_0/Q4_1 part as a new Part in the x8 layout (a copy: the part is left as it is), where the library has
-    the kernel and the rows come in whole groups of 8; any other part as it is. TOKENMILL_GGML_REPACK=0 turns it
+    """A part of a REPACKABLE type as a new Part in the x8 layout (a copy: the part is left as it is), where the
+    library has the kernel and the rows come in whole groups of 8; any other part as it is. TOKENMILL_GGML_REPACK=0 turns it
     off (the per-row kernel, for comparisons)."""
     lib = lib or load()
     if (part.type not in REPACKABLE or lib is None or part.data.shape[0] % 8 or part.data.shape[0] == 0
@@ -282,22 +282,33 @@ def repacked(part: Part, K: int, lib=None) -> Part:
 
 
 def unpacked(part: Part, K: int) -> Part:
-    """An x8 part back as its Q4_0/Q4_1 rows (a copy; ggml.c's x8 layout undone with torch views); any other part
-    as it is."""
-    if part.type not in (Q4_0X8, Q4_1X8):
+    """An x8 part back as the rows of the ggml type it holds (a copy; ggml.c's x8_lane undone with torch views, an
+    independent check of the C repack); any other part as it is."""
+    if part.type not in BASE_TYPE:
         return part
     base = BASE_TYPE[part.type]
     nbytes = block_size(base)[1]
-    hb, nb, rows = nbytes - 16, K // 32, part.data.shape[0]
-    groups = part.data[:, :row_bytes(base, K)].reshape(rows // 8, nb, 8 * nbytes)
-    heads = groups[..., :8 * hb].reshape(rows // 8, nb, hb // 2, 8, 2).permute(0, 3, 1, 2, 4)
-    nibbles = groups[..., 8 * hb:].reshape(rows // 8, nb, 4, 8, 4).permute(0, 3, 1, 2, 4)
-    blocks = torch.cat([heads.reshape(rows, nb, hb), nibbles.reshape(rows, nb, 16)], dim=-1)
-    return Part(base, blocks.reshape(rows, nb * nbytes).contiguous())
+    heads = 4 if base in (Q4_1, Q5_1) else 2  # a block's d (and m) bytes
+    nb, rows = K // 32, part.data.shape[0]
+    records = part.data[:, :row_bytes(base, K)].reshape(rows // 8, nb, 8 * nbytes)
+
+    def lanes(start: int, chunks: int, width: int) -> torch.Tensor:
+        """[rows, nb, chunks * width]: chunk c's bytes width*i.. of lane i, for row 8g + i"""
+        piece = records[..., start:start + 8 * chunks * width].reshape(rows // 8, nb, chunks, 8, width)
+        return piece.permute(0, 3, 1, 2, 4).reshape(rows, nb, chunks * width)
+
+    pieces, at = [lanes(0, heads // 2, 2)], 8 * heads
+    if base in (Q5_0, Q5_1):  # byte k of a lane: bit c is the fifth bit of value 4c + k
+        bits = (lanes(at, 1, 4).to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1
+        qh = (bits.transpose(-1, -2).reshape(rows, nb, 32) << torch.arange(32)).sum(-1, keepdim=True)
+        pieces.append(((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8))
+        at += 32
+    pieces.append(lanes(at, 8 if base == Q8_0 else 4, 4))
+    return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
 
 
 def bind(parts: list[Part], K: int, lib=None, repack: bool = True) -> BlockLinear:
-    """The bound linear over these parts (their tensors must outlive it: it keeps them). repack: Q4_0/Q4_1 parts
+    """The bound linear over these parts (their tensors must outlive it: it keeps them). repack: REPACKABLE parts
     run from x8 copies (`repacked`; the caller drops its own tensor if nothing else reads it)."""
     if repack:
         parts = [repacked(p, K, lib) for p in parts]
