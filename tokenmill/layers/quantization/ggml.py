@@ -79,8 +79,13 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 #     Q4_0   2.08/5.45  4.09/6.75  6.59/7.19  9.01/8.22          5.17/12.06  10.60/15.90  16.24/20.60  21.77/24.48
 #     Q4_1                                                       5.17/13.36  10.71/16.12  16.23/26.05  21.53/26.84
 # (the per-row Q4_0 kernel on that machine: bf16 M=32 5.58/5.21, f32 M=64 23.60/15.69)
-_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96})
-_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128})
+# Q5_0/Q8_0 x8, float32 x, on an AVX2-only AMD EPYC (2 threads, ms integer / tiled; the tiles are noisy there):
+#     Q5_0   M=32 13.34/19.95  M=48 22.11/25.11  M=64 29.56/28.42  M=96 40.80/42.60
+#     Q8_0   M=32 12.94/17.56  M=48 17.00/21.67  M=64 27.13/25.54  M=96 34.69/32.25
+# Their bf16 crossovers were not measured (no native-bf16 CPU at hand): 32 is the per-row kernels' 24 times the
+# x8 kernels' measured 1.4-1.6x, rounded down.
+_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32})
+_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64})
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
