@@ -41,7 +41,8 @@ enum {
     T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q2_K = 10, T_Q3_K = 11,
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
-    T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008
+    T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
+    T_Q4_KX8 = 1012
 };
 
 typedef struct {
@@ -87,7 +88,7 @@ static inline float f16(const uint8_t *p) {
 AI int tvalues(const int t) {
     switch (t) {
     case T_F32: case T_F16: case T_BF16: return 1;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_KX8: return 256;
     default: return 32;
     }
 }
@@ -104,7 +105,7 @@ AI int tbytes(const int t) {
     case T_IQ4_NL: return 18;
     case T_Q2_K: return 84;
     case T_Q3_K: return 110;
-    case T_Q4_K: return 144;
+    case T_Q4_K: case T_Q4_KX8: return 144;
     case T_Q5_K: return 176;
     case T_Q6_K: return 210;
     case T_IQ4_XS: return 136;
@@ -114,7 +115,7 @@ AI int tbytes(const int t) {
 
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 AI int is_x8(const int t) {
-    return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8;
+    return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8 || t == T_Q4_KX8;
 }
 AI int x8_base(const int t) { return t - 1000; }
 AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
@@ -952,6 +953,93 @@ X8_DOT(512, 2)
 #define dot_x8_512(t, R, w, next, a, res) ((void)0)
 #endif
 
+/* Q4_K rows repacked eight at a time (T_Q4_KX8; x8_lane says the layout): per super-block, the eight rows'
+ * 6-bit scales and mins come apart into bytes for all 64 sub-blocks with a dozen vector ops (no per-row scalar
+ * unpacking), and each sub-block's eight vectors U[c] (values 4c..4c+3 of the eight rows, one row per lane) meet
+ * broadcast activations as in X8_DOT, their integer dots scaled per lane by the rows' sub-block scales; the
+ * super-block form of x (its integer sums per 16) gives the mins' terms. One float FMA per super-block and row
+ * of x, for eight weight rows. */
+AI __m256i lanes8_256(__m256i v, const int k) { /* bytes 8k..8k+7 as eight int32 lanes */
+    const __m128i h = k < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+    return _mm256_cvtepu8_epi32(k & 1 ? _mm_srli_si128(h, 8) : h);
+}
+/* acc + the rows' dots of a sub-block's U[8] with its 32 activations xs, times the rows' scales (sc32: one per
+ * lane; sc16: the same as two int16 per lane, which vpmaddwd applies for free where there is no VNNI) */
+AI __m256i sub_dot_256(__m256i acc, const __m256i *U, const int8_t *xs, __m256i sc32, __m256i sc16) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    __m256i t = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) t = dpbusd_256(t, U[c], bcast_256(xs + 4 * c));
+    (void)sc16;
+    return _mm256_add_epi32(acc, _mm256_mullo_epi32(t, sc32));
+#else /* u <= 15: a pair sum 2 * 15 * 127 times a scale <= 63, twice, fits int32 */
+    for (int c = 0; c < 8; c++) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(U[c], bcast_256(xs + 4 * c)), sc16));
+    (void)sc32;
+    return acc;
+#endif
+}
+#if X16
+AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half as sixteen int32 lanes */
+    const __m128i lo = _mm512_extracti32x4_epi32(v, k / 2), hi = _mm512_extracti32x4_epi32(v, 2 + k / 2);
+    return _mm512_cvtepu8_epi32(k & 1 ? _mm_unpackhi_epi64(lo, hi) : _mm_unpacklo_epi64(lo, hi));
+}
+AI __m512i sub_dot_512(__m512i acc, const __m512i *U, const int8_t *xs, __m512i sc32, __m512i sc16) {
+    __m512i t = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) t = dpbusd_512(t, U[c], bcast_512(xs + 4 * c));
+    (void)sc16;
+    return _mm512_add_epi32(acc, _mm512_mullo_epi32(t, sc32));
+}
+#endif
+
+#define X8K_DOT(W, GROUPS)                                                                                      \
+    AI void dot_x8k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
+        (void)t;                                                                                                \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), m3 = _mm##W##_set1_epi8(3);                                 \
+        __m##W acc[RMAX];                                                                                       \
+        for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
+        for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
+            const uint8_t *g = w + sb * 8 * 144;                                                                \
+            const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
+            __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
+            for (int h = 0; h < 2; h++) {                                                                       \
+                const __m##W##i A = h ? A1 : A0;                                                                \
+                SC[h] = _mm##W##_or_si##W(_mm##W##_and_si##W(A, m4),                                            \
+                        _mm##W##_slli_epi16(_mm##W##_and_si##W(_mm##W##_srli_epi16(B, 2 * h), m3), 4));         \
+                MN[h] = _mm##W##_or_si##W(_mm##W##_and_si##W(_mm##W##_srli_epi16(A, 4), m4),                    \
+                        _mm##W##_slli_epi16(_mm##W##_and_si##W(_mm##W##_srli_epi16(B, 4 + 2 * h), m3), 4));     \
+            }                                                                                                   \
+            __m##W##i isum[RMAX], msum[RMAX];                                                                   \
+            for (int r = 0; r < R; r++) isum[r] = msum[r] = _mm##W##_setzero_si##W();                           \
+            for (int s = 0; s < 8; s++) {                                                                       \
+                __m##W##i U[8];                                                                                 \
+                for (int c = 0; c < 8; c++) {                                                                   \
+                    const __m##W##i v = ld_##W(g + 128 + 256 * (s / 2) + 32 * c, next);                         \
+                    U[c] = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);                       \
+                }                                                                                               \
+                const __m##W##i sc = lanes8_##W(SC[s / 4], s % 4), mn = lanes8_##W(MN[s / 4], s % 4);           \
+                const __m##W##i sc16 = _mm##W##_or_si##W(sc, _mm##W##_slli_epi32(sc, 16));                      \
+                const __m##W##i mn16 = _mm##W##_or_si##W(mn, _mm##W##_slli_epi32(mn, 16));                      \
+                for (int r = 0; r < R; r++) {                                                                   \
+                    isum[r] = sub_dot_##W(isum[r], U, act_q256(a, r) + sb * 256 + 32 * s, sc, sc16);            \
+                    const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
+                    msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, mn16));                        \
+                }                                                                                               \
+            }                                                                                                   \
+            const __m##W d = f16_##W(g, next), dmin = f16_##W(g + 16, next);                                    \
+            for (int r = 0; r < R; r++) {                                                                       \
+                const __m##W dx = _mm##W##_set1_ps(act_d256(a, r)[sb]);                                         \
+                acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, dx), _mm##W##_cvtepi32_ps(isum[r]), acc[r]);      \
+                acc[r] = _mm##W##_fnmadd_ps(_mm##W##_mul_ps(dmin, dx), _mm##W##_cvtepi32_ps(msum[r]), acc[r]);  \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
+    }
+X8K_DOT(256, 1)
+#if X16
+X8K_DOT(512, 2)
+#else
+#define dot_x8k_512(t, R, w, next, a, res) ((void)0)
+#endif
+
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
     float col[RMAX];
     for (int r = 0; r < R; r++) col[r] = res[width * r + k];
@@ -959,27 +1047,29 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
 }
 
 /* n (a multiple of 8) repacked rows from w: two groups at a time where the CPU has 512-bit VNNI, else one */
-#define ROWS_X8(T, NAME, R) \
+#define ROWS_X8(T, NAME, R, DOT) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
         enum { RR = R == 8 && RMAX < 8 ? 1 : R }; \
         float res[16 * RMAX]; \
         int64_t i = 0; \
         for (; X16 && i + 16 <= n; i += 16) { \
-            dot_x8_512(T, RR, w + i * stride, 8 * stride, a, res); \
+            DOT##_512(T, RR, w + i * stride, 8 * stride, a, res); \
             for (int k = 0; k < 16; k++) store_x8(RR, res, 16, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
         } \
         for (; i < n; i += 8) { \
-            dot_x8_256(T, RR, w + i * stride, 8 * stride, a, res); \
+            DOT##_256(T, RR, w + i * stride, 8 * stride, a, res); \
             for (int k = 0; k < 8; k++) store_x8(RR, res, 8, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
         } \
     }
-#define KERNELS_X8(T, NAME) ROWS_X8(T, NAME, 1) ROWS_X8(T, NAME, 2) ROWS_X8(T, NAME, 4) ROWS_X8(T, NAME, 8)
-KERNELS_X8(T_Q4_0X8, d_q4_0x8)
-KERNELS_X8(T_Q4_1X8, d_q4_1x8)
-KERNELS_X8(T_Q5_0X8, d_q5_0x8)
-KERNELS_X8(T_Q5_1X8, d_q5_1x8)
-KERNELS_X8(T_Q8_0X8, d_q8_0x8)
+#define KERNELS_X8(T, NAME, DOT) \
+    ROWS_X8(T, NAME, 1, DOT) ROWS_X8(T, NAME, 2, DOT) ROWS_X8(T, NAME, 4, DOT) ROWS_X8(T, NAME, 8, DOT)
+KERNELS_X8(T_Q4_0X8, d_q4_0x8, dot_x8)
+KERNELS_X8(T_Q4_1X8, d_q4_1x8, dot_x8)
+KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
+KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
+KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
+KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1007,6 +1097,7 @@ static dot_fn pick(int type, int R) {
     case T_Q5_0X8: PICK(d_q5_0x8);
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
+    case T_Q4_KX8: PICK(d_q4_kx8);
 #endif
     default: return NULL;
     }
@@ -1320,10 +1411,44 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
  *   their fp16 scales d (16 bytes); Q4_1/Q5_1: then their fp16 mins m (16 bytes);
  *   Q5_0/Q5_1: then their fifth bits (32 bytes): bit c of byte 4i + k is the bit of row i's value 4c + k;
  *   then the values in chunks of 32 bytes, bytes 4i..4i+3 of chunk c being row i's value bytes 4c..4c+3 (Q8_0: 8
- *   chunks, values 4c..4c+3; the nibble types: 4 chunks, low nibbles values 4c..4c+3, high 16+4c..19+4c). */
-static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
-    const int qh = has_min(base) ? 4 : 2, qs = qh + (is_q5(base) ? 4 : 0), hv = x8_values(base);
+ *   chunks, values 4c..4c+3; the nibble types: 4 chunks, low nibbles values 4c..4c+3, high 16+4c..19+4c).
+ * Q4_K (a record per super-block, x8k_lane): d, then dmin (16 bytes each); the 6-bit scales and mins of
+ * sub-block s in bytes 8s + i of 64 (scale's low 4 bits, then min's) and the high 2 bits in byte 8(s % 4) + i
+ * of 32 (scale's at bit 2(s / 4), min's at 4 + 2(s / 4)); then 32 chunks: bytes 4i..4i+3 of chunk 8q + c are
+ * row i's bytes 32q + 4c.. of its nibbles (low nibbles: values 64q + 4c.., sub-block 2q; high: sub-block 2q + 1). */
 #define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
+static void x8k_lane(uint8_t *b, uint8_t *o, const int i, const int unpack) {
+    MOVE(b, o + 2 * i, 2);
+    MOVE(b + 2, o + 16 + 2 * i, 2);
+    for (int c = 0; c < 32; c++) MOVE(b + 16 + 4 * c, o + 128 + 32 * c + 4 * i, 4);
+    uint8_t *A = o + 32 + i, *B = o + 96 + i, sc[8], mn[8];
+    if (!unpack) {
+        uint8_t v[16];
+        q4k_scale_bytes(b + 4, v);
+        for (int t = 0; t < 4; t++) B[8 * t] = 0;
+        for (int s = 0; s < 8; s++) {
+            A[8 * s] = (uint8_t)((v[s] & 15) | (v[8 + s] & 15) << 4);
+            B[8 * (s % 4)] |= (uint8_t)((v[s] >> 4) << (2 * (s / 4)) | (v[8 + s] >> 4) << (4 + 2 * (s / 4)));
+        }
+        return;
+    }
+    for (int s = 0; s < 8; s++) {
+        sc[s] = (uint8_t)((A[8 * s] & 15) | ((B[8 * (s % 4)] >> (2 * (s / 4))) & 3) << 4);
+        mn[s] = (uint8_t)((A[8 * s] >> 4) | ((B[8 * (s % 4)] >> (4 + 2 * (s / 4))) & 3) << 4);
+    }
+    for (int j = 0; j < 4; j++) { /* ggml's 12-byte packing (get_scale_min_k4 read backwards) */
+        b[4 + j] = (uint8_t)(sc[j] | (sc[j + 4] >> 4) << 6);
+        b[8 + j] = (uint8_t)(mn[j] | (mn[j + 4] >> 4) << 6);
+        b[12 + j] = (uint8_t)((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
+    }
+}
+
+static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
+    if (base == T_Q4_K) {
+        x8k_lane(b, o, i, unpack);
+        return;
+    }
+    const int qh = has_min(base) ? 4 : 2, qs = qh + (is_q5(base) ? 4 : 0), hv = x8_values(base);
     MOVE(b, o + 2 * i, 2);
     if (has_min(base)) MOVE(b + 2, o + 16 + 2 * i, 2);
     for (int c = 0; c < (base == T_Q8_0 ? 8 : 4); c++) MOVE(b + qs + 4 * c, o + hv + 32 * c + 4 * i, 4);
@@ -1344,7 +1469,7 @@ static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const i
 /* lane i (< 8) of an x8 group back to its row's blocks */
 static void unpack_x8_row(const int base, const uint8_t *group, int i, int64_t K, uint8_t *row) {
     const int tb = tbytes(base);
-    for (int64_t j = 0; j < K / 32; j++) x8_lane(base, row + j * tb, (uint8_t *)group + j * 8 * tb, i, 1);
+    for (int64_t j = 0; j < K / tvalues(base); j++) x8_lane(base, row + j * tb, (uint8_t *)group + j * 8 * tb, i, 1);
 }
 
 void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const int64_t *rows, int64_t R, int64_t K,
@@ -1353,7 +1478,7 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     const int x8 = is_x8(type), base = x8 ? x8_base(type) : type;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1) if (R * K > 65536)
     {
-        uint8_t *row = x8 ? malloc((size_t)(K / 32 * tbytes(base))) : NULL;
+        uint8_t *row = x8 ? malloc((size_t)(K / tvalues(base) * tbytes(base))) : NULL;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             const int64_t src = rows ? rows[r] : r;
@@ -1374,12 +1499,12 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,
                      int num_threads) {
 #if defined(__AVX2__)
-    if (!is_x8(type + 1000) || rows % 8 || K % 32) return -1;
+    if (!is_x8(type + 1000) || rows % 8 || K % tvalues(type)) return -1;
     const int tb = tbytes(type);
-    const int64_t rb = K / 32 * tb;
+    const int64_t nb = K / tvalues(type), rb = nb * tb;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
     for (int64_t g = 0; g < rows / 8; g++)
-        for (int64_t j = 0; j < K / 32; j++)
+        for (int64_t j = 0; j < nb; j++)
             for (int i = 0; i < 8; i++)
                 x8_lane(type, (uint8_t *)(src + (g * 8 + i) * src_stride + j * tb), dst + g * 8 * rb + j * 8 * tb, i, 0);
     return type + 1000;

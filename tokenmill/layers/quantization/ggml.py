@@ -43,9 +43,9 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
            Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210), IQ4_XS: (256, 136)}
 # Ours, not ggml's: rows repacked eight at a time (ggml.c's x8_lane says how), which `bind` makes where the CPU
 # has the kernel: the same bytes, 1.5-2x the decode speed (benchmarks/ggml_kernels.py). Id: 1000 + the type held.
-REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)
+REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)
 BASE_TYPE = {1000 + t: t for t in REPACKABLE}  # the ggml type an x8 layout holds
-Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8 = BASE_TYPE
+Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8 = BASE_TYPE
 TYPE_NAMES.update({x8: TYPE_NAMES[t] + "x8" for x8, t in BASE_TYPE.items()})
 _BLOCKS.update({x8: _BLOCKS[t] for x8, t in BASE_TYPE.items()})
 FLOAT_TYPES = (F32, F16, BF16)
@@ -79,13 +79,14 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 #     Q4_0   2.08/5.45  4.09/6.75  6.59/7.19  9.01/8.22          5.17/12.06  10.60/15.90  16.24/20.60  21.77/24.48
 #     Q4_1                                                       5.17/13.36  10.71/16.12  16.23/26.05  21.53/26.84
 # (the per-row Q4_0 kernel on that machine: bf16 M=32 5.58/5.21, f32 M=64 23.60/15.69)
-# Q5_0/Q8_0 x8, float32 x, on an AVX2-only AMD EPYC (2 threads, ms integer / tiled; the tiles are noisy there):
+# Q5_0/Q8_0/Q4_K x8, float32 x, on an AVX2-only AMD EPYC (2 threads, ms integer / tiled; the tiles are noisy there):
 #     Q5_0   M=32 13.34/19.95  M=48 22.11/25.11  M=64 29.56/28.42  M=96 40.80/42.60
 #     Q8_0   M=32 12.94/17.56  M=48 17.00/21.67  M=64 27.13/25.54  M=96 34.69/32.25
-# Their bf16 crossovers were not measured (no native-bf16 CPU at hand): 32 is the per-row kernels' 24 times the
-# x8 kernels' measured 1.4-1.6x, rounded down.
-_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32})
-_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64})
+#     Q4_K   M=32 17.60/37.46  M=48 14.00/19.69  M=64 26.66/26.03  M=96 28.28/26.92
+# Their bf16 crossovers were not measured (no native-bf16 CPU at hand): the per-row kernels' (24; Q4_K 32) times
+# the x8 kernels' measured speed-up (1.4-1.6x; Q4_K 1.3-1.5x), rounded down.
+_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40})
+_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64})
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
@@ -292,9 +293,9 @@ def unpacked(part: Part, K: int) -> Part:
     if part.type not in BASE_TYPE:
         return part
     base = BASE_TYPE[part.type]
-    nbytes = block_size(base)[1]
-    heads = 4 if base in (Q4_1, Q5_1) else 2  # a block's d (and m) bytes
-    nb, rows = K // 32, part.data.shape[0]
+    values, nbytes = block_size(base)
+    heads = 4 if base in (Q4_1, Q5_1, Q4_K) else 2  # a block's d (and m or dmin) bytes
+    nb, rows = K // values, part.data.shape[0]
     records = part.data[:, :row_bytes(base, K)].reshape(rows // 8, nb, 8 * nbytes)
 
     def lanes(start: int, chunks: int, width: int) -> torch.Tensor:
@@ -303,6 +304,15 @@ def unpacked(part: Part, K: int) -> Part:
         return piece.permute(0, 3, 1, 2, 4).reshape(rows, nb, chunks * width)
 
     pieces, at = [lanes(0, heads // 2, 2)], 8 * heads
+    if base == Q4_K:  # byte s of lo / t of hi (per row): sub-block s's scale and min, low 4 bits / high 2 bits
+        lo, hi = lanes(32, 8, 1).to(torch.int64), lanes(96, 4, 1).to(torch.int64).repeat(1, 1, 2)
+        shift = 2 * (torch.arange(8) // 4)
+        sc = (lo & 15) | ((hi >> shift) & 3) << 4
+        mn = (lo >> 4) | ((hi >> (4 + shift)) & 3) << 4
+        packed = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+                            (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], dim=-1)  # ggml's 12 bytes
+        pieces += [packed.to(torch.uint8), lanes(128, 32, 4)]
+        return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
     if base in (Q5_0, Q5_1):  # byte k of a lane: bit c is the fifth bit of value 4c + k
         bits = (lanes(at, 1, 4).to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1
         qh = (bits.transpose(-1, -2).reshape(rows, nb, 32) << torch.arange(32)).sum(-1, keepdim=True)
