@@ -873,6 +873,13 @@ AI __m256i dpbusd_256(__m256i acc, __m256i u, __m256i x) {
 #endif
 }
 AI __m256i abs_256(__m256i w) { return _mm256_abs_epi8(w); }
+/* with VNNI a sub-block's dots are summed unscaled and scaled once (vpmulld); without, vpmaddwd scales each step */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define vnni_256 1
+#else
+#define vnni_256 0
+#endif
+#define vnni_512 1
 AI __m256i sign_256(__m256i x, __m256i w) { return _mm256_sign_epi8(x, w); } /* x where w > 0, -x where w < 0 */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -901,45 +908,40 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
 #define X8_DOT(W, GROUPS)                                                                                      \
     AI void dot_x8_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), gb = 8 * tbytes(base), hv = x8_values(base), q8 = base == T_Q8_0;       \
-        const __m##W##i m4 = _mm##W##_set1_epi8(15), m16 = _mm##W##_set1_epi8(16);                              \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), m16 = _mm##W##_set1_epi8(16), z = _mm##W##_setzero_si##W(); \
         __m##W acc[RMAX];                                                                                      \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
             const uint8_t *g = w + j * gb;                                                                     \
+            __m##W##i s0[RMAX], s1[RMAX]; /* two chains per row of x */                                        \
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = z;                                                     \
+            const __m##W##i q = is_q5(base) ? ld_##W(g + x8_heads(base), next) : z;                            \
+            for (int c = 0; c < (q8 ? 8 : 4); c++) {                                                           \
+                const __m##W##i v = ld_##W(g + hv + 32 * c, next);                                             \
+                if (q8) { /* |w| against x with w's sign */                                                    \
+                    const __m##W##i u = abs_##W(v);                                                            \
+                    for (int r = 0; r < R; r++) {                                                              \
+                        const __m##W##i x = sign_##W(bcast_##W(act_q(a, r) + j * 32 + 4 * c), v);              \
+                        if (c & 1) s1[r] = dpbusd_##W(s1[r], u, x); else s0[r] = dpbusd_##W(s0[r], u, x);      \
+                    }                                                                                          \
+                    continue;                                                                                  \
+                }                                                                                              \
+                __m##W##i lo = _mm##W##_and_si##W(v, m4), hi = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m4); \
+                if (is_q5(base)) {                                                                             \
+                    lo = _mm##W##_or_si##W(lo, _mm##W##_and_si##W(_mm##W##_slli_epi16(q, 4 - c), m16));        \
+                    hi = _mm##W##_or_si##W(hi, _mm##W##_and_si##W(_mm##W##_srli_epi16(q, c), m16));            \
+                }                                                                                              \
+                for (int r = 0; r < R; r++) {                                                                  \
+                    const int8_t *xq = act_q(a, r) + j * 32;                                                   \
+                    s0[r] = dpbusd_##W(s0[r], lo, bcast_##W(xq + 4 * c));                                      \
+                    s1[r] = dpbusd_##W(s1[r], hi, bcast_##W(xq + 16 + 4 * c));                                 \
+                }                                                                                              \
+            }                                                                                                  \
             const __m##W d = f16_##W(g, next);                                                                 \
             const __m##W m = has_min(base) ? f16_##W(g + 16, next)                                             \
                                            : _mm##W##_mul_ps(d, _mm##W##_set1_ps(-(float)toffset(base)));      \
-            __m##W##i U[8], S[8];                                                                              \
-            for (int c = 0; c < (q8 ? 8 : 4); c++) {                                                           \
-                const __m##W##i v = ld_##W(g + hv + 32 * c, next);                                             \
-                if (q8) {                                                                                      \
-                    S[c] = v;                                                                                  \
-                    U[c] = abs_##W(v);                                                                         \
-                } else {                                                                                       \
-                    U[c] = _mm##W##_and_si##W(v, m4);                                                          \
-                    U[4 + c] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m4);                              \
-                }                                                                                              \
-            }                                                                                                  \
-            if (is_q5(base)) {                                                                                 \
-                const __m##W##i q = ld_##W(g + x8_heads(base), next);                                          \
-                for (int c = 0; c < 4; c++) {                                                                  \
-                    U[c] = _mm##W##_or_si##W(U[c], _mm##W##_and_si##W(_mm##W##_slli_epi16(q, 4 - c), m16));    \
-                    U[4 + c] = _mm##W##_or_si##W(U[4 + c], _mm##W##_and_si##W(_mm##W##_srli_epi16(q, c), m16)); \
-                }                                                                                              \
-            }                                                                                                  \
             for (int r = 0; r < R; r++) {                                                                      \
-                const int8_t *xq = act_q(a, r) + j * 32;                                                       \
-                __m##W##i s0 = _mm##W##_setzero_si##W(), s1 = _mm##W##_setzero_si##W();                        \
-                for (int k = 0; k < 8; k += 2) {                                                               \
-                    __m##W##i x0 = bcast_##W(xq + 4 * k), x1 = bcast_##W(xq + 4 * k + 4);                      \
-                    if (q8) {                                                                                  \
-                        x0 = sign_##W(x0, S[k]);                                                               \
-                        x1 = sign_##W(x1, S[k + 1]);                                                           \
-                    }                                                                                          \
-                    s0 = dpbusd_##W(s0, U[k], x0);                                                             \
-                    s1 = dpbusd_##W(s1, U[k + 1], x1);                                                         \
-                }                                                                                              \
-                const __m##W dot = _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(s0, s1));                           \
+                const __m##W dot = _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(s0[r], s1[r]));                     \
                 acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(act_d(a, r)[j])), dot, acc[r]); \
                 if (!q8) acc[r] = _mm##W##_fmadd_ps(m, _mm##W##_set1_ps(act_s32(a, r)[j]), acc[r]);            \
             }                                                                                                  \
@@ -959,41 +961,26 @@ X8_DOT(512, 2)
  * broadcast activations as in X8_DOT, their integer dots scaled per lane by the rows' sub-block scales; the
  * super-block form of x (its integer sums per 16) gives the mins' terms. One float FMA per super-block and row
  * of x, for eight weight rows. */
-AI __m256i lanes8_256(__m256i v, const int k) { /* bytes 8k..8k+7 as eight int32 lanes */
+/* bytes 8k..8k+7 (k < 4) as eight int32 lanes (the switch keeps the lane indices immediates) */
+AI __m256i lanes8_256(__m256i v, const int k) {
     const __m128i h = k < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-    return _mm256_cvtepu8_epi32(k & 1 ? _mm_srli_si128(h, 8) : h);
-}
-/* acc + the rows' dots of a sub-block's U[8] with its 32 activations xs, times the rows' scales (sc32: one per
- * lane; sc16: the same as two int16 per lane, which vpmaddwd applies for free where there is no VNNI) */
-AI __m256i sub_dot_256(__m256i acc, const __m256i *U, const int8_t *xs, __m256i sc32, __m256i sc16) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-    __m256i t = _mm256_setzero_si256();
-    for (int c = 0; c < 8; c++) t = dpbusd_256(t, U[c], bcast_256(xs + 4 * c));
-    (void)sc16;
-    return _mm256_add_epi32(acc, _mm256_mullo_epi32(t, sc32));
-#else /* u <= 15: a pair sum 2 * 15 * 127 times a scale <= 63, twice, fits int32 */
-    for (int c = 0; c < 8; c++) acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(U[c], bcast_256(xs + 4 * c)), sc16));
-    (void)sc32;
-    return acc;
-#endif
+    return _mm256_cvtepu8_epi32(k & 1 ? _mm_unpackhi_epi64(h, h) : h);
 }
 #if X16
 AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half as sixteen int32 lanes */
-    const __m128i lo = _mm512_extracti32x4_epi32(v, k / 2), hi = _mm512_extracti32x4_epi32(v, 2 + k / 2);
+    __m128i lo, hi;
+    switch (k / 2) {
+    case 0: lo = _mm512_extracti32x4_epi32(v, 0); hi = _mm512_extracti32x4_epi32(v, 2); break;
+    default: lo = _mm512_extracti32x4_epi32(v, 1); hi = _mm512_extracti32x4_epi32(v, 3); break;
+    }
     return _mm512_cvtepu8_epi32(k & 1 ? _mm_unpackhi_epi64(lo, hi) : _mm_unpacklo_epi64(lo, hi));
-}
-AI __m512i sub_dot_512(__m512i acc, const __m512i *U, const int8_t *xs, __m512i sc32, __m512i sc16) {
-    __m512i t = _mm512_setzero_si512();
-    for (int c = 0; c < 8; c++) t = dpbusd_512(t, U[c], bcast_512(xs + 4 * c));
-    (void)sc16;
-    return _mm512_add_epi32(acc, _mm512_mullo_epi32(t, sc32));
 }
 #endif
 
 #define X8K_DOT(W, GROUPS)                                                                                      \
     AI void dot_x8k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         (void)t;                                                                                                \
-        const __m##W##i m4 = _mm##W##_set1_epi8(15), m3 = _mm##W##_set1_epi8(3);                                 \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), m3 = _mm##W##_set1_epi8(3), z = _mm##W##_setzero_si##W();   \
         __m##W acc[RMAX];                                                                                       \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
@@ -1008,18 +995,28 @@ AI __m512i sub_dot_512(__m512i acc, const __m512i *U, const int8_t *xs, __m512i 
                         _mm##W##_slli_epi16(_mm##W##_and_si##W(_mm##W##_srli_epi16(B, 4 + 2 * h), m3), 4));     \
             }                                                                                                   \
             __m##W##i isum[RMAX], msum[RMAX];                                                                   \
-            for (int r = 0; r < R; r++) isum[r] = msum[r] = _mm##W##_setzero_si##W();                           \
+            for (int r = 0; r < R; r++) isum[r] = msum[r] = z;                                                  \
             for (int s = 0; s < 8; s++) {                                                                       \
-                __m##W##i U[8];                                                                                 \
+                const __m##W##i sc = lanes8_##W(SC[s / 4], s % 4);                                             \
+                const __m##W##i sc16 = _mm##W##_or_si##W(sc, _mm##W##_slli_epi32(sc, 16));                      \
+                __m##W##i part[RMAX]; /* with VNNI: the sub-block's unscaled dots, scaled once below */         \
+                for (int r = 0; r < R; r++) part[r] = z;                                                        \
                 for (int c = 0; c < 8; c++) {                                                                   \
                     const __m##W##i v = ld_##W(g + 128 + 256 * (s / 2) + 32 * c, next);                         \
-                    U[c] = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);                       \
+                    const __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);          \
+                    for (int r = 0; r < R; r++) {                                                               \
+                        const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);             \
+                        if (vnni_##W) part[r] = dpbusd_##W(part[r], u, x);                                      \
+                        else isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_madd_epi16(_mm##W##_maddubs_epi16(u, x), sc16)); \
+                    }                                                                                           \
                 }                                                                                               \
-                const __m##W##i sc = lanes8_##W(SC[s / 4], s % 4), mn = lanes8_##W(MN[s / 4], s % 4);           \
-                const __m##W##i sc16 = _mm##W##_or_si##W(sc, _mm##W##_slli_epi32(sc, 16));                      \
+                for (int r = 0; r < R && vnni_##W; r++)                                                         \
+                    isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_mullo_epi32(part[r], sc));                   \
+            }                                                                                                   \
+            for (int s = 0; s < 8; s++) { /* the mins' terms: min times the sub-block's activation sum */       \
+                const __m##W##i mn = lanes8_##W(MN[s / 4], s % 4);                                              \
                 const __m##W##i mn16 = _mm##W##_or_si##W(mn, _mm##W##_slli_epi32(mn, 16));                      \
                 for (int r = 0; r < R; r++) {                                                                   \
-                    isum[r] = sub_dot_##W(isum[r], U, act_q256(a, r) + sb * 256 + 32 * s, sc, sc16);            \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, mn16));                        \
                 }                                                                                               \
