@@ -873,7 +873,9 @@ AI __m256i dpbusd_256(__m256i acc, __m256i u, __m256i x) {
 #endif
 }
 AI __m256i abs_256(__m256i w) { return _mm256_abs_epi8(w); }
-/* with VNNI a sub-block's dots are summed unscaled and scaled once (vpmulld); without, vpmaddwd scales each step */
+/* Without VNNI, the vpmaddubsw pair sums of several steps add up in int16 (bounded by the weights' range: no
+ * overflow) and one vpmaddwd widens them (scaled, for Q4_K's sub-blocks): about half the multiply-port work of
+ * a vpmaddwd per step. With VNNI, vpdpbusd per step, and Q4_K's sub-block sums scaled once (vpmulld). */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define vnni_256 1
 #else
@@ -913,8 +915,8 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
             const uint8_t *g = w + j * gb;                                                                     \
-            __m##W##i s0[RMAX], s1[RMAX]; /* two chains per row of x */                                        \
-            for (int r = 0; r < R; r++) s0[r] = s1[r] = z;                                                     \
+            __m##W##i s0[RMAX], s1[RMAX], p[RMAX]; /* two chains per row of x; p: int16 pair sums (no VNNI) */  \
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = p[r] = z;                                              \
             const __m##W##i q = is_q5(base) ? ld_##W(g + x8_heads(base), next) : z;                            \
             for (int c = 0; c < (q8 ? 8 : 4); c++) {                                                           \
                 const __m##W##i v = ld_##W(g + hv + 32 * c, next);                                             \
@@ -933,8 +935,17 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
                 }                                                                                              \
                 for (int r = 0; r < R; r++) {                                                                  \
                     const int8_t *xq = act_q(a, r) + j * 32;                                                   \
-                    s0[r] = dpbusd_##W(s0[r], lo, bcast_##W(xq + 4 * c));                                      \
-                    s1[r] = dpbusd_##W(s1[r], hi, bcast_##W(xq + 16 + 4 * c));                                 \
+                    if (vnni_##W) {                                                                            \
+                        s0[r] = dpbusd_##W(s0[r], lo, bcast_##W(xq + 4 * c));                                  \
+                        s1[r] = dpbusd_##W(s1[r], hi, bcast_##W(xq + 16 + 4 * c));                             \
+                        continue;                                                                              \
+                    }                                                                                          \
+                    p[r] = _mm##W##_add_epi16(p[r], _mm##W##_add_epi16(                                        \
+                        _mm##W##_maddubs_epi16(lo, bcast_##W(xq + 4 * c)), _mm##W##_maddubs_epi16(hi, bcast_##W(xq + 16 + 4 * c)))); \
+                    if (c % (is_q5(base) ? 2 : 4) == (is_q5(base) ? 1 : 3)) { /* pair sums <= 2 * 31 * 127: 4 fit int16, 8 with u <= 15 */ \
+                        s0[r] = _mm##W##_add_epi32(s0[r], _mm##W##_madd_epi16(p[r], _mm##W##_set1_epi16(1)));   \
+                        p[r] = z;                                                                              \
+                    }                                                                                          \
                 }                                                                                              \
             }                                                                                                  \
             const __m##W d = f16_##W(g, next);                                                                 \
@@ -999,19 +1010,20 @@ AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half a
             for (int s = 0; s < 8; s++) {                                                                       \
                 const __m##W##i sc = lanes8_##W(SC[s / 4], s % 4);                                             \
                 const __m##W##i sc16 = _mm##W##_or_si##W(sc, _mm##W##_slli_epi32(sc, 16));                      \
-                __m##W##i part[RMAX]; /* with VNNI: the sub-block's unscaled dots, scaled once below */         \
+                __m##W##i part[RMAX]; /* the sub-block's unscaled dots (without VNNI: int16 pair sums) */       \
                 for (int r = 0; r < R; r++) part[r] = z;                                                        \
                 for (int c = 0; c < 8; c++) {                                                                   \
                     const __m##W##i v = ld_##W(g + 128 + 256 * (s / 2) + 32 * c, next);                         \
                     const __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);          \
                     for (int r = 0; r < R; r++) {                                                               \
                         const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);             \
-                        if (vnni_##W) part[r] = dpbusd_##W(part[r], u, x);                                      \
-                        else isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_madd_epi16(_mm##W##_maddubs_epi16(u, x), sc16)); \
+                        part[r] = vnni_##W ? dpbusd_##W(part[r], u, x)                                          \
+                                           : _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(u, x));         \
                     }                                                                                           \
                 }                                                                                               \
-                for (int r = 0; r < R && vnni_##W; r++)                                                         \
-                    isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_mullo_epi32(part[r], sc));                   \
+                for (int r = 0; r < R; r++) /* 8 pair sums <= 2 * 15 * 127 fit int16 */                         \
+                    isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)           \
+                                                                   : _mm##W##_madd_epi16(part[r], sc16));        \
             }                                                                                                   \
             for (int s = 0; s < 8; s++) { /* the mins' terms: min times the sub-block's activation sum */       \
                 const __m##W##i mn = lanes8_##W(MN[s / 4], s % 4);                                              \
