@@ -972,7 +972,7 @@ X8_DOT(512, 2)
  * broadcast activations as in X8_DOT, their integer dots scaled per lane by the rows' sub-block scales; the
  * super-block form of x (its integer sums per 16) gives the mins' terms. One float FMA per super-block and row
  * of x, for eight weight rows. */
-/* bytes 8k..8k+7 (k < 4) as eight int32 lanes (the switch keeps the lane indices immediates) */
+/* bytes 8k..8k+7 (k < 4) as eight int32 lanes */
 AI __m256i lanes8_256(__m256i v, const int k) {
     const __m128i h = k < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
     return _mm256_cvtepu8_epi32(k & 1 ? _mm_unpackhi_epi64(h, h) : h);
@@ -1502,9 +1502,9 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     }
 }
 
-/* Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 rows [rows, K] (row stride src_stride, rows % 8 == 0) into the x8 layout at dst
- * (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no x8 kernel (no
- * AVX2) or the type or shape does not fit (nothing written then). */
+/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K (row stride src_stride, rows % 8 == 0) into the
+ * x8 layout at dst (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no
+ * x8 kernel (no AVX2) or the type or shape does not fit (nothing written then). */
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,
                      int num_threads) {
 #if defined(__AVX2__)
