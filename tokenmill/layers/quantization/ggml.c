@@ -1301,6 +1301,9 @@ static void quantize_x(const float *x, int64_t K, const act_t *a, int64_t m, int
     }
 }
 
+#ifndef CHUNKS_PER_THREAD
+#define CHUNKS_PER_THREAD 4
+#endif
 static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
                    const float *bias, float *y, int num_threads, int precise) {
     int forms = 0;
@@ -1322,10 +1325,15 @@ static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t np
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) quantize_x(x + m * K, K, &a, m, forms, precise, (float *)a.xf);
         }
-        const int T = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t n0 = column_at(parts, nparts, K, total * t / T);
-        const int64_t n1 = t == T - 1 ? N : column_at(parts, nparts, K, total * (t + 1) / T);
-        run_columns(parts, nparts, n0, n1, &a, rows, N, bias, y, precise);
+        /* ranges of equal weight bytes, more than threads, taken as threads come free: a core a neighbour
+         * slows takes fewer, instead of its partner spinning at the barrier for it */
+        const int C = omp_get_num_threads() == 1 ? 1 : CHUNKS_PER_THREAD * omp_get_num_threads();
+#pragma omp for schedule(dynamic, 1)
+        for (int c = 0; c < C; c++) {
+            const int64_t n0 = column_at(parts, nparts, K, total * c / C);
+            const int64_t n1 = c == C - 1 ? N : column_at(parts, nparts, K, total * (c + 1) / C);
+            run_columns(parts, nparts, n0, n1, &a, rows, N, bias, y, precise);
+        }
     }
 }
 
