@@ -18,9 +18,9 @@
  * Decode is bound by the weight bytes it reads, so each weight row is read once per call (rows one after the
  * other: short rows read as interleaved streams defeat the hardware prefetcher) and each decoded sub-block is
  * used for up to RMAX rows of x at once (batched decode reuses the weights from registers; a tile of NTILE
- * weight rows stays in L1/L2 while further chunks of RMAX rows pass over it). OpenMP threads
- * split the output columns into ranges of equal weight bytes. The quantized activations live in a
- * thread-local buffer that grows and is reused: no allocation per call in steady state.
+ * weight rows stays in L1/L2 while further chunks of RMAX rows pass over it). OpenMP threads split the output
+ * columns into ranges of equal weight bytes (4 per thread, taken as threads come free). The quantized
+ * activations live in a thread-local buffer that grows and is reused: no allocation per call in steady state.
  *
  * gg_dequant_rows: rows of a weight as float32 or bfloat16, bit for bit gguf-py's arithmetic (no FMA
  * contraction): the token embedding's lookups and the weight tiles of the prefill route (ggml.py).
