@@ -4,6 +4,8 @@ two images of different sizes in a prompt (greedy tokens equal, logprobs within 
 the images with each image encoded once, and the prefix cache keyed by image content."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -174,6 +176,25 @@ def test_bad_image_requests_are_clear_errors(vlm, tiny):
     text_model = LLM(tiny("qwen2"), dtype="float32", kv_cache_memory_bytes=16 << 20)
     with pytest.raises(ValueError, match="is not a vision-language model"):
         text_model.generate([{"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": two[:1]}}], GREEDY)
+
+
+def test_speculation_with_images(vlm):
+    """N-gram speculation on image prompts gives the tokens greedy decoding gives; a draft model or an EAGLE head,
+    which would not see the images, is refused at start-up."""
+    path, _ = vlm
+    two = [_image(*IMAGES["wide"]), _image(*IMAGES["long"])]
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20)
+    prompts = [{"prompt_token_ids": _ids(llm, PROMPT), "multi_modal_data": {"image": two}}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    spec = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20, speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}))
+    out = spec.generate(prompts, params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert spec.engine.scheduler.kv.is_whole()
+    for method in ("draft_model", "eagle"):
+        with pytest.raises(ValueError, match=f"a {method} drafter is not supported with a vision-language model"):
+            LLM(path, speculative_config=json.dumps({"method": method, "model": path, "num_speculative_tokens": 2}))
 
 
 def test_decoder_stack_steps_aside_with_a_reason(vlm):

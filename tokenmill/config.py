@@ -646,12 +646,21 @@ class EngineConfig:
         if self.batch_invariant and self.device != "cpu":
             raise ValueError("--batch-invariant runs on the CPU kernels only for now; use --device cpu")
         if self.speculative is not None:
+            self._check_vlm_drafter()
             self.speculative.finalize(self.model, resolver)
         if self.model.pooler is not None:
             self._check_embed()
         if self.lora is not None:
             self._check_lora()
         return self
+
+    def _check_vlm_drafter(self) -> None:
+        """A draft model or EAGLE head would read a vision-language model's image placeholders as plain tokens,
+        without the images' embeddings or M-RoPE positions: refused. N-gram proposals are checked by the model
+        itself, so they stay exact."""
+        if getattr(self.model.hf_config, "vision_config", None) is not None and self.speculative.method != "ngram":
+            raise ValueError(f"a {self.speculative.method} drafter is not supported with a vision-language model "
+                             "yet (it would not see the images); n-gram speculation works with it")
 
     def _check_lora(self) -> None:
         if self.parallel.tensor_parallel_size > 1:
