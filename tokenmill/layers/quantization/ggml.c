@@ -120,9 +120,10 @@ AI int is_x8(const int t) {
 AI int x8_base(const int t) { return t - 1000; }
 AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
 AI int is_q5(const int t) { return t == T_Q5_0 || t == T_Q5_1; }
-/* an x8 group record of a block (x8_lane): the d (and m) bytes, then Q5's fifth bits, then the values */
-AI int x8_heads(const int base) { return has_min(base) ? 32 : 16; }
-AI int x8_values(const int base) { return x8_heads(base) + (is_q5(base) ? 32 : 0); }
+/* an x8 group record of a block (x8_lane): the d (and m or dmin) bytes, then Q5's fifth bits or Q4_K's scales,
+ * then the values */
+AI int x8_heads(const int base) { return has_min(base) || base == T_Q4_K ? 32 : 16; }
+AI int x8_values(const int base) { return x8_heads(base) + (is_q5(base) ? 32 : base == T_Q4_K ? 96 : 0); }
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
 
 /* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
@@ -940,9 +941,10 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
                         s1[r] = dpbusd_##W(s1[r], hi, bcast_##W(xq + 16 + 4 * c));                             \
                         continue;                                                                              \
                     }                                                                                          \
-                    p[r] = _mm##W##_add_epi16(p[r], _mm##W##_add_epi16(                                        \
-                        _mm##W##_maddubs_epi16(lo, bcast_##W(xq + 4 * c)), _mm##W##_maddubs_epi16(hi, bcast_##W(xq + 16 + 4 * c)))); \
-                    if (c % (is_q5(base) ? 2 : 4) == (is_q5(base) ? 1 : 3)) { /* pair sums <= 2 * 31 * 127: 4 fit int16, 8 with u <= 15 */ \
+                    /* pair sums <= 2 * 31 * 127: 4 fit int16 (2 chunks), 8 with u <= 15 (4 chunks) */           \
+                    p[r] = _mm##W##_add_epi16(p[r], _mm##W##_add_epi16(_mm##W##_maddubs_epi16(lo, bcast_##W(xq + 4 * c)), \
+                                                                       _mm##W##_maddubs_epi16(hi, bcast_##W(xq + 16 + 4 * c)))); \
+                    if ((c + 1) % (is_q5(base) ? 2 : 4) == 0) {                                                \
                         s0[r] = _mm##W##_add_epi32(s0[r], _mm##W##_madd_epi16(p[r], _mm##W##_set1_epi16(1)));   \
                         p[r] = z;                                                                              \
                     }                                                                                          \
@@ -1013,7 +1015,7 @@ AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half a
                 __m##W##i part[RMAX]; /* the sub-block's unscaled dots (without VNNI: int16 pair sums) */       \
                 for (int r = 0; r < R; r++) part[r] = z;                                                        \
                 for (int c = 0; c < 8; c++) {                                                                   \
-                    const __m##W##i v = ld_##W(g + 128 + 256 * (s / 2) + 32 * c, next);                         \
+                    const __m##W##i v = ld_##W(g + x8_values(T_Q4_K) + 256 * (s / 2) + 32 * c, next);                         \
                     const __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);          \
                     for (int r = 0; r < R; r++) {                                                               \
                         const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);             \
@@ -1301,9 +1303,7 @@ static void quantize_x(const float *x, int64_t K, const act_t *a, int64_t m, int
     }
 }
 
-#ifndef CHUNKS_PER_THREAD
-#define CHUNKS_PER_THREAD 4
-#endif
+#define CHUNKS_PER_THREAD 4 /* column ranges per thread in linear */
 static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
                    const float *bias, float *y, int num_threads, int precise) {
     int forms = 0;
@@ -1429,19 +1429,15 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
  *   Q5_0/Q5_1: then their fifth bits (32 bytes): bit c of byte 4i + k is the bit of row i's value 4c + k;
  *   then the values in chunks of 32 bytes, bytes 4i..4i+3 of chunk c being row i's value bytes 4c..4c+3 (Q8_0: 8
  *   chunks, values 4c..4c+3; the nibble types: 4 chunks, low nibbles values 4c..4c+3, high 16+4c..19+4c).
- * Q4_K (a record per super-block, x8k_lane): d, then dmin (16 bytes each); the 6-bit scales and mins of
+ * Q4_K (a record per super-block; x8k_scales): d, then dmin (16 bytes each); the 6-bit scales and mins of
  * sub-block s in bytes 8s + i of 64 (scale's low 4 bits, then min's) and the high 2 bits in byte 8(s % 4) + i
  * of 32 (scale's at bit 2(s / 4), min's at 4 + 2(s / 4)); then 32 chunks: bytes 4i..4i+3 of chunk 8q + c are
  * row i's bytes 32q + 4c.. of its nibbles (low nibbles: values 64q + 4c.., sub-block 2q; high: sub-block 2q + 1). */
-#define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
-static void x8k_lane(uint8_t *b, uint8_t *o, const int i, const int unpack) {
-    MOVE(b, o + 2 * i, 2);
-    MOVE(b + 2, o + 16 + 2 * i, 2);
-    for (int c = 0; c < 32; c++) MOVE(b + 16 + 4 * c, o + 128 + 32 * c + 4 * i, 4);
-    uint8_t *A = o + 32 + i, *B = o + 96 + i, sc[8], mn[8];
+/* Q4_K's eight 6-bit scales and mins (ggml's 12 bytes at sc12) <-> lane i's bytes of the record's regrouping at o */
+static void x8k_scales(uint8_t *sc12, uint8_t *o, const int i, const int unpack) {
+    uint8_t *A = o + 32 + i, *B = o + 96 + i, v[16];
     if (!unpack) {
-        uint8_t v[16];
-        q4k_scale_bytes(b + 4, v);
+        q4k_scale_bytes(sc12, v); /* scales in v[0..7], mins in v[8..15] */
         for (int t = 0; t < 4; t++) B[8 * t] = 0;
         for (int s = 0; s < 8; s++) {
             A[8 * s] = (uint8_t)((v[s] & 15) | (v[8 + s] & 15) << 4);
@@ -1450,29 +1446,19 @@ static void x8k_lane(uint8_t *b, uint8_t *o, const int i, const int unpack) {
         return;
     }
     for (int s = 0; s < 8; s++) {
-        sc[s] = (uint8_t)((A[8 * s] & 15) | ((B[8 * (s % 4)] >> (2 * (s / 4))) & 3) << 4);
-        mn[s] = (uint8_t)((A[8 * s] >> 4) | ((B[8 * (s % 4)] >> (4 + 2 * (s / 4))) & 3) << 4);
+        v[s] = (uint8_t)((A[8 * s] & 15) | ((B[8 * (s % 4)] >> (2 * (s / 4))) & 3) << 4);
+        v[8 + s] = (uint8_t)((A[8 * s] >> 4) | ((B[8 * (s % 4)] >> (4 + 2 * (s / 4))) & 3) << 4);
     }
     for (int j = 0; j < 4; j++) { /* ggml's 12-byte packing (get_scale_min_k4 read backwards) */
-        b[4 + j] = (uint8_t)(sc[j] | (sc[j + 4] >> 4) << 6);
-        b[8 + j] = (uint8_t)(mn[j] | (mn[j + 4] >> 4) << 6);
-        b[12 + j] = (uint8_t)((sc[j + 4] & 15) | (mn[j + 4] & 15) << 4);
+        sc12[j] = (uint8_t)(v[j] | (v[j + 4] >> 4) << 6);
+        sc12[4 + j] = (uint8_t)(v[8 + j] | (v[12 + j] >> 4) << 6);
+        sc12[8 + j] = (uint8_t)((v[j + 4] & 15) | (v[12 + j] & 15) << 4);
     }
 }
 
-static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
-    if (base == T_Q4_K) {
-        x8k_lane(b, o, i, unpack);
-        return;
-    }
-    const int qh = has_min(base) ? 4 : 2, qs = qh + (is_q5(base) ? 4 : 0), hv = x8_values(base);
-    MOVE(b, o + 2 * i, 2);
-    if (has_min(base)) MOVE(b + 2, o + 16 + 2 * i, 2);
-    for (int c = 0; c < (base == T_Q8_0 ? 8 : 4); c++) MOVE(b + qs + 4 * c, o + hv + 32 * c + 4 * i, 4);
-#undef MOVE
-    if (!is_q5(base)) return;
-    uint8_t *bits = o + x8_heads(base) + 4 * i;
-    uint32_t h = unpack ? 0 : le32(b + qh);
+/* Q5's 32 fifth bits (little-endian at qh) <-> lane i's 4 bytes at bits: bit c of byte k is value 4c + k's */
+static void x8_fifth_bits(uint8_t *qh, uint8_t *bits, const int unpack) {
+    uint32_t h = unpack ? 0 : le32(qh);
     for (int k = 0; k < 4; k++) {
         if (!unpack) bits[k] = 0;
         for (int c = 0; c < 8; c++) {
@@ -1480,7 +1466,19 @@ static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const i
             else bits[k] |= (uint8_t)(((h >> (4 * c + k)) & 1) << c);
         }
     }
-    if (unpack) for (int k = 0; k < 4; k++) b[qh + k] = (uint8_t)(h >> (8 * k));
+    if (unpack) for (int k = 0; k < 4; k++) qh[k] = (uint8_t)(h >> (8 * k));
+}
+
+static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
+    const int two = has_min(base) || base == T_Q4_K; /* d, then m (dmin) */
+    const int qh = 2 + 2 * two, qs = base == T_Q4_K ? 16 : qh + (is_q5(base) ? 4 : 0);
+#define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
+    MOVE(b, o + 2 * i, 2);
+    if (two) MOVE(b + 2, o + 16 + 2 * i, 2);
+    for (int c = 0; c < (tbytes(base) - qs) / 4; c++) MOVE(b + qs + 4 * c, o + x8_values(base) + 32 * c + 4 * i, 4);
+#undef MOVE
+    if (base == T_Q4_K) x8k_scales(b + 4, o, i, unpack);
+    if (is_q5(base)) x8_fifth_bits(b + qh, o + x8_heads(base) + 4 * i, unpack);
 }
 
 /* lane i (< 8) of an x8 group back to its row's blocks */

@@ -274,8 +274,8 @@ class BlockLinear:
 
 def repacked(part: Part, K: int, lib=None) -> Part:
     """A part of a REPACKABLE type as a new Part in the x8 layout (a copy: the part is left as it is), where the
-    library has the kernel and the rows come in whole groups of 8; any other part as it is. TOKENMILL_GGML_REPACK=0 turns it
-    off (the per-row kernel, for comparisons)."""
+    library has the kernel and the rows come in whole groups of 8; any other part as it is.
+    TOKENMILL_GGML_REPACK=0 turns it off (the per-row kernel, for comparisons)."""
     lib = lib or load()
     if (part.type not in REPACKABLE or lib is None or part.data.shape[0] % 8 or part.data.shape[0] == 0
             or os.environ.get("TOKENMILL_GGML_REPACK", "1") == "0"):
