@@ -1,6 +1,6 @@
 """Multi-LoRA serving (issue 33): a tiny random Llama and three PEFT adapters built here with `peft` (B matrices
 randomized: PEFT starts them at zero), against transformers + peft in float32; batches mixing adapters and the
-base model, fewer adapter slots than adapters in flight, the prefix cache keyed by adapter, the adapter checks,
+base model (on one rank and on two, tensor parallel), fewer adapter slots than adapters in flight, the prefix cache keyed by adapter, the adapter checks,
 and load/unload through the HTTP server."""
 from __future__ import annotations
 
@@ -118,6 +118,21 @@ def test_mixed_batch_gives_each_request_its_tokens_alone(adapters, alone):
     assert llm.engine.scheduler.kv.is_whole()
     for (name, i, _), out in zip(jobs, outs):
         _assert_same([out], [alone[name][i]])
+
+
+def test_tensor_parallel_gives_each_request_its_tokens_alone(adapters, alone):
+    """Two ranks (gloo): each holds its slices of every adapter (column-parallel q|k|v and gate|up: B's rows;
+    row-parallel o and down: A's columns, the shrunk all-reduced), and the mixed batch gives the one-rank tokens."""
+    base, reqs = adapters
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, block_size=16,
+              max_num_batched_tokens=48, tensor_parallel_size=2)
+    try:
+        jobs, loras = _mixed(reqs)
+        outs = _generate(llm, [p for _, _, p in jobs], loras)
+        for (name, i, _), out in zip(jobs, outs):
+            _assert_same([out], [alone[name][i]])
+    finally:
+        llm.engine.shutdown()
 
 
 def test_cpu_decoder_stack_applies_adapters(adapters, alone, monkeypatch):

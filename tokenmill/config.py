@@ -663,9 +663,6 @@ class EngineConfig:
                              "yet (it would not see the images); n-gram speculation works with it")
 
     def _check_lora(self) -> None:
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora does not support tensor parallel yet; run with a world size of 1 "
-                             "or pipeline parallel")
         if self.model.pooler is not None:
             raise ValueError("--enable-lora applies to generation, not to --task embed")
         if self.batch_invariant:

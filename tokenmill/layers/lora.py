@@ -5,12 +5,17 @@ matrices stacked in slots, A `[max_loras, P, R, in]` and per part p B_p `[max_lo
 layer's merged parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero
 padding; the adapter's scaling is folded into B; `present[slot][p]` says which parts a slot's adapter has, so a
 layer none of the step's adapters targets costs nothing). It runs as a forward hook, after the layer's own
-quant_method, so it works over any quantization: h = (x A^T) * mask, then y_p += h_p B_p^T for each part,
+quant_method (and a row-parallel layer's all-reduce), so it works over any quantization: h = (x A^T) * mask, then y_p += h_p B_p^T for each part,
 where mask `[T, n]` keeps for each token only the columns of its adapter's slot among the step's first n slots
 (a base-model token keeps none). That is one shrink matmul and one expand per part for the whole batch,
 whatever mix of adapters it holds: no loop over requests or slots. The price is computing every used slot for
 every token (n x R extra columns per part), small next to the layer itself while max_loras x R stays well
 under its width; a step with no adapter row costs nothing.
+
+Tensor parallel: a rank holds the slices of A and B its layer's sharding says. A column-parallel layer (q|k|v,
+gate|up) has the whole input: A whole, B's rows of the rank's outputs, no communication. A row-parallel layer (o,
+down) has the rank's input columns: A's matching columns, B whole, and the shrunk [T, n * P * R] is all-reduced
+before the expand (rank-sized, far smaller than the layer's own all-reduce).
 
 `LoRABatch` is the step's mask, shared by every LoRA layer of a model; the worker's LoRA manager
 (worker/lora_manager.py) fills the slots and sets the mask before each forward pass.
@@ -22,6 +27,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file
 
+from tokenmill.distributed import tp_all_reduce
 from tokenmill.layers.linear import LinearBase
 from tokenmill.lora import WEIGHTS_FILE, AdapterConfig
 
@@ -49,6 +55,7 @@ class LoRALayer:
     def __init__(self, layer: LinearBase, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
                  device) -> None:
         self.batch = batch
+        self.sharding = layer.sharding  # tensor parallel: the rank's part of A's columns or B's rows (load_adapter)
         self.part_sizes = list(layer.shard_sizes)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.rank = max_rank
@@ -75,6 +82,8 @@ class LoRALayer:
         T, n = mask.shape
         P, R = len(self.b), self.rank
         shrunk = x @ self.a[:n].view(n * P * R, self.in_features).T                # [T, n * P * R]
+        if self.sharding.in_sharded:  # a row-parallel layer's x is this rank's columns: sum the ranks' parts
+            shrunk = tp_all_reduce(shrunk)
         shrunk = shrunk.view(T, n, P, R) * mask[:, :, None, None]                  # only the token's slot
         if P == 1:
             return torch.addmm(output, shrunk.view(T, n * R), self.b[0][:n].view(n * R, -1))
@@ -121,10 +130,12 @@ def load_adapter(path: str, config: AdapterConfig, model: torch.nn.Module, layer
         if a is None or b is None:
             raise ValueError(f"LoRA adapter {path!r}: {layer_path} part {part} lacks its lora_A or lora_B")
         r = a.shape[0]
-        if (tuple(a.shape) != (r, layer.in_features) or tuple(b.shape) != (layer.part_sizes[part], r)
-                or r > layer.rank):
+        s = layer.sharding
+        if (tuple(a.shape) != (r, s.full_in) or tuple(b.shape) != (s.full_sizes[part], r) or r > layer.rank):
             raise ValueError(f"LoRA adapter {path!r}: {layer_path} part {part} has A {tuple(a.shape)} and B "
                              f"{tuple(b.shape)}, which do not fit the layer (rank at most {layer.rank})")
+        a = a.narrow(1, *s.in_range)      # this rank's input columns (all of them unless row-parallel)
+        b = b.narrow(0, *s.out_ranges[part])  # its rows of the part (all of them unless column-parallel)
         weights.setdefault(layer_path, {})[part] = (a.to(dtype), (b.double() * config.scaling).to(dtype))
     return weights
 
