@@ -155,7 +155,9 @@ def test_stateful_requests_are_refused(client, http):
     ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": ["hi"]}, "input[0]"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),  # text model
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),

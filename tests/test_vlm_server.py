@@ -117,6 +117,36 @@ def test_openai_sdk_sends_a_data_uri_image(server):
     assert streamed == pytest.approx(got, abs=1e-4)  # (this run hits the prefix cache)
 
 
+def test_responses_take_input_image_parts(server):
+    """The Responses API's input_image part (its image_url a plain string) is the chat path's image: the same
+    greedy text as the chat request, streamed and whole; a file_id image is a 400 (no files are kept)."""
+    url = _data_uri(_image(*IMAGES["long"]))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    chat = client.chat.completions.create(
+        model=tiny_vlm(), max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "What is it?"}]}])
+    inp = [{"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                        {"type": "input_text", "text": "What is it?"}]}]
+    resp = client.responses.create(model=tiny_vlm(), input=inp, max_output_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model=tiny_vlm(), input=inp, max_output_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}, stream=True))
+    assert events[-1].type == "response.incomplete"  # cut by max_output_tokens, as the whole one is
+    assert events[-1].response.output_text == resp.output_text and resp.status == "incomplete"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=tiny_vlm(), input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}], max_output_tokens=2)
+    assert e.value.body["param"] == "input[0].content[0]" and "file_id" in e.value.body["message"]
+    big = _data_uri(Image.fromarray(np.random.default_rng(0).integers(0, 255, (400, 400, 3), dtype=np.uint8)))
+    with pytest.raises(openai.BadRequestError) as e:  # over --max-image-bytes: the chat path's 400, named input
+        client.responses.create(model=tiny_vlm(), input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": big}]}], max_output_tokens=2)
+    assert e.value.body["param"] == "input"
+
+
 def test_local_files_only_under_the_allowed_path(server, media_dir):
     assert _chat(server, f"file://{media_dir}/allowed/small.png").status_code == 200
     assert "--allowed-local-media-path" in _error(_chat(server, f"file://{media_dir}/outside.png"))

@@ -60,20 +60,36 @@ def _refuse_stateful(req: ResponsesRequest) -> None:
                           "background")
 
 
-def _text(content: Any, where: str) -> Any:
-    """A message's content as chat content: the string, or its text parts as chat text parts."""
+def _text(content: Any, where: str, images: bool = False) -> Any:
+    """A message's content as chat content: the string, or its parts as chat parts: text parts, and (a message's
+    content, `images`) input_image parts as image_url parts, which the chat path checks and fetches as its own."""
     if isinstance(content, str):
         return content
+    kinds = "input_text and input_image parts" if images else "input_text parts"
     if not isinstance(content, list):
-        raise bad_request(f"{where} must be a string or a list of input_text parts", where)
+        raise bad_request(f"{where} must be a string or a list of {kinds}", where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}]: only text parts (input_text, output_text) are supported, got "
+        if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image" and images:
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(part, f"{where}[{j}]")}})
+        else:
+            raise bad_request(f"{where}[{j}]: only {kinds} (and output_text) are supported, got "
                               f"{kind if kind is not None else type(part).__name__!r}", where)
-        parts.append({"type": "text", "text": part["text"]})
     return parts
+
+
+def _image_url(part: dict, where: str) -> str:
+    """An input_image part's URL (a string in the Responses API, not chat's {url} object)."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"{where}: file_id images are not supported (this server keeps no files); send "
+                          "image_url as a data:, file:// or http(s) URL", where)
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}: an input_image part needs image_url (a data:, file:// or http(s) URL)", where)
+    return url
 
 
 def _field(item: dict, name: str, where: str) -> str:
@@ -91,7 +107,8 @@ def _add_item(messages: list[dict], item: Any, where: str) -> None:
         if item.get("role") not in INPUT_ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {item.get('role')!r}",
                               f"{where}.role")
-        messages.append({"role": item["role"], "content": _text(item.get("content"), f"{where}.content")})
+        messages.append({"role": item["role"],
+                         "content": _text(item.get("content"), f"{where}.content", images=True)})
     elif kind == "function_call":  # joins the assistant turn it follows, as one chat message with tool_calls
         call = {"id": _field(item, "call_id", where), "type": "function",
                 "function": {"name": _field(item, "name", where), "arguments": _field(item, "arguments", where)}}
@@ -447,9 +464,11 @@ async def _admit(state: "ServerState", chat: ChatCompletionRequest, rid: str) ->
     try:
         return await start_chat(state, chat, rid)
     except APIError as e:
-        if e.param not in _PARAM_NAMES:
+        # a chat message's index is not its input item's (instructions, merged function calls): name `input`
+        param = "input" if (e.param or "").startswith("messages[") else _PARAM_NAMES.get(e.param)
+        if param is None:
             raise
-        raise APIError(e.status, e.message, _PARAM_NAMES[e.param], e.code, e.type, e.headers) from None
+        raise APIError(e.status, e.message, param, e.code, e.type, e.headers) from None
 
 
 async def create_response(state: "ServerState", req: ResponsesRequest, raw: Request) -> Response:
