@@ -72,6 +72,21 @@ def test_routing_text_of_prompts_and_messages():
     assert os.path.commonprefix([one, two]).count("S") == 200
 
 
+def test_routing_text_keys_images_by_digest():
+    """An image part counts as a short digest of itself (a data: URI's megabytes would crowd the index), the same
+    image gives the same text and another image another; chat and Responses parts alike."""
+    def chat(url, text="What is it?"):
+        return routing_text({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]})
+
+    big, other = "data:image/png;base64," + "A" * 1_000_000, "data:image/png;base64," + "B" * 1_000_000
+    assert len(chat(big)) < 200 and chat(big) == chat(big) and chat(big) != chat(other)
+    assert chat(big, "a").startswith(os.path.commonprefix([chat(big, "a"), chat(big, "b")]))
+    responses = routing_text({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": big}]}]})
+    assert len(responses) < 200 and "AAAA" not in responses
+    assert routing_text({"messages": "not a list", "prompt": "p"}) == "p"
+
+
 # -- policies ----------------------------------------------------------------------------------------
 def test_prefix_aware_trades_cached_prefix_against_load():
     policy = PrefixAware(load_weight=0.2, room_weight=0.5)

@@ -10,6 +10,7 @@ by weight among those with a healthy replica, then the policy picks within it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -48,15 +49,34 @@ def _with_router_timing(headers: dict[str, str], arrived: Optional[float], sent:
     return headers
 
 
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+def _image_digests(items: list) -> list:
+    """Messages (or Responses input items) with each image part's URL replaced by its digest: an image then
+    takes one short piece of the routing text, whatever its size (a data: URI may be megabytes), and the same
+    image sent again still gives the same text, as the replica's prefix cache (keyed by image content) sees it."""
+    out = []
+    for item in items:
+        content = item.get("content") if isinstance(item, dict) else None
+        if isinstance(content, list):
+            parts = [{"image": hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest()[:32]}
+                     if isinstance(p, dict) and p.get("type") in IMAGE_PARTS else p for p in content]
+            item = {**item, "content": parts}
+        out.append(item)
+    return out
+
+
 def routing_text(body: dict) -> str:
     """The part of a generation request that becomes its prompt prefix: the messages (as canonical JSON,
     which keeps shared leading messages a shared leading string), a Responses request's instructions and input
-    (in that order, as its prompt has them), or the (first) prompt."""
-    if "messages" in body:
-        return json.dumps(body["messages"], sort_keys=True, ensure_ascii=False)
+    (in that order, as its prompt has them), or the (first) prompt; images by digest."""
+    if isinstance(body.get("messages"), list):
+        return json.dumps(_image_digests(body["messages"]), sort_keys=True, ensure_ascii=False)
     if "input" in body:
         items = body["input"]
-        text = items if isinstance(items, str) else json.dumps(items, sort_keys=True, ensure_ascii=False)
+        text = items if isinstance(items, str) else json.dumps(
+            _image_digests(items) if isinstance(items, list) else items, sort_keys=True, ensure_ascii=False)
         instructions = body.get("instructions")
         return f"{instructions}\n{text}" if isinstance(instructions, str) and instructions else text
     prompt = body.get("prompt", "")
