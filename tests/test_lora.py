@@ -1,7 +1,7 @@
 """Multi-LoRA serving (issue 33): a tiny random Llama and three PEFT adapters built here with `peft` (B matrices
 randomized: PEFT starts them at zero), against transformers + peft in float32; batches mixing adapters and the
-base model (on one rank and on two, tensor parallel), fewer adapter slots than adapters in flight, the prefix cache keyed by adapter, the adapter checks,
-and load/unload through the HTTP server."""
+base model (on one rank and on two: tensor parallel), fewer adapter slots than adapters in flight, the prefix
+cache keyed by adapter, the adapter checks, and load/unload through the HTTP server."""
 from __future__ import annotations
 
 import json

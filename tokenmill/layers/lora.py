@@ -5,12 +5,12 @@ matrices stacked in slots, A `[max_loras, P, R, in]` and per part p B_p `[max_lo
 layer's merged parts, R: --max-lora-rank; a smaller rank, or a part an adapter does not target, is zero
 padding; the adapter's scaling is folded into B; `present[slot][p]` says which parts a slot's adapter has, so a
 layer none of the step's adapters targets costs nothing). It runs as a forward hook, after the layer's own
-quant_method (and a row-parallel layer's all-reduce), so it works over any quantization: h = (x A^T) * mask, then y_p += h_p B_p^T for each part,
-where mask `[T, n]` keeps for each token only the columns of its adapter's slot among the step's first n slots
-(a base-model token keeps none). That is one shrink matmul and one expand per part for the whole batch,
-whatever mix of adapters it holds: no loop over requests or slots. The price is computing every used slot for
-every token (n x R extra columns per part), small next to the layer itself while max_loras x R stays well
-under its width; a step with no adapter row costs nothing.
+quant_method (and a row-parallel layer's all-reduce), so it works over any quantization: h = (x A^T) * mask,
+then y_p += h_p B_p^T for each part, where mask `[T, n]` keeps for each token only the columns of its adapter's
+slot among the step's first n slots (a base-model token keeps none). That is one shrink matmul and one expand
+per part for the whole batch, whatever mix of adapters it holds: no loop over requests or slots. The price is
+computing every used slot for every token (n x R extra columns per part), small next to the layer itself while
+max_loras x R stays well under its width; a step with no adapter row costs nothing.
 
 Tensor parallel: a rank holds the slices of A and B its layer's sharding says. A column-parallel layer (q|k|v,
 gate|up) has the whole input: A whole, B's rows of the rank's outputs, no communication. A row-parallel layer (o,
