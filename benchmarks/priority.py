@@ -36,11 +36,11 @@ from tokenmill.bench.serve import ServeConfig, run_benchmark  # noqa: E402
 KEY = "bench-key"
 
 
-def probe(url: str, priority: int, seed: int, args) -> dict:
+def probe(url: str, seed: int, args) -> dict:
+    """The high-priority requests (priority 0), one at a time at Poisson moments: their TTFTs."""
     cfg = ServeConfig(base_url=url, api_key=KEY, input_len=args.input_len, output_len=args.probe_output_len,
                       num_prompts=args.probes, request_rate=args.probe_rate, max_concurrency=1,
-                      priority_classes=[("high", priority, 1)],
-                      seed=seed, progress=False)
+                      priority_classes=[("high", 0, 1)], seed=seed, progress=False)
     out = run_benchmark(cfg)
     c = out["summary"]
     return {"completed": c["completed"], "ttft_p50_ms": c["ttft_ms"]["median"], "ttft_p90_ms": c["ttft_ms"]["p90"],
@@ -62,7 +62,7 @@ def loaded(url: str, low_priority: int, seed: int, args) -> dict:
     thread = threading.Thread(target=load)
     thread.start()
     time.sleep(args.warm)
-    high = probe(url, 0, seed, args)
+    high = probe(url, seed, args)
     thread.join()
     return {"high": high, "low": {"completed": low["completed"], "failed": low["failed"],
                                   "output_tok_s": low["output_throughput"], "ttft_p50_ms": low["ttft_ms"]["median"]}}
@@ -88,12 +88,12 @@ def main() -> None:
                               "--max-num-batched-tokens", args.max_num_batched_tokens] + args.server_arg, args.dtype)
     runs: dict[str, list[dict]] = {"idle": [], "priority": [], "same": []}
     try:
-        probe(url, 0, 1, argparse.Namespace(**{**vars(args), "probes": 4, "probe_rate": 4.0}))  # warm-up
+        probe(url, 1, argparse.Namespace(**{**vars(args), "probes": 4, "probe_rate": 4.0}))  # warm-up
         order = ("idle", "priority", "same", "priority", "same", "idle")
         for i, name in enumerate(order):
             seed = args.seed + 100 * (i + 1)  # fresh prompts each phase: no prefix-cache hits across phases
             if name == "idle":
-                runs[name].append({"high": probe(url, 0, seed, args)})
+                runs[name].append({"high": probe(url, seed, args)})
             else:
                 runs[name].append(loaded(url, 10 if name == "priority" else 0, seed, args))
             shown = {k: {f: v for f, v in c.items() if f != "ttfts_ms"} for k, c in runs[name][-1].items()}
@@ -107,7 +107,7 @@ def main() -> None:
 
     def p90(name: str) -> float:
         """The probe's TTFT P90 over both phases of a kind together (16 samples a phase make a noisy P90)."""
-        return float(np.percentile([t for r in runs[name] for t in r["high"].pop("ttfts_ms")], 90))
+        return float(np.percentile([t for r in runs[name] for t in r["high"]["ttfts_ms"]], 90))
 
     p90s = {name: p90(name) for name in runs}
     idle = p90s["idle"]

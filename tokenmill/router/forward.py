@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tokenmill.config import RouterConfig
 from tokenmill.http.errors import APIError
+from tokenmill.multimodal.chat import IMAGE_PART_TYPES
 from tokenmill.router.index import PrefixIndex, prefix_hashes
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import Candidate, make_policy
@@ -49,11 +50,11 @@ def _with_router_timing(headers: dict[str, str], arrived: Optional[float], sent:
     return headers
 
 
-IMAGE_PARTS = ("image_url", "input_image", "image")
+IMAGE_PARTS = IMAGE_PART_TYPES + ("input_image",)  # chat's, and the Responses API's
 
 
 def _image_digests(items: list) -> list:
-    """Messages (or Responses input items) with each image part's URL replaced by its digest: an image then
+    """Messages (or Responses input items) with each image part replaced by its digest: an image then
     takes one short piece of the routing text, whatever its size (a data: URI may be megabytes), and the same
     image sent again still gives the same text, as the replica's prefix cache (keyed by image content) sees it."""
     out = []

@@ -24,6 +24,7 @@ from tokenmill.serve.chat import chat_chunks, collect_chat, start_chat
 from tokenmill.serve.tools import ToolPlan
 from tokenmill.http.disconnect import until_disconnected
 from tokenmill.http.errors import APIError, bad_request
+from tokenmill.multimodal.chat import part_url
 from tokenmill.serve.protocol import ChatCompletionRequest, ResponsesRequest, ResponsesText
 from tokenmill.serve.serving import Generation, json_response, now_s, sse, stream_response, with_timing_header
 
@@ -86,8 +87,8 @@ def _image_url(part: dict, where: str) -> str:
     if part.get("file_id") is not None:
         raise bad_request(f"{where}: file_id images are not supported (this server keeps no files); send "
                           "image_url as a data:, file:// or http(s) URL", where)
-    url = part.get("image_url")
-    if not isinstance(url, str) or not url:
+    url = part_url(part)
+    if url is None:
         raise bad_request(f"{where}: an input_image part needs image_url (a data:, file:// or http(s) URL)", where)
     return url
 

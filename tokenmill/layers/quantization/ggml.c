@@ -1015,7 +1015,7 @@ AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half a
                 __m##W##i part[RMAX]; /* the sub-block's unscaled dots (without VNNI: int16 pair sums) */       \
                 for (int r = 0; r < R; r++) part[r] = z;                                                        \
                 for (int c = 0; c < 8; c++) {                                                                   \
-                    const __m##W##i v = ld_##W(g + x8_values(T_Q4_K) + 256 * (s / 2) + 32 * c, next);                         \
+                    const __m##W##i v = ld_##W(g + x8_values(T_Q4_K) + 256 * (s / 2) + 32 * c, next);        \
                     const __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, m4);          \
                     for (int r = 0; r < R; r++) {                                                               \
                         const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);             \
