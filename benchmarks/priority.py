@@ -26,7 +26,9 @@ import sys
 import threading
 import time
 
+import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dashboard_overhead import start_server  # noqa: E402  (the server launcher the benchmarks share)
@@ -68,6 +70,14 @@ def loaded(url: str, low_priority: int, seed: int, args) -> dict:
                                   "output_tok_s": low["output_throughput"], "ttft_p50_ms": low["ttft_ms"]["median"]}}
 
 
+def counter(url: str, name: str) -> float:
+    """A counter's value on the server's /metrics."""
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name == name:
+            return sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    raise KeyError(f"{name} is not on {url}/metrics")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-cache-memory-bytes", default="128MiB")
@@ -98,6 +108,7 @@ def main() -> None:
                 runs[name].append(loaded(url, 10 if name == "priority" else 0, seed, args))
             shown = {k: {f: v for f, v in c.items() if f != "ttfts_ms"} for k, c in runs[name][-1].items()}
             print(f"[{i + 1}/{len(order)}] {name}: {json.dumps(shown)}", file=sys.stderr)
+        interrupted = counter(url, "tokenmill:num_interrupted_steps")
     finally:
         proc.terminate()
         proc.wait(30)
@@ -115,13 +126,15 @@ def main() -> None:
               "high_ttft_p90_ms": {"idle": idle, "loaded_priority": p90s["priority"],
                                    "loaded_same_priority": p90s["same"]},
               "ratio_priority": p90s["priority"] / idle, "ratio_same_priority": p90s["same"] / idle,
-              "low_output_tok_s": {k: mean(k, "low", "output_tok_s") for k in ("priority", "same")}}
+              "low_output_tok_s": {k: mean(k, "low", "output_tok_s") for k in ("priority", "same")},
+              "interrupted_steps": interrupted}
     print(json.dumps(result, indent=1))
     print(f"high-priority TTFT P90: idle {idle:.0f} ms; under low-priority load "
           f"{result['high_ttft_p90_ms']['loaded_priority']:.0f} ms ({result['ratio_priority']:.2f}x idle, target "
           f"<= 2x) with priorities, {result['high_ttft_p90_ms']['loaded_same_priority']:.0f} ms "
           f"({result['ratio_same_priority']:.2f}x) without; low-priority output "
-          f"{result['low_output_tok_s']['priority']:.1f} tok/s with, {result['low_output_tok_s']['same']:.1f} without")
+          f"{result['low_output_tok_s']['priority']:.1f} tok/s with, {result['low_output_tok_s']['same']:.1f} without; "
+          f"{interrupted:.0f} steps cut short for a high-priority arrival")
 
 
 if __name__ == "__main__":

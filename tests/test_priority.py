@@ -40,8 +40,8 @@ def test_fcfs_queue_puts_returning_requests_at_the_head():
 
 
 def _engine(tiny, policy, **kw):
-    return LLM(tiny("qwen2"), dtype="float32", block_size=16, max_num_batched_tokens=64, seed=0,
-               scheduling_policy=policy, **kw)
+    return LLM(tiny("qwen2"), dtype="float32", block_size=16, seed=0, scheduling_policy=policy,
+               **{"max_num_batched_tokens": 64, **kw})
 
 
 def _prompts(n, length, vocab, seed):
@@ -182,3 +182,60 @@ def test_fcfs_refuses_a_priority(tiny):
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="scheduling-policy"):
         LLM(tiny("qwen2"), dtype="float32", scheduling_policy="lifo")
+
+
+def test_step_interrupt_trips_only_for_a_better_rank_while_armed():
+    from tokenmill.step.interrupt import StepInterrupt, StepInterrupted
+
+    it = StepInterrupt()
+    it.offer(-5)
+    it.check()  # not armed: an arrival between steps waits for the next schedule, as before
+    it.arm(3)
+    it.offer(3)
+    it.offer(7)
+    it.check()  # ties and worse ranks never cut a step short
+    it.offer(2)
+    with pytest.raises(StepInterrupted):
+        it.check()
+    it.disarm()
+    it.check()
+
+
+def test_a_better_ranked_arrival_cuts_the_step_short(tiny):
+    """A step running low-priority prompt tokens is cut short between layers when a better-ranked request arrives
+    during it (in the server, the engine's input thread offers it; here a hook on the first layer does). The step
+    emits nothing and counts nothing: the running request's computed tokens go back to where the step started,
+    one admitted in the step (its prefix hit was blocks the step was to fill) waits to be admitted again, and those
+    blocks leave the prefix cache. The high-priority prompt runs in the next step, and every request gets the
+    tokens it gets alone."""
+    kw = dict(num_gpu_blocks_override=64, max_num_batched_tokens=128)
+    probe = LLM(tiny("qwen2"), dtype="float32", block_size=16, seed=0, **kw)
+    vocab = probe.config.model.hf_config.vocab_size
+    low0, tail, high = _prompts(3, 200, vocab, 9)
+    low1 = low0[:192] + tail[:20]  # shares the 12 blocks low0 fills by the end of its second step
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = [o.outputs[0].token_ids for o in probe.generate([{"prompt_token_ids": p} for p in (low0, low1, high[:50])],
+                                                            sp, use_tqdm=False)]
+    llm = _engine(tiny, "priority", **kw)
+    engine, sched = llm.engine, llm.engine.scheduler
+    _add(llm, "low0", low0, 8, 5)
+    assert engine.step() == [] and sched.requests["low0"].num_computed_tokens == 128
+    _add(llm, "low1", low1, 8, 5)  # admitted beside low0's last chunk, with a hit on blocks 0-11
+    arrival = engine.executor.worker.model.layers[0].register_forward_pre_hook(
+        lambda module, args: engine.step_interrupt.offer(0))
+    try:
+        assert engine.step() == []  # cut short after the first layer
+    finally:
+        arrival.remove()
+    assert sched.num_interrupted_steps == 1 and not sched.in_flight
+    assert sched.requests["low0"].num_computed_tokens == 128
+    assert sched.requests["low1"].num_computed_tokens == 0 and sched.requests["low1"] in sched.waiting
+    _, hit = sched.kv.get_computed_blocks(sched.requests["low1"])
+    assert hit == 128  # blocks 8-11 were the cut step's: no longer a prefix hit
+    _add(llm, "high", high[:50], 8, 0)
+    first = {o.request_id: o.new_token_ids for o in engine.step()}
+    assert list(first) == ["high"] and first["high"]
+    tokens, _ = _run(llm)
+    tokens["high"] = first["high"] + tokens["high"]
+    assert [tokens["low0"], tokens["low1"], tokens["high"]] == alone
+    assert sched.kv.is_whole()

@@ -211,6 +211,7 @@ class EngineStats:
     # Prompt tokens the model actually ran (cumulative): not prefix-cache hits, not tokens a KV connector
     # supplied (a decode instance's transferred prompts count 0), again after a preemption
     prompt_tokens_computed: int = 0
+    num_interrupted_steps: int = 0  # steps cut short for a better-ranked arrival (step/interrupt.py), cumulative
     # Speculative decoding (cumulative; zero without it)
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

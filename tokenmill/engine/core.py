@@ -17,6 +17,7 @@ from tokenmill.kv_transfer import make_scheduler_connector
 from tokenmill.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats, Request, check_priority,
                                 check_token_ids)
 from tokenmill.startup import Ledger
+from tokenmill.step.interrupt import StepInterrupted
 from tokenmill.step.multimodal import check_images
 
 logger = logging.getLogger("tokenmill")
@@ -45,6 +46,9 @@ class EngineCore:
                         f", disk {cc.kv_offloading_disk_size:.4g} GiB under {cc.kv_offloading_disk_dir}"
                         if cc.kv_offloading_disk_dir else "")
         self.scheduler = Scheduler(config, num_blocks, connector)
+        # Priority policy: a better-ranked arrival cuts a long step short (step/interrupt.py); offer() each one.
+        self.step_interrupt = (self.executor.step_interrupt if config.scheduler.scheduling_policy == "priority"
+                               and connector is None else None)
         layout = self.scheduler.kv_layout
         if layout.frees_blocks or layout.one_group_reason:  # a model with sliding-window layers
             logger.info("KV groups: %s", layout.describe())
@@ -100,8 +104,19 @@ class EngineCore:
         if not sched.needs_worker:
             return self.scheduler.take_pending()
         # With nothing scheduled the worker still drops finished requests' state and runs KV transfers.
-        result = self._execute(sched, lambda: self.executor.execute_model(sched))
+        result = self._execute(sched, lambda: self._run(sched))
         return self._fold_in(sched, result, t0)
+
+    def _run(self, sched):
+        """The worker's result for sched. A step that runs prompt tokens (long) is armed with its best priority."""
+        interrupt = self.step_interrupt
+        if interrupt is None or sched.num_batched_tokens <= len(sched.scheduled):
+            return self.executor.execute_model(sched)
+        interrupt.arm(min(self.scheduler.requests[s.request_id].priority for s in sched.scheduled))
+        try:
+            return self.executor.execute_model(sched)
+        finally:
+            interrupt.disarm()
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Pipeline parallel: with P stages, up to P steps are in flight so that every stage works on one.
@@ -139,6 +154,10 @@ class EngineCore:
             result = run()
         except WorkerDiedError:
             raise  # not a request's fault: nothing to isolate, the engine cannot go on
+        except StepInterrupted:  # a better-ranked request arrived: it runs next, this step's work after it
+            logger.debug("step of %d tokens cut short for a better-ranked arrival", sched.num_batched_tokens)
+            self.scheduler.take_back(sched)
+            return None
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the engine for all
             self.num_failed_steps += 1
             error = f"the engine failed to run this request: {type(e).__name__}: {e}"
@@ -156,7 +175,7 @@ class EngineCore:
         s, kv = self.scheduler, self.scheduler.kv
         stats = EngineStats(s.num_running, s.num_waiting, kv.usage, kv.num_queries, kv.num_hits,
                             s.num_preemptions, kv.pool.num_free, kv.num_usable_blocks, kv.num_external_queries,
-                            kv.num_external_hits, s.num_prompt_tokens_computed)
+                            kv.num_external_hits, s.num_prompt_tokens_computed, s.num_interrupted_steps)
         if s.spec is not None:
             c = s.spec.counters
             stats.spec_num_drafts, stats.spec_num_draft_tokens = c.num_drafts, c.num_draft_tokens

@@ -5,8 +5,10 @@ EngineCoreRequest), ABORT (list of engine request ids), SHUTDOWN.
 Output (engine -> API, PUSH/PULL): one msgpack-encoded `EngineCoreOutputs` per step, carrying the step's
 outputs, the engine stats after it, which requests were scheduled for the first time, and rejections.
 
-When nothing is running the loop blocks on its input socket (no spinning: the API process needs the
-cores), waking once a second only to notice a dead parent. On going idle it hands the heap's freed pages back to the
+A thread of its own reads the input socket (_Inbox), so that a request arriving during a step is seen at once:
+under --scheduling-policy priority a better-ranked one cuts the step short (step/interrupt.py). When nothing is
+running the loop blocks on the inbox (no spinning: the API process needs the cores), waking once a second only
+to notice a dead parent. On going idle it hands the heap's freed pages back to the
 system (glibc keeps them otherwise: a burst of requests of mixed sizes would hold the process at its high-water
 mark for good).
 """
@@ -17,9 +19,11 @@ import ctypes.util
 import functools
 import logging
 import os
+import queue
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Optional
@@ -32,7 +36,7 @@ from tokenmill.startup import Ledger, Phase
 logger = logging.getLogger("tokenmill")
 
 ADD, ABORT, SHUTDOWN = b"A", b"X", b"S"
-_IDLE_POLL_MS = 1000
+_IDLE_POLL_S = 1.0
 
 
 @functools.cache
@@ -127,22 +131,71 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     os._exit(0)
 
 
-class _EngineLoop:
-    def __init__(self, engine, inp, out, encoder, parent_pid: int) -> None:
-        import zmq
+class _Inbox:
+    """The input socket, read and decoded by a thread of its own into a queue the engine loop drains between
+    steps. Each arriving request's priority is offered to the step in flight at once (interrupt: the engine's
+    StepInterrupt, or None). The thread alone touches the socket until close()."""
 
-        self.zmq = zmq
-        self.engine = engine
-        self.inp, self.out, self.encoder = inp, out, encoder
-        self.parent_pid = parent_pid
+    def __init__(self, sock, interrupt) -> None:
+        self.sock, self.interrupt = sock, interrupt
+        self.queue: queue.Queue = queue.Queue()
         self.add_decoder = msgspec.msgpack.Decoder(list[EngineCoreRequest])
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._read, name="engine-input", daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            while not self.closing.is_set():
+                if not self.sock.poll(100):
+                    continue
+                frames = self.sock.recv_multipart()
+                kind = frames[0]
+                if kind == ADD:
+                    reqs = self.add_decoder.decode(frames[1])
+                    if self.interrupt is not None:
+                        for req in reqs:
+                            self.interrupt.offer(req.priority)
+                    self.queue.put((ADD, reqs))
+                elif kind == ABORT:
+                    self.queue.put((ABORT, self.ids_decoder.decode(frames[1])))
+                elif kind == SHUTDOWN:
+                    self.queue.put((SHUTDOWN, None))
+                    return
+        except Exception as e:  # noqa: BLE001 - a bad message or a broken socket ends the engine, in its loop
+            self.queue.put((None, e))
+
+    def get(self, timeout: Optional[float] = None):
+        """The next (kind, payload), waiting up to timeout seconds (None: not at all); None if there is none."""
+        try:
+            return self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join()
+
+
+class _EngineLoop:
+    def __init__(self, engine, inp, out, encoder, parent_pid: int) -> None:
+        self.engine = engine
+        self.inbox = _Inbox(inp, engine.step_interrupt)
+        self.out, self.encoder = out, encoder
+        self.parent_pid = parent_pid
         self.seen: set[str] = set()       # requests already reported as scheduled
         self.rejected: list[tuple[str, str]] = []
         self.stopping = False
         self.stats_sent: Optional[EngineStats] = None
 
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.inbox.close()  # before the socket closes
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self.stopping:
             if os.getppid() != self.parent_pid:
@@ -154,8 +207,10 @@ class _EngineLoop:
                 if stats != self.stats_sent or self.rejected:  # tell the API we are idle now
                     self._send([], stats, [])
                     _trim_heap()
-                if not self.inp.poll(_IDLE_POLL_MS):
+                message = self.inbox.get(_IDLE_POLL_S)
+                if message is None:
                     continue
+                self._take(*message)
             self._drain_input()
             if self.stopping:
                 return
@@ -167,25 +222,25 @@ class _EngineLoop:
                 self._send([], engine.stats(), [])
 
     def _drain_input(self) -> None:
-        zmq = self.zmq
-        while True:
-            try:
-                frames = self.inp.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+        while not self.stopping:
+            message = self.inbox.get()
+            if message is None:
                 return
-            kind = frames[0]
-            if kind == ADD:
-                for req in self.add_decoder.decode(frames[1]):
-                    try:
-                        self.engine.add_request(req)
-                    except ValueError as e:
-                        self.rejected.append((req.request_id, str(e)))
-            elif kind == ABORT:
-                ids = self.ids_decoder.decode(frames[1])
-                self.engine.abort_requests(ids)
-            elif kind == SHUTDOWN:
-                self.stopping = True
-                return
+            self._take(*message)
+
+    def _take(self, kind: Optional[bytes], payload) -> None:
+        if kind == ADD:
+            for req in payload:
+                try:
+                    self.engine.add_request(req)
+                except ValueError as e:
+                    self.rejected.append((req.request_id, str(e)))
+        elif kind == ABORT:
+            self.engine.abort_requests(payload)
+        elif kind == SHUTDOWN:
+            self.stopping = True
+        else:
+            raise payload  # the input thread's error
 
     def _newly_scheduled(self, outputs: list[EngineCoreOutput], step_start: float) -> list[tuple[str, float]]:
         """Requests that ran for the first time in this step (queue-time metric). A request either is

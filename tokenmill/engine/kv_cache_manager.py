@@ -279,21 +279,24 @@ class KVCacheManager:
                 blocks[i] = self.pool.null
 
     def free(self, req: Request, uncache_from: Optional[int] = None) -> None:
-        """uncache_from: blocks holding tokens from this position on lose their prefix-cache entry (a step
-        that failed before writing their KV registered them)."""
-        groups = self.req_blocks.pop(req.request_id, [])
-        for blocks in groups:
-            if uncache_from is not None:
-                for b in blocks[uncache_from // self.block_size:]:
-                    self.pool.unregister(b)
+        """uncache_from: as uncache, first."""
+        if uncache_from is not None:
+            self.uncache(req, uncache_from)
+        for blocks in self.req_blocks.pop(req.request_id, []):
             # Tail blocks go to the free queue first, so they are evicted before the shared prefix.
             for b in reversed(blocks):
                 if b is not self.pool.null:
                     self.pool.release(b)
-        if uncache_from is not None:
-            del req.block_hashes[uncache_from // self.block_size:]
         if not self.enable_caching:
             req.block_hashes.clear()
+
+    def uncache(self, req: Request, position: int) -> None:
+        """req's blocks holding tokens from `position` on lose their prefix-cache entry: a step that did not
+        write their KV (it failed, or was cut short) registered them."""
+        for blocks in self.req_blocks.get(req.request_id, []):
+            for b in blocks[position // self.block_size:]:
+                self.pool.unregister(b)
+        del req.block_hashes[position // self.block_size:]
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
         """The request's block ids from its start-th block on, of its first group (a KV connector's view: the

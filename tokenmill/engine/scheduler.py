@@ -103,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Prompt tokens the model ran (not found in a cache or supplied by a connector; again after a preemption)
         self.num_prompt_tokens_computed = 0
+        self.num_interrupted_steps = 0  # steps cut short for a better-ranked arrival (take_back)
         spec = config.speculative
         self.spec = SpecController(spec.k, spec.disable_by_batch_size, spec.adaptive) if spec else None
         self.spec_lookahead = bool(spec and spec.needs_kv)   # drafter writes KV up to k slots ahead
@@ -216,15 +217,40 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None:
                 continue
-            self.kv.free(req, uncache_from=s.start_pos)
-            self.drafts.pop(req.request_id, None)
-            self.running.remove(req)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            req.num_prompt_logprobs_done = min(req.num_prompt_logprobs_done, s.prompt_logprobs_from)
-            self.waiting.requeue(req)
+            self._readmit(req, s)
             if req.request_id not in self.quarantine:
                 self.quarantine.insert(0, req.request_id)
+
+    def take_back(self, sched: SchedulerOutput) -> None:
+        """The worker cut `sched` short (a better-ranked arrival, step/interrupt.py): none of its tokens count
+        as computed. A running request goes back to where the step started and keeps its blocks (the worker's
+        copy has the step's deltas, which stay true); one admitted in this step is admitted again later, since
+        its prefix hit may be blocks the step was to fill. Blocks the step would have filled leave the prefix
+        cache."""
+        self._back(sched)
+        self.num_interrupted_steps += 1
+        for s in reversed(sched.scheduled):
+            req = self.requests.get(s.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:  # aborted during the step
+                continue
+            known = len(s.token_ids) - s.num_spec
+            self.num_prompt_tokens_computed -= max(min(s.start_pos + known, req.num_prompt_tokens) - s.start_pos, 0)
+            if s.new:
+                self._readmit(req, s)
+                continue
+            self.kv.uncache(req, s.start_pos)
+            req.num_computed_tokens = s.start_pos
+            req.num_prompt_logprobs_done = min(req.num_prompt_logprobs_done, s.prompt_logprobs_from)
+
+    def _readmit(self, req: Request, s: ScheduledRequest) -> None:
+        """A request of a step that did not complete back to the head of the waiting queue, its blocks freed."""
+        self.kv.free(req, uncache_from=s.start_pos)
+        self.drafts.pop(req.request_id, None)
+        self.running.remove(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_prompt_logprobs_done = min(req.num_prompt_logprobs_done, s.prompt_logprobs_from)
+        self.waiting.requeue(req)
 
     # -- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

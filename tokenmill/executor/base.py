@@ -6,9 +6,10 @@ the last pipeline stage's tensor-parallel rank 0, which holds the sampled tokens
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from tokenmill.config import EngineConfig
+from tokenmill.step.interrupt import StepInterrupt
 
 Method = Union[str, Callable[..., Any]]
 COLLECTIVE_FAILED = 70  # a rank's exit status after a failed collective
@@ -42,6 +43,9 @@ def _startup_phases(worker) -> list:
 
 
 class Executor:
+    # The interrupt of the model's steps (step/interrupt.py), where the model runs in this process; else None.
+    step_interrupt: Optional[StepInterrupt] = None
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         pc = config.parallel

@@ -5,13 +5,15 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor, Method, run_method
+from tokenmill.step.interrupt import StepInterrupt
 from tokenmill.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.worker = Worker(config)
+        self.step_interrupt = StepInterrupt()
+        self.worker = Worker(config, step_interrupt=self.step_interrupt)
 
     def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None) -> list:
         return [run_method(self.worker, method, args, kwargs or {})]

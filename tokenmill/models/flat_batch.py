@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention.base import AttentionMetadata
+from tokenmill.step.interrupt import StepInterrupt
 
 
 def block_table_array(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
@@ -29,10 +30,11 @@ def group_block_tables(block_ids: Sequence[Sequence[Sequence[int]]]) -> np.ndarr
 
 def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, block_table: np.ndarray,
                block_size: int, device: torch.device, layer_group: Sequence[int] = (), adapters: bool = False,
-               rope_positions: Optional[np.ndarray] = None):
+               rope_positions: Optional[np.ndarray] = None, interrupt: Optional[StepInterrupt] = None):
     """input_ids [T] (already packed); qlens/starts [B]; block_table [B, nb], or [G, B, nb] for G KV groups
     with layer_group (model layer index -> group); adapters: some token runs a LoRA adapter; rope_positions: the
-    positions the rope reads when they are not the KV positions (M-RoPE's [3, T]: worker/multimodal.py). Returns
+    positions the rope reads when they are not the KV positions (M-RoPE's [3, T]: worker/multimodal.py);
+    interrupt: the step's, checked between layers (step/interrupt.py). Returns
     (input_ids tensor, AttentionMetadata (group 0's),
     query_start_loc as numpy [B+1])."""
     B = len(qlens)
@@ -50,7 +52,7 @@ def flat_batch(input_ids: np.ndarray, qlens: np.ndarray, starts: np.ndarray, blo
     rope = positions if rope_positions is None else np.ascontiguousarray(rope_positions)
     common = dict(positions=to(rope), query_start_loc=qsl.tolist(), seq_lens=seq_lens.tolist(),
                   block_size=block_size, cache={}, layer_group=tuple(layer_group) if grouped else (),
-                  group_metas=metas if grouped else [], adapters=adapters)
+                  group_metas=metas if grouped else [], adapters=adapters, interrupt=interrupt)
     metas.extend(AttentionMetadata(slot_mapping=to(slots[g]), block_table=to(tables[g]), kv_group=g, **common)
                  for g in range(len(tables)))
     return to(np.ascontiguousarray(input_ids, dtype=np.int64)), metas[0], qsl

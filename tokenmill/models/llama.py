@@ -221,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
                    kv_caches: list[torch.Tensor]):
         """This stage's layers from the first one's input (x, residual), then the final norm (last stage)."""
         for layer, kv in zip(self.layers, kv_caches):
+            if meta.interrupt is not None:
+                meta.interrupt.check()  # a better-ranked arrival cuts a long step short (step/interrupt.py)
             x, residual = layer(x, residual, meta, kv)
         if self.norm is None:
             return IntermediateTensors(x, residual)

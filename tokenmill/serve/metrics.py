@@ -53,6 +53,8 @@ class ServerMetrics:
         self.prefix_hit_rate = g("prefix_cache_hit_rate", "Looked-up prompt tokens served from any cache tier "
                                  "(device or offloaded), cumulative.")
         self.preemptions = c("num_preemptions", "Requests preempted because the KV cache was full.")
+        self.interrupted_steps = c("num_interrupted_steps", "Engine steps cut short for a better-ranked arrival "
+                                   "(--scheduling-policy priority); their work ran again after it.")
         self.prompt_tokens = c("prompt_tokens", "Prompt tokens of finished requests.")
         self.prompt_tokens_computed = c("prompt_tokens_computed", "Prompt tokens the model ran: not found in a "
                                         "prefix cache, not restored from a KV tier or transferred from a "
@@ -142,6 +144,7 @@ class ServerMetrics:
                               (self.external_queries, "external_prefix_cache_queries"),
                               (self.external_hits, "external_prefix_cache_hits"),
                               (self.preemptions, "num_preemptions"),
+                              (self.interrupted_steps, "num_interrupted_steps"),
                               (self.prompt_tokens_computed, "prompt_tokens_computed")):
             counter.inc(max(getattr(s, name) - (getattr(last, name) if last is not None else 0), 0))
         if s.prefix_cache_queries:

@@ -20,6 +20,7 @@ from tokenmill.layers.sampler import (SamplingMetadata, apply_logits_processors,
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.spec_decode.rejection_sampler import rejection_sample
 from tokenmill.step import ModelRunnerOutput, PositionLogprobs, ScheduledRequest, SchedulerOutput
+from tokenmill.step.interrupt import StepInterrupt
 from tokenmill.step.kv_groups import KVLayout
 from tokenmill.models.flat_batch import flat_batch, group_block_tables
 from tokenmill.worker.lora_manager import LoRAManager
@@ -52,9 +53,11 @@ class ModelRunner:
     def __init__(self, model, device: str, block_size: int, vocab_size: int, seed: int,
                  drafter: Optional[Proposer] = None, max_model_len: int = 0,
                  pooler: Optional[PoolerConfig] = None, kv_layout: Optional[KVLayout] = None,
-                 lora: Optional[LoRAManager] = None) -> None:
-        """kv_layout: the KV groups (default one group of every layer); lora: the adapters (--enable-lora)."""
+                 lora: Optional[LoRAManager] = None, step_interrupt: Optional[StepInterrupt] = None) -> None:
+        """kv_layout: the KV groups (default one group of every layer); lora: the adapters (--enable-lora);
+        step_interrupt: lets the engine cut a step short between layers (step/interrupt.py)."""
         self.model = model
+        self.step_interrupt = step_interrupt
         self.lora = lora
         self.pooler = pooler  # --task embed: pool the prompt's hidden states instead of sampling
         self.device = torch.device(device)
@@ -94,7 +97,7 @@ class ModelRunner:
                                                                 for r in reqs], qlens)
         rope = self.mm.rope_positions(reqs, self.states) if self.mm is not None else None
         return flat_batch(input_ids, qlens, starts, tables, self.block_size, self.device, self.layer_group, adapters,
-                          rope)
+                          rope, self.step_interrupt)
 
     def _generator(self, r: ScheduledRequest) -> Optional[torch.Generator]:
         sp = self.states[r.request_id].sampling_params

@@ -19,6 +19,7 @@ from tokenmill.models.loader import load_model
 from tokenmill.models.resolution import gguf_weights_for, resolve_model_path
 from tokenmill.spec_decode import make_proposer
 from tokenmill.startup import Ledger
+from tokenmill.step.interrupt import StepInterrupt
 from tokenmill.step.kv_groups import kv_layout
 from tokenmill.worker import kernels_report
 from tokenmill.worker.cpu_threads import ThreadSizer
@@ -57,7 +58,8 @@ def init_worker_process(config: EngineConfig, rank: int, init_method: str, local
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, step_interrupt: Optional[StepInterrupt] = None) -> None:
+        """step_interrupt: the engine's, where it runs this worker in its own process (step/interrupt.py)."""
         self.config = config
         self.rank = rank
         mc = config.model
@@ -89,7 +91,8 @@ class Worker:
         self.kv_layout = kv_layout(config)  # the scheduler computes the same
         lora = LoRAManager(self.model, config.lora, mc.torch_dtype, self.device) if config.lora is not None else None
         self.runner = ModelRunner(self.model, self.device, config.cache.block_size, mc.hf_config.vocab_size,
-                                  mc.seed, self.drafter, mc.max_model_len, mc.pooler, self.kv_layout, lora)
+                                  mc.seed, self.drafter, mc.max_model_len, mc.pooler, self.kv_layout, lora,
+                                  step_interrupt)
         self.kv_dtype = kv_cache_torch_dtype(config.cache.kv_cache_dtype, mc.torch_dtype)
         self.kv_connector = None
         self.kernels: dict = {}  # kernels_report.report, once the KV cache exists

@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tokenmill.step.interrupt import StepInterrupt
+
 
 @dataclass
 class AttentionMetadata:
@@ -30,6 +32,7 @@ class AttentionMetadata:
     layer_group: Sequence[int] = ()  # model layer index -> its KV group; empty: one group (this metadata)
     group_metas: list["AttentionMetadata"] = field(default_factory=list)  # [g]: group g's (one list, shared)
     adapters: bool = False  # some token runs a LoRA adapter (layers/lora.py): paths without adapters step aside
+    interrupt: Optional[StepInterrupt] = None  # checked between layers: the step may be cut short (step/interrupt.py)
 
     def for_layer(self, layer_idx: int) -> "AttentionMetadata":
         """The metadata holding this layer's KV group's block table and slots (self with one group)."""
