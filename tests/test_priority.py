@@ -239,3 +239,42 @@ def test_a_better_ranked_arrival_cuts_the_step_short(tiny):
     tokens["high"] = first["high"] + tokens["high"]
     assert [tokens["low0"], tokens["low1"], tokens["high"]] == alone
     assert sched.kv.is_whole()
+
+
+def test_the_engine_inbox_offers_each_arrival_to_the_step_in_flight():
+    """The engine process's input thread (core_proc.Inbox) decodes ADD messages as they come, during a step: each
+    request's priority reaches the armed StepInterrupt before the loop takes the message; ABORT and SHUTDOWN
+    queue in order behind it."""
+    import msgspec
+    import zmq
+
+    from tokenmill.engine.core_proc import ABORT, ADD, SHUTDOWN, Inbox
+    from tokenmill.step.interrupt import StepInterrupt, StepInterrupted
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    interrupt = StepInterrupt()
+    interrupt.arm(5)
+    inbox = Inbox(pull, interrupt)
+    try:
+        enc = msgspec.msgpack.Encoder()
+        sp = SamplingParams(max_tokens=1)
+        push.send_multipart([ADD, enc.encode([EngineCoreRequest("same", [1, 2], sp, [0], priority=5)])])
+        kind, reqs = inbox.get(10.0)
+        assert kind == ADD and [r.request_id for r in reqs] == ["same"]
+        interrupt.check()  # a tie does not cut the step
+        push.send_multipart([ADD, enc.encode([EngineCoreRequest("urgent", [1, 2], sp, [0], priority=0)])])
+        push.send_multipart([ABORT, enc.encode(["same"])])
+        push.send_multipart([SHUTDOWN])
+        kind, reqs = inbox.get(10.0)
+        assert kind == ADD and reqs[0].request_id == "urgent"
+        with pytest.raises(StepInterrupted):
+            interrupt.check()
+        assert inbox.get(10.0) == (ABORT, ["same"]) and inbox.get(10.0) == (SHUTDOWN, None)
+    finally:
+        inbox.close()
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()

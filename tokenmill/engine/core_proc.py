@@ -5,7 +5,7 @@ EngineCoreRequest), ABORT (list of engine request ids), SHUTDOWN.
 Output (engine -> API, PUSH/PULL): one msgpack-encoded `EngineCoreOutputs` per step, carrying the step's
 outputs, the engine stats after it, which requests were scheduled for the first time, and rejections.
 
-A thread of its own reads the input socket (_Inbox), so that a request arriving during a step is seen at once:
+A thread of its own reads the input socket (Inbox), so that a request arriving during a step is seen at once:
 under --scheduling-policy priority a better-ranked one cuts the step short (step/interrupt.py). When nothing is
 running the loop blocks on the inbox (no spinning: the API process needs the cores), waking once a second only
 to notice a dead parent. On going idle it hands the heap's freed pages back to the
@@ -131,7 +131,7 @@ def run_engine_core(config, input_addr: str, output_addr: str, parent_pid: int, 
     os._exit(0)
 
 
-class _Inbox:
+class Inbox:
     """The input socket, read and decoded by a thread of its own into a queue the engine loop drains between
     steps. Each arriving request's priority is offered to the step in flight at once (interrupt: the engine's
     StepInterrupt, or None). The thread alone touches the socket until close()."""
@@ -181,7 +181,7 @@ class _Inbox:
 class _EngineLoop:
     def __init__(self, engine, inp, out, encoder, parent_pid: int) -> None:
         self.engine = engine
-        self.inbox = _Inbox(inp, engine.step_interrupt)
+        self.inbox = Inbox(inp, engine.step_interrupt)
         self.out, self.encoder = out, encoder
         self.parent_pid = parent_pid
         self.seen: set[str] = set()       # requests already reported as scheduled
