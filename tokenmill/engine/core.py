@@ -149,7 +149,8 @@ class EngineCore:
 
     def _execute(self, sched, run):
         """run()'s result (the worker's for sched), or None when it raised: the step's requests are rolled
-        back and run alone until the culprit is found (Scheduler.roll_back), and the others keep going."""
+        back and run alone until the culprit is found (Scheduler.roll_back), and the others keep going; or None
+        when it was cut short for a better-ranked arrival (Scheduler.take_back)."""
         try:
             result = run()
         except WorkerDiedError:
