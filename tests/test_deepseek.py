@@ -45,7 +45,7 @@ def test_kv_cache_holds_the_latent(tiny, arch):
         cfg = json.load(f)
     expected = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * cfg["num_hidden_layers"] * 4
     llm = LLM(path, dtype="float32", block_size=16, kv_cache_memory_bytes=1 << 20)
-    worker = llm.engine.executor.worker
+    worker = llm.engine.executor.collective_rpc(lambda w: w)[0]
     assert worker.bytes_per_block() // 16 == expected
     assert worker.runner.kv_caches[0].shape == (worker.runner.kv_caches[0].shape[0], 16,
                                                 cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"])

@@ -122,7 +122,7 @@ def mxfp4_dirs(tiny, tmp_path_factory):
 
 def test_mxfp4_checkpoint_matches_its_dequantized_model(mxfp4_dirs, tiny):
     llm = LLM(mxfp4_dirs["mxfp4"], dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=64 << 20)
-    moe = llm.engine.executor.worker.model.layers[0].mlp
+    moe = llm.engine.executor.collective_rpc(lambda w: w.model)[0].layers[0].mlp
     assert moe.w13_weight.dtype == torch.uint8 and type(moe.quant_method).__name__ == "Mxfp4MoEMethod"
     prompts = _prompts(400)[:4]  # 1, 300, 5 and 77 tokens: decode-sized and MKL-sized expert batches
     refs = _hf_reference(mxfp4_dirs["dequantized"], prompts)

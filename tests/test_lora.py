@@ -157,7 +157,7 @@ def test_cpu_decoder_stack_applies_adapters(adapters, alone, monkeypatch):
     assert (True, True) in taken, "no adapter step ran in the C stack"
     for (name, i, _), out in zip(jobs, outs):
         _assert_same([out], [alone[name][i]])
-    model = llm.engine.executor.worker.model
+    model = llm.engine.executor.collective_rpc(lambda w: w.model)[0]
     monkeypatch.setattr(model, "use_cpu_stack", False)
     taken.clear()
     _assert_same(_generate(llm, prompts, loras), outs)
@@ -351,5 +351,5 @@ def test_adapters_over_a_quantized_base(adapters, monkeypatch):
     with_adapter = _generate(llm, prompts, reqs["all"])
     plain = _generate(llm, prompts, None)
     assert [o.outputs[0].token_ids for o in with_adapter] != [o.outputs[0].token_ids for o in plain]
-    monkeypatch.setattr(llm.engine.executor.worker.model, "use_cpu_stack", False)
+    monkeypatch.setattr(llm.engine.executor.collective_rpc(lambda w: w.model)[0], "use_cpu_stack", False)
     _assert_same(_generate(llm, prompts, reqs["all"]), with_adapter, atol=1e-3)

@@ -221,7 +221,7 @@ def test_a_better_ranked_arrival_cuts_the_step_short(tiny):
     _add(llm, "low0", low0, 8, 5)
     assert engine.step() == [] and sched.requests["low0"].num_computed_tokens == 128
     _add(llm, "low1", low1, 8, 5)  # admitted beside low0's last chunk, with a hit on blocks 0-11
-    arrival = engine.executor.worker.model.layers[0].register_forward_pre_hook(
+    arrival = engine.executor.collective_rpc(lambda w: w.model)[0].layers[0].register_forward_pre_hook(
         lambda module, args: engine.step_interrupt.offer(0))
     try:
         assert engine.step() == []  # cut short after the first layer

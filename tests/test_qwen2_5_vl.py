@@ -86,7 +86,7 @@ def _ids(llm: LLM, text: str) -> list[int]:
 
 
 def _runner(llm: LLM):
-    return llm.engine.executor.worker.runner
+    return llm.engine.executor.collective_rpc(lambda w: w.runner)[0]
 
 
 def test_image_processor_matches_transformers(vlm):

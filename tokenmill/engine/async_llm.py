@@ -65,8 +65,7 @@ class AsyncLLM:
         self.stats: Optional[EngineStats] = None
         self.ready: Optional[EngineReady] = None
         self.dead: Optional[str] = None
-        self.fatal: Optional[str] = None  # why the engine cannot be restarted (a worker rank died): exit
-        self.on_fatal = None  # called with that reason (the server stops)
+        self.fatal: Optional[str] = None  # why the engine cannot be restarted (a worker rank died): the server stops
         self._shutting_down = False
         self._closing_reason: Optional[str] = None  # set when open requests were cut for shutdown
         self._closed = False
@@ -235,8 +234,6 @@ class AsyncLLM:
             self._output_task.cancel()
         if not restart:  # a rank's device or node is gone: a restart would fail the same way; the operator decides
             self.fatal = reason
-            if self.on_fatal is not None:
-                self.on_fatal(reason)
         elif not self._shutting_down:
             self._restart_task = asyncio.get_running_loop().create_task(self._restart(), name="tokenmill-restart")
 

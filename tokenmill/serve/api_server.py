@@ -376,8 +376,8 @@ def run_server(args: argparse.Namespace, ledger=None, prestarted=None) -> NoRetu
         uv = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=30)
         server = DrainingServer.make(uv, on_deadline=lambda: engine.fail_open_requests(
-            "the server is shutting down (--shutdown-timeout passed)"), on_signal=end_dashboard_streams)
-        engine.on_fatal = lambda _: setattr(server, "should_exit", True)
+            "the server is shutting down (--shutdown-timeout passed)"), on_signal=end_dashboard_streams,
+            stop_when=lambda: engine.fatal is not None)  # a worker rank died: a restart would fail the same way
         server.run(sockets=[sock])
         code = _exit_status(server, engine)
     finally:
