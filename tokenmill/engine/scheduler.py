@@ -401,19 +401,7 @@ class Scheduler:
                         break
                     budget += freed
                     continue
-            self.waiting.pop()
-            if self.connector is not None:
-                first = num_hit // self.block_size  # the external hit may end inside a block (the prompt's last)
-                self.connector.on_allocated(
-                    req, self.kv.block_ids(req.request_id, first)[:-(-num_ext // self.block_size)])
-                self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
-            else:
-                self.kv.record_lookup(req.num_tokens, num_hit)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit + num_ext
-            req.num_computed_tokens = num_hit + num_ext
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(self.waiting.pop(), num_hit, num_ext)
             chosen.append((req, n, [], True))
             budget -= n
             if req.lora_int_id:
@@ -421,6 +409,20 @@ class Scheduler:
             if self.by_priority:
                 best = req.priority if best is None else min(best, req.priority)
         self.waiting.put_back(skipped)
+
+    def _admit(self, req: Request, num_hit: int, num_ext: int) -> None:
+        """req (its blocks allocated) runs from its device hit of num_hit tokens and num_ext a lower tier supplies."""
+        if self.connector is not None:
+            first = num_hit // self.block_size  # the external hit may end inside a block (the prompt's last)
+            self.connector.on_allocated(req, self.kv.block_ids(req.request_id, first)[:-(-num_ext // self.block_size)])
+            self.kv.record_lookup(req.num_tokens, num_hit, num_ext)
+        else:
+            self.kv.record_lookup(req.num_tokens, num_hit)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit + num_ext
+        req.num_computed_tokens = num_hit + num_ext
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _fit_encoder(self, req: Request, start: int, n: int, admitted: bool = False) -> int:
         """How many of the chunk's n tokens from `start` fit this step's encoder budget: the images it reaches
