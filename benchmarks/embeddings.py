@@ -25,9 +25,10 @@ import sys
 import sysconfig
 import time
 
-# Same OpenMP policy for both sides, set before torch loads: spinning OpenMP threads stall whenever another
-# process takes a core (this machine is shared), which would make whichever side spins collapse.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Same OpenMP waiting for both sides, set before torch loads: the short spin the server's engine process gets by
+# default (engine/prestart.py engine_env).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numpy as np  # noqa: E402
 

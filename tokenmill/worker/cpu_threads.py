@@ -5,8 +5,8 @@ early spins in the barrier for the others. When another process takes a core, th
 fraction of its speed while its partner spins, and the spinning itself takes time the descheduled threads
 need: on 2 cores W1 fell to 0.38x of its quiet throughput beside one spinning process, below the 0.5x a lost
 core explains. Passive waiting (OMP_WAIT_POLICY=PASSIVE) recovered 0.6x but cost 37% of quiet single-stream
-decode speed here (a futex sleep and wake-up per parallel region, hundreds per step). So the waiting policy
-stays, and the thread count follows the machine instead: every INTERVAL_S, /proc/stat says how much CPU the
+decode speed here (a futex sleep and wake-up per parallel region, hundreds per step). So threads wait by a short
+spin (engine/prestart.py's GOMP_SPINCOUNT), and the thread count follows the machine instead: every INTERVAL_S, /proc/stat says how much CPU the
 rest of the machine used (everything minus this process), each core's worth of it takes one thread away
 (never the last), and the threads come back when the others go quiet. Results do not depend on the thread
 count (every kernel fixes its reduction order whatever the split), so this changes speed only.
