@@ -25,10 +25,10 @@ import sys
 import sysconfig
 import time
 
-# Same OpenMP waiting for both sides, set before torch loads: the short spin the server's engine process gets by
-# default (engine/prestart.py engine_env).
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from tokenmill.engine.prestart import openmp_wait_env  # noqa: E402  (light: no torch)
+
+# Same OpenMP waiting for both sides, set before torch loads: the server's engine process's.
+os.environ.update(openmp_wait_env())
 
 import numpy as np  # noqa: E402
 

@@ -22,10 +22,11 @@ import sys
 import tempfile
 import time
 
-# Same OpenMP waiting for both sides, set before torch loads: the short spin the server's engine process gets by
-# default (engine/prestart.py engine_env), for the offline baseline too.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from tokenmill.engine.prestart import openmp_wait_env  # noqa: E402  (light: no torch)
+
+# Same OpenMP waiting for both sides, set before torch loads: the server's engine process's, for the offline
+# baseline too.
+os.environ.update(openmp_wait_env())
 
 import httpx  # noqa: E402
 

@@ -17,8 +17,9 @@ import os
 import sys
 import tempfile
 
-if "OMP_WAIT_POLICY" not in os.environ:  # the short spin the server's engine process gets (engine/prestart.py)
-    os.environ.setdefault("GOMP_SPINCOUNT", "1000")
+from tokenmill.engine.prestart import openmp_wait_env  # noqa: E402  (light: no torch)
+
+os.environ.update(openmp_wait_env())  # the OpenMP waiting the server's engine process gets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]

@@ -47,8 +47,7 @@ class EngineCore:
                         if cc.kv_offloading_disk_dir else "")
         self.scheduler = Scheduler(config, num_blocks, connector)
         # Priority policy: a better-ranked arrival cuts a long step short (step/interrupt.py); offer() each one.
-        self.step_interrupt = (self.executor.step_interrupt if config.scheduler.scheduling_policy == "priority"
-                               and connector is None else None)
+        self.step_interrupt = self.executor.step_interrupt if connector is None else None
         layout = self.scheduler.kv_layout
         if layout.frees_blocks or layout.one_group_reason:  # a model with sliding-window layers
             logger.info("KV groups: %s", layout.describe())

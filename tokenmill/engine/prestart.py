@@ -18,16 +18,22 @@ ENGINE_PROCESS_NAME = "tokenmill-engine"
 ENGINE_SPINCOUNT = "1000"  # libgomp's spin before a waiting thread sleeps (its default is 300000)
 
 
+def openmp_wait_env() -> dict[str, str]:
+    """How the engine's OpenMP threads wait at a barrier: a short spin (GOMP_SPINCOUNT iterations, tens of
+    microseconds), then sleep. Spinning without end stalls the engine ~10x whenever another process (the API
+    process, serving HTTP) takes a core from it; sleeping at once (OMP_WAIT_POLICY=PASSIVE) puts a futex wake-up
+    in every parallel region, hundreds per decode step: the default model's single-stream decode ran at 43 tok/s
+    served that way, 115-148 with this spin, on a 2-core EPYC (and 124 -> 132 tok/s at 64 streams). The variables
+    to add to the environment: none where the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT (theirs wins). Benchmarks
+    that compare the server with an in-process engine give the latter the same."""
+    user = any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    return {} if user else {"GOMP_SPINCOUNT": ENGINE_SPINCOUNT}
+
+
 @contextlib.contextmanager
 def engine_env():
-    """Environment the engine process starts with: OpenMP threads that wait at a barrier spin for a short while
-    (GOMP_SPINCOUNT iterations, tens of microseconds), then sleep. Spinning without end stalls the engine ~10x
-    whenever another process (this one, serving HTTP) takes a core from it; sleeping at once
-    (OMP_WAIT_POLICY=PASSIVE) puts a futex wake-up in every parallel region, hundreds per decode step: the
-    default model's single-stream decode ran at 43 tok/s served that way, 115 with this spin, on a 2-core EPYC
-    (and 124 -> 132 tok/s at 64 streams). A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
-    user = any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-    added = {} if user else {"GOMP_SPINCOUNT": ENGINE_SPINCOUNT}
+    """Environment the engine process starts with (openmp_wait_env)."""
+    added = openmp_wait_env()
     os.environ.update(added)
     try:
         yield

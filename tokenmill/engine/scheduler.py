@@ -68,6 +68,11 @@ from tokenmill.structured import StructuredOutputManager
 logger = logging.getLogger("tokenmill")
 
 
+def _prompt_tokens(req: Request, start: int, n: int) -> int:
+    """How many of the n known tokens from position start are req's prompt tokens."""
+    return max(min(start + n, req.num_prompt_tokens) - start, 0)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, connector: Optional[KVConnectorScheduler] = None) -> None:
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -233,8 +238,7 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None or req.status != RequestStatus.RUNNING:  # aborted during the step
                 continue
-            known = len(s.token_ids) - s.num_spec
-            self.num_prompt_tokens_computed -= max(min(s.start_pos + known, req.num_prompt_tokens) - s.start_pos, 0)
+            self.num_prompt_tokens_computed -= _prompt_tokens(req, s.start_pos, len(s.token_ids) - s.num_spec)
             if s.new:
                 self._readmit(req, s)
                 continue
@@ -285,8 +289,7 @@ class Scheduler:
         for req, n, drafts, new in chosen:
             out.scheduled.append(self._scheduled(req, n, drafts, new, k, out))
             self.in_flight.add(req.request_id)
-            start = req.num_computed_tokens
-            self.num_prompt_tokens_computed += max(min(start + n, req.num_prompt_tokens) - start, 0)
+            self.num_prompt_tokens_computed += _prompt_tokens(req, req.num_computed_tokens, n)
             req.num_computed_tokens += n + len(drafts)
             self.drafts.pop(req.request_id, None)
             out.num_batched_tokens += n + len(drafts)

@@ -43,7 +43,8 @@ def _startup_phases(worker) -> list:
 
 
 class Executor:
-    # The interrupt of the model's steps (step/interrupt.py), where the model runs in this process; else None.
+    # The interrupt of the model's steps (step/interrupt.py), where the model runs in this process under
+    # --scheduling-policy priority; else None.
     step_interrupt: Optional[StepInterrupt] = None
 
     def __init__(self, config: EngineConfig) -> None:

@@ -12,7 +12,8 @@ from tokenmill.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.step_interrupt = StepInterrupt()
+        # --scheduling-policy priority: a better-ranked arrival may cut a step short (step/interrupt.py)
+        self.step_interrupt = StepInterrupt() if config.scheduler.scheduling_policy == "priority" else None
         self.worker = Worker(config, step_interrupt=self.step_interrupt)
 
     def collective_rpc(self, method: Method, args: tuple = (), kwargs: dict | None = None) -> list:
