@@ -3,7 +3,10 @@
 Each C path is tested on this machine: the library as the engine builds it (-march=native: AVX-512 VNNI here,
 AVX2 on AVX2-only CI machines), and two more builds of the same source with -march=x86-64-v3 (AVX2/FMA/F16C,
 no AVX-512: vpmaddubsw + vpmaddwd, the byte-shuffle bit expansion) and -march=x86-64 (SSE2 only: the scalar
-decoders and dot products, fp16 converted in software).
+decoders and dot products, fp16 converted in software). Where TOKENMILL_SIMDE_DIR names a checkout of SIMDe
+(github.com/simd-everywhere/simde; header-only, not a dependency), a fourth build runs the AVX-512 VNNI paths on
+any AVX2 CPU: the source's __AVX512*__ tests are renamed to macros the build defines, and SIMDe's portable
+_mm512_*/VNNI functions stand in for the instructions (AVX512_BF16 stays off: SIMDe lacks it).
 
 Tolerance (derived, not fitted). gg_linear quantizes each block j of a row of x to int8 with scale
 dx_j = max|x|/127, rounding to nearest, so each activation moves by at most dx_j / 2; the blocks are 32 values
@@ -24,6 +27,7 @@ output each round to bf16 (relative 2^-9): E_bf16 = 2^-7 * |x| @ |W|^T + 2^-8 |y
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import shutil
 import subprocess
@@ -100,11 +104,12 @@ def column_blocks(*parts: ggml.Part) -> torch.Tensor:
     return torch.cat([torch.full((p.data.shape[0],), act_block(p.type)) for p in parts])
 
 
-def kernel_call(layer: ggml.BlockLinear, fn, x: torch.Tensor) -> torch.Tensor:
-    """y from one of the C kernels (gg_linear, gg_linear_precise) called directly on float32 x."""
+def kernel_call(layer: ggml.BlockLinear, fn, x: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    """y from one of the C kernels (gg_linear, gg_linear_precise) called directly on float32 x (threads: torch's
+    count unless given; one thread runs the columns in tiles of 16, the 512-bit x8 kernels' two groups)."""
     y = torch.empty(x.shape[0], layer.N)
     fn(x.data_ptr(), x.shape[0], ctypes.addressof(layer.c_parts), len(layer.parts), layer.N, layer.K, None,
-       y.data_ptr(), torch.get_num_threads())
+       y.data_ptr(), threads or torch.get_num_threads())
     return y
 
 
@@ -134,8 +139,9 @@ def check_routes(layer: ggml.BlockLinear, lib, w: torch.Tensor, cols: torch.Tens
         if M > MAX_ROWS:
             check(layer(x, None), x, w, cols, route="tiles")
             continue
-        check(kernel_call(layer, lib.gg_linear, x), x, w, cols, route="int")
-        check(kernel_call(layer, lib.gg_linear_precise, x), x, w, cols, route="precise")
+        for threads in (1, 0):
+            check(kernel_call(layer, lib.gg_linear, x, threads), x, w, cols, route="int")
+            check(kernel_call(layer, lib.gg_linear_precise, x, threads), x, w, cols, route="precise")
         check(layer(x, None), x, w, cols, route="precise")
 
 
@@ -151,21 +157,48 @@ def _variant(march: str, tmp_dir) -> ctypes.CDLL:
     return ggml.typed(ctypes.CDLL(str(out)))
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64"])
+def _avx512_emulated(tmp_dir) -> ctypes.CDLL:
+    """ggml.c's AVX-512 VNNI/BW/VL paths on an AVX2 CPU, SIMDe emulating the 512-bit and VNNI instructions."""
+    simde, cc = os.environ.get("TOKENMILL_SIMDE_DIR"), shutil.which("cc") or shutil.which("gcc")
+    if not simde or cc is None or platform.machine() not in ("x86_64", "AMD64") or " avx2" not in _cpu_flags():
+        pytest.skip("set TOKENMILL_SIMDE_DIR to a SIMDe checkout (needs an AVX2 CPU and a C compiler)")
+    with open(ggml.SOURCE) as f:
+        src = f.read().replace("__AVX512", "EMU_AVX512")
+    head, tail = src.split("#include <immintrin.h>\n#endif\n", 1)
+    emulated = tmp_dir / "ggml_emulated.c"
+    emulated.write_text(head + "#include <immintrin.h>\n#endif\n#define SIMDE_ENABLE_NATIVE_ALIASES\n"
+                        "#include <simde/x86/avx512.h>\n" + tail)
+    out = tmp_dir / "ggml-avx512-emulated.so"
+    defines = [f"-DEMU_AVX512{f}__" for f in ("F", "BW", "VL", "VNNI")]
+    cmd = [cc, "-O1", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", f"-I{simde}",
+           f"-I{os.path.dirname(ggml.SOURCE)}", *defines, "-o", str(out), str(emulated), "-lm"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ggml.typed(ctypes.CDLL(str(out)))
+
+
+def _cpu_flags() -> str:
+    with open("/proc/cpuinfo") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64", "avx512-emulated"])
 def lib(request, tmp_path_factory):
     if request.param == "native":
         native = ggml.load()
         if native is None:
             pytest.skip("ggml library unavailable")
         return native
+    if request.param == "avx512-emulated":
+        built = _avx512_emulated(tmp_path_factory.mktemp("ggml"))
+        assert ggml.isa(built) == "avx512-vnni"
+        return built
     built = _variant(request.param, tmp_path_factory.mktemp("ggml"))
     assert ggml.isa(built) == {"x86-64-v3": "avx2", "x86-64": "scalar"}[request.param]
     return built
 
 
 def test_native_build_uses_the_best_path():
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
+    flags = _cpu_flags()
     expected = "avx512-vnni" if " avx512_vnni" in flags and " avx512vl" in flags else (
         "avx-vnni" if " avx_vnni" in flags else "avx2" if " avx2" in flags else "scalar")
     assert ggml.isa() == expected
