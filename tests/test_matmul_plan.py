@@ -247,3 +247,20 @@ def test_dtype_auto_rule_as_serve_help_states_it():
     parser = argparse.ArgumentParser()
     config.EngineConfig.add_cli_args(parser)
     assert " ".join(config.DTYPE_AUTO_RULE.split()) in " ".join(parser.format_help().split())
+
+
+def test_dtype_auto_is_bfloat16_for_a_gguf_served_in_its_blocks(monkeypatch):
+    """Its block kernels run, not the float matmuls the race would time: bfloat16 (int8 activations, as
+    llama.cpp's) on any CPU, unmeasured; the same shapes from another checkpoint still follow the CPU's rule."""
+    from types import SimpleNamespace
+
+    from tokenmill.models import resolution
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(resolution, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(cpu_linear, "measured_dtype", lambda shapes, prior: (prior, "kept (stub race)"))
+    native = SimpleNamespace(tokenmill_gguf_file="/models/m.gguf", **shape)
+    assert resolution.resolve_dtype("auto", None, "cpu", native) == torch.bfloat16
+    assert resolution.resolve_dtype("auto", None, "cpu", SimpleNamespace(**shape)) == torch.float32
+    assert resolution.resolve_dtype("float32", None, "cpu", native) == torch.float32
+    assert "GGUF served in its own block types" in config.DTYPE_AUTO_RULE

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: `tokenmill --help` must
 
 logger = logging.getLogger("tokenmill")
 
-DTYPE_AUTO_RULE = ("on a CPU: bfloat16 where it has native bf16 dot products (AVX512_BF16 or AMX), else "
+DTYPE_AUTO_RULE = ("on a CPU: bfloat16 for a GGUF served in its own block types (--gguf-weights native); "
+                   "otherwise bfloat16 where the CPU has native bf16 dot products (AVX512_BF16 or AMX), else "
                    "float32, unless the other is at least 1.1x faster for the model's layer shapes in both the "
                    "best and the median of interleaved timing pairs, in each of two separate rounds")
 

@@ -159,11 +159,20 @@ def _linear_shapes(hf_config: Any) -> list[tuple[int, int]]:
 
 def _cpu_auto_dtype(hf_config: Any) -> "torch.dtype":
     """config.DTYPE_AUTO_RULE: the CPU's features decide; a measurement overturns them only clearly and repeatedly
-    (matmul_plan.choose_dtype). A timing race alone picked a different dtype on a busy first start (issue 29)."""
+    (matmul_plan.choose_dtype). A timing race alone picked a different dtype on a busy first start (issue 29).
+    A GGUF served in its own blocks takes bfloat16 unmeasured: the float matmuls timed here are not what runs.
+    Its block kernels quantize bf16 activations to int8 per block (llama.cpp's precision); float32 ones get a
+    second int8 pass on the residual, which costs nothing in single-stream decode but twice the integer work
+    where it is compute-bound (2-core AVX2 EPYC, float32 -> bfloat16: batched decode at 32 sequences
+    1.7x, single-stream decode and prefill about the same)."""
     import torch
 
     from tokenmill.layers import cpu_linear, matmul_plan  # import torch: only a cold start measures the dtype
 
+    if getattr(hf_config, "tokenmill_gguf_file", None):  # a GGUF served in its own blocks (models/gguf.py)
+        logger.info("--dtype auto: bfloat16 (a GGUF served in its own block types: int8 activations in its "
+                    "linear layers, as llama.cpp's; --dtype float32 adds a residual pass for ~16-bit ones)")
+        return torch.bfloat16
     native = cpu_has_native_bf16()
     prior = torch.bfloat16 if native else torch.float32
     because = f"this CPU {'has' if native else 'lacks'} native bf16 dot products (AVX512_BF16/AMX)"

@@ -30,7 +30,7 @@ from tokenmill.host import cache_root, cpu_key
 
 logger = logging.getLogger("tokenmill")
 
-FORMAT = 1
+FORMAT = 2  # bump when a record's meaning changes (2: --dtype auto is bfloat16 for a GGUF served natively)
 _FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
           "chat_template.json", "modules.json", "sentence_bert_config.json")
