@@ -57,7 +57,10 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(LinearBase):
     """logits = x W^T over the vocabulary, W's rows split as the embedding's. A linear layer like the others,
-    so a quant_method can quantize it."""
+    so a quant_method can quantize it. float_logits: a method whose kernel computes in float32 (ggml blocks)
+    returns the logits so, not rounded to the model dtype first."""
+
+    float_logits = True
 
     def __init__(self, hidden_size: int, vocab_size: int, dtype: torch.dtype, quant_method=None) -> None:
         tp = tp_size()

@@ -230,19 +230,22 @@ class BlockLinear:
         """The C kernel for x in `dtype`: float32 models take the ~16-bit activations of gg_linear_precise."""
         return self.lib.gg_linear_precise if dtype == torch.float32 else self.lib.gg_linear
 
-    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor], float_out: bool = False) -> torch.Tensor:
+        """y in x's dtype, or float32 with float_out (logits: the kernels compute in float32, and rounding them
+        to bf16 turns near ties into ties)."""
         K, N = self.K, self.N
         rows = x.numel() // K
         if self.lib is None:
-            return self._torch(x, bias)
-        if rows > self.row_limit(x.dtype) and not batch_invariant.enabled():
-            return self._tiled(x, bias)
-        x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-        b = bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
-        y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
-        self.kernel(x.dtype)(x2.data_ptr(), rows, self._addr, len(self.parts), N, K, None if b is None else b.data_ptr(),
-               y.data_ptr(), torch.get_num_threads())
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+            y = self._torch(x, bias)
+        elif rows > self.row_limit(x.dtype) and not batch_invariant.enabled():
+            y = self._tiled(x, bias)
+        else:
+            x2 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+            b = bias if bias is None or bias.dtype == torch.float32 else bias.float().contiguous()
+            y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+            self.kernel(x.dtype)(x2.data_ptr(), rows, self._addr, len(self.parts), N, K,
+                                 None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y.float() if float_out else y.to(x.dtype)
 
     def _tiled(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """Prefill rows: dequantized weight tiles times x with torch's GEMM, tile by tile into y's columns."""
@@ -264,12 +267,12 @@ class BlockLinear:
             col += rows
         if bias is not None:
             y += bias.to(dt)
-        return y.reshape(*x.shape[:-1], N).to(x.dtype)
+        return y.reshape(*x.shape[:-1], N)
 
     def _torch(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         _warn_once("ggml kernels unavailable: GGUF block layers run as dequantized float weights (slow)")
         w = torch.cat([_reference_dequantize(p, self.K, None) for p in self.parts])
-        return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+        return F.linear(x.float(), w, None if bias is None else bias.float())
 
 
 def repacked(part: Part, K: int, lib=None) -> Part:

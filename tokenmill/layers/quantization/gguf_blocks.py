@@ -114,7 +114,7 @@ class BlockLinearMethod:
         self.block_linear = _bind([p for parts in self.parts for p in parts], layer.in_features)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return self.block_linear(x, bias)
+        return self.block_linear(x, bias, float_out=getattr(layer, "float_logits", False))
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The float32 weight the parts stand for (tests, the quality report)."""
