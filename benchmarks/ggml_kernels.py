@@ -107,7 +107,7 @@ def crossover(type_id: int, args, rng) -> None:
     layer = ggml.BlockLinear(parts, K, max_rows=1 << 30)
     tiled = ggml.BlockLinear(layer.parts, K, max_rows=0)
     cells = []
-    for M in (8, 16, 24, 32, 48, 64, 96, 128):
+    for M in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512):
         x = torch.randn(M, K).to(torch.bfloat16 if args.bf16 else torch.float32)
         t_int = best_seconds(lambda: layer(x, None), args.reps)
         t_tile = best_seconds(lambda: tiled(x, None), args.reps)

@@ -309,11 +309,14 @@ def test_row_limits_follow_the_measured_crossovers():
     def part(type_id):
         return ggml.Part(type_id, torch.zeros(2, ggml.row_bytes(type_id, 256), dtype=torch.uint8))
 
-    q4k, mixed = ggml.bind([part(ggml.Q4_K)], 256), ggml.bind([part(ggml.Q4_K), part(ggml.Q8_0)], 256)
-    if cpu_has_native_bf16():
-        assert (q4k.max_rows, mixed.max_rows) == (32, 16)
-    else:
-        assert (q4k.max_rows, mixed.max_rows) == (96, 64)
+    q6k, mixed = ggml.bind([part(ggml.Q6_K)], 256), ggml.bind([part(ggml.Q6_K), part(ggml.IQ4_NL)], 256)
+    if cpu_has_native_bf16():  # bf16 x against bf16 tiles
+        assert (q6k.max_rows, mixed.max_rows) == (32, 16)
+    else:  # bf16 x (int8 activations) against float32 tiles
+        assert (q6k.max_rows, mixed.max_rows) == (192, 32)
+    q4k = ggml.bind([part(ggml.Q4_K)], 256)
+    assert (q4k.row_limit(torch.float32), mixed.row_limit(torch.float32)) == (96, 64)  # float32 x: two passes
+    assert q6k.row_limit(torch.bfloat16) == q6k.max_rows
     assert ggml.BlockLinear([part(ggml.Q8_0)], 256, max_rows=5).max_rows == 5
 
 

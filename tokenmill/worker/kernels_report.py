@@ -60,7 +60,7 @@ def report(model, kv_caches: list[torch.Tensor], device: str, kv_layout=None) ->
     kernels = {"attention": attention,
                "linear": _linear(model, fallbacks), "matmul_plan": _matmul_plan(model),
                "norm_act_rope": _fused(device, dtype),
-               "decoder_stack": stack, "block_types": _block_types(model, fallbacks),
+               "decoder_stack": stack, "block_types": _block_types(model, dtype, fallbacks),
                "kv_groups": kv_layout.describe() if kv_layout is not None else "1 group", "libraries": libraries,
                "fallbacks": fallbacks}
     if stack_fallback is not None:
@@ -123,24 +123,26 @@ def _block_linears(model) -> list:
     return [b for b in found if b is not None and hasattr(b, "parts")]
 
 
-def _block_types(model, fallbacks: list[str]) -> dict[str, str]:
+def _block_types(model, dtype: torch.dtype, fallbacks: list[str]) -> dict[str, str]:
     """ggml type name -> its kernel, e.g. "avx512-vnni int8 dot (1-32 rows); bf16 tiles + torch GEMM (more)"."""
     linears = _block_linears(model)
     if not linears:
         return {}
     types = sorted({p.type for b in linears for p in b.parts})
     isa = ggml.isa()
-    # a type's row limit: the smallest of the layers holding it (a merged layer takes its parts' smallest)
-    rows = {t: min(b.max_rows for b in linears if any(p.type == t for p in b.parts)) for t in types}
+    # a type's row limit for x in the model's dtype: the smallest of the layers holding it (a merged layer takes
+    # its parts' smallest); past any step's rows, "all rows"
+    limit = {t: min(b.row_limit(dtype) for b in linears if any(p.type == t for p in b.parts)) for t in types}
+    rows = {t: f"1-{n} rows" if n < ggml.NO_ROW_LIMIT else "all rows" for t, n in limit.items()}
     if isa == "torch":
         fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
         return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
     tiles = "bf16" if cpu_has_native_bf16() else "f32"
     # keyed by the file's type; an x8 layout (rows repacked 8 at a time) says so in its kernel
     return {ggml.TYPE_NAMES[ggml.BASE_TYPE.get(t, t)]: (
-        f"float dot (1-{rows[t]} rows)" if t in ggml.FLOAT_TYPES else
-        f"{isa} int8 dot{', rows repacked 8 at a time' if t in ggml.BASE_TYPE else ''} (1-{rows[t]} rows)")
-        + f"; {tiles} tiles + torch GEMM (more)" for t in types}
+        f"float dot ({rows[t]})" if t in ggml.FLOAT_TYPES else
+        f"{isa} int8 dot{', rows repacked 8 at a time' if t in ggml.BASE_TYPE else ''} ({rows[t]})")
+        + (f"; {tiles} tiles + torch GEMM (more)" if limit[t] < ggml.NO_ROW_LIMIT else "") for t in types}
 
 
 def _linear_path(layer) -> str:

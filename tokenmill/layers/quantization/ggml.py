@@ -68,7 +68,7 @@ FLOAT_TYPES = (F32, F16, BF16)
 #     Q4_K                    11.30/14.59  15.18/17.47  22.60/22.79  30.21/28.01
 #     Q6_K                    11.82/14.54  15.74/17.38  23.28/22.80  30.95/28.10
 # A merged layer takes the smallest limit of its parts' types; the types not listed were not measured and take
-# the default. AVX2-only CPUs (no native bf16) use the float32 figures, not measured there.
+# the default. bf16 x on a CPU without native bf16 takes the third table below.
 MAX_ROWS_BF16 = 16
 MAX_ROWS_F32 = 64
 _MAX_ROWS_BF16 = {Q4_0: 24, Q4_1: 24, Q5_0: 24, IQ4_XS: 24, Q2_K: 32, Q3_K: 32, Q4_K: 32, Q5_K: 32, Q6_K: 32}
@@ -87,6 +87,26 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 # the x8 kernels' measured speed-up (1.4-1.6x; Q4_K 1.3-1.5x), rounded down.
 _MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40})
 _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64})
+# bf16 x where the CPU lacks native bf16 (the tiles are float32, the integer kernel runs int8 activations: not
+# the float32 row's two passes), AVX2-only AMD EPYC, N=8960 K=1536 (a 1.5B's MLP), 2 threads, ms integer / tiled:
+#              M=64         M=128        M=192        M=256        M=512
+#   Q4_0x8     6.92/31.73   14.89/38.45  20.71/57.14  33.01/57.73  58.50/88.84
+#   Q4_1x8     6.30/18.94   13.60/29.67  19.88/38.44  27.15/48.39  53.99/91.03
+#   Q5_0x8     6.86/19.71   14.55/32.74  21.72/40.94  28.37/49.65  56.69/88.62
+#   Q5_1x8     6.92/20.79   13.75/30.59  20.86/39.74  29.01/50.42  59.58/92.05
+#   Q8_0x8     9.10/20.27   17.99/30.62  26.64/39.95  34.42/52.55  69.02/96.14
+#   Q4_Kx8    12.05/20.00   18.65/29.60  21.91/42.69  29.33/48.47  63.30/89.00
+#   Q2_K      10.78/15.44   22.16/26.07  33.78/36.51  55.41/54.65 120.42/103.05
+#   Q3_K      16.20/17.28   33.74/29.99  (M=96 24.73/23.69)
+#   Q5_K      12.25/14.58   25.16/26.32  38.19/34.63
+#   Q6_K      12.19/16.01   23.31/25.10  34.37/35.89  47.63/43.90  99.28/100.23
+#   IQ4_XS    14.29/14.47   29.29/26.35  (IQ4_NL M=32 9.64/9.88, M=48 14.71/12.48)
+# The x8 layouts win at every count measured (1.4-1.7x at 512): they take prefill too (a step's rows are at most
+# --max-num-batched-tokens).
+NO_ROW_LIMIT = 1 << 20  # more rows than any step holds
+MAX_ROWS_INT8_F32_TILES = 32
+_MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: 192, IQ4_XS: 64, IQ4_NL: 32,
+                            **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE}}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 
 
@@ -212,10 +232,13 @@ class BlockLinear:
         self.parts, self.K = list(parts), K
         self.N = sum(p.data.shape[0] for p in parts)
         self._tile_bf16 = cpu_has_native_bf16()
-        # max_rows: for 16-bit x (bf16 tiles where the CPU has native bf16); float32 x has its own crossover
-        f32 = min([_MAX_ROWS_F32.get(p.type, MAX_ROWS_F32) for p in parts], default=MAX_ROWS_F32)
-        bf16 = min([_MAX_ROWS_BF16.get(p.type, MAX_ROWS_BF16) for p in parts], default=MAX_ROWS_BF16)
-        self.max_rows = max_rows if max_rows is not None else bf16 if self._tile_bf16 else f32
+        # max_rows: for 16-bit x (against bf16 tiles where the CPU has native bf16, else float32 ones); float32 x
+        # (two integer passes) has its own crossover
+        limit = lambda table, default: min([table.get(p.type, default) for p in parts], default=default)  # noqa: E731
+        f32 = limit(_MAX_ROWS_F32, MAX_ROWS_F32)
+        bf16 = (limit(_MAX_ROWS_BF16, MAX_ROWS_BF16) if self._tile_bf16
+                else limit(_MAX_ROWS_INT8_F32_TILES, MAX_ROWS_INT8_F32_TILES))
+        self.max_rows = max_rows if max_rows is not None else bf16
         self._max_rows_f32 = max_rows if max_rows is not None else f32
         self.lib = lib or load()
         self.c_parts = (_CPart * len(parts))(*[
