@@ -53,10 +53,12 @@ typedef struct {
     const uint8_t *w;
 } gg_part_t;
 
+#define RMAX 8 /* the most rows of x per pass over a weight row */
 #if defined(__AVX512F__)
-#define RMAX 8 /* rows of x per pass over a weight row: accumulators fit the 32 vector registers */
-#else
-#define RMAX 4
+#define RMAX_WIDE 8
+#else /* the x8 and float kernels keep two or three accumulators per row: at 8 rows they spill AVX2's 16
+       * registers (F16 0.7x at 32 rows), where the per-row quantized kernels gain (Q6_K 1.23x, Q3_K 1.18x) */
+#define RMAX_WIDE 4
 #endif
 
 static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -823,8 +825,8 @@ AI void store_rows(const int R, const float *res, float *y, int64_t ldy, float b
                            const float *bias, int pairs) { \
         for (int64_t i = 0; i < n; i++) { \
             float res[RMAX]; \
-            DOT(T, R == 8 && RMAX < 8 ? 1 : R, w + i * stride, a, res); \
-            store_rows(R == 8 && RMAX < 8 ? 1 : R, res, y + i, ldy, bias ? bias[i] : 0.0f, pairs); \
+            DOT(T, R, w + i * stride, a, res); \
+            store_rows(R, res, y + i, ldy, bias ? bias[i] : 0.0f, pairs); \
         } \
     }
 #define KERNELS(DOT, T, NAME) ROWS(DOT, T, NAME, 1) ROWS(DOT, T, NAME, 2) ROWS(DOT, T, NAME, 4) ROWS(DOT, T, NAME, 8)
@@ -1061,7 +1063,7 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
 #define ROWS_X8(T, NAME, R, DOT) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
-        enum { RR = R == 8 && RMAX < 8 ? 1 : R }; \
+        enum { RR = R > RMAX_WIDE ? 1 : R }; /* (run_columns never asks for more) */ \
         float res[16 * RMAX]; \
         int64_t i = 0; \
         for (; X16 && i + 16 <= n; i += 16) { \
@@ -1260,7 +1262,8 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
             const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
             for (int64_t m = 0; m < M;) {
                 const int64_t left = M - m;
-                const int R = left >= RMAX ? RMAX : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+                const int rmax = is_x8(parts[p].type) || is_float(parts[p].type) ? RMAX_WIDE : RMAX;
+                const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K};
                 float *out = y + (pairs ? m / 2 : m) * N + n;
                 pick(parts[p].type, R)(w, parts[p].row_stride, count, &am, out, N, bias ? bias + n : NULL, pairs);
