@@ -167,12 +167,12 @@ def _cpu_auto_dtype(hf_config: Any) -> "torch.dtype":
     1.7x, single-stream decode and prefill about the same)."""
     import torch
 
-    from tokenmill.layers import cpu_linear, matmul_plan  # import torch: only a cold start measures the dtype
-
     if getattr(hf_config, "tokenmill_gguf_file", None):  # a GGUF served in its own blocks (models/gguf.py)
         logger.info("--dtype auto: bfloat16 (a GGUF served in its own block types: int8 activations in its "
                     "linear layers, as llama.cpp's; --dtype float32 adds a residual pass for ~16-bit ones)")
         return torch.bfloat16
+    from tokenmill.layers import cpu_linear, matmul_plan  # import torch: only a cold start measures the dtype
+
     native = cpu_has_native_bf16()
     prior = torch.bfloat16 if native else torch.float32
     because = f"this CPU {'has' if native else 'lacks'} native bf16 dot products (AVX512_BF16/AMX)"

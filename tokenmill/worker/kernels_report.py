@@ -137,7 +137,7 @@ def _block_types(model, dtype: torch.dtype, fallbacks: list[str]) -> dict[str, s
     if isa == "torch":
         fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
         return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
-    tiles = "bf16" if cpu_has_native_bf16() else "f32"
+    tiles = "bf16" if cpu_has_native_bf16() and dtype != torch.float32 else "f32"  # as BlockLinear._tiled
     # keyed by the file's type; an x8 layout (rows repacked 8 at a time) says so in its kernel
     return {ggml.TYPE_NAMES[ggml.BASE_TYPE.get(t, t)]: (
         f"float dot ({rows[t]})" if t in ggml.FLOAT_TYPES else

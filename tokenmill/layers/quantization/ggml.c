@@ -1257,12 +1257,12 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
         const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
+        const int rmax = is_x8(parts[p].type) || is_float(parts[p].type) ? RMAX_WIDE : RMAX; /* rows per pass */
         for (int64_t n = lo; n < hi; n += NTILE) {
             const int64_t count = hi - n < NTILE ? hi - n : NTILE;
             const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
             for (int64_t m = 0; m < M;) {
                 const int64_t left = M - m;
-                const int rmax = is_x8(parts[p].type) || is_float(parts[p].type) ? RMAX_WIDE : RMAX;
                 const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
                 const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K};
                 float *out = y + (pairs ? m / 2 : m) * N + n;

@@ -222,6 +222,11 @@ def _tile_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
+def _row_limit(parts: list[Part], table: dict[int, int], default: int) -> int:
+    """A merged layer's row limit: the smallest of its parts' types' (those not in the table take the default)."""
+    return min([table.get(p.type, default) for p in parts], default=default)
+
+
 class BlockLinear:
     """y = x @ W^T (+ bias) over ggml parts; built once per layer by `bind`. max_rows: the most rows of x the
     integer kernel serves (the one-call decoder stack reads it); c_parts: the gg_part_t array it passes."""
@@ -234,10 +239,9 @@ class BlockLinear:
         self._tile_bf16 = cpu_has_native_bf16()
         # max_rows: for 16-bit x (against bf16 tiles where the CPU has native bf16, else float32 ones); float32 x
         # (two integer passes) has its own crossover
-        limit = lambda table, default: min([table.get(p.type, default) for p in parts], default=default)  # noqa: E731
-        f32 = limit(_MAX_ROWS_F32, MAX_ROWS_F32)
-        bf16 = (limit(_MAX_ROWS_BF16, MAX_ROWS_BF16) if self._tile_bf16
-                else limit(_MAX_ROWS_INT8_F32_TILES, MAX_ROWS_INT8_F32_TILES))
+        f32 = _row_limit(parts, _MAX_ROWS_F32, MAX_ROWS_F32)
+        bf16 = (_row_limit(parts, _MAX_ROWS_BF16, MAX_ROWS_BF16) if self._tile_bf16
+                else _row_limit(parts, _MAX_ROWS_INT8_F32_TILES, MAX_ROWS_INT8_F32_TILES))
         self.max_rows = max_rows if max_rows is not None else bf16
         self._max_rows_f32 = max_rows if max_rows is not None else f32
         self.lib = lib or load()
