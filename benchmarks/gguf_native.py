@@ -23,8 +23,8 @@ interleaved file by file (tokenmill, llama.cpp, tokenmill, ...). Per file:
   untied embedding one row, a tied one whole, as the LM head) over the copy bandwidth measured here
   (tokenmill.perf.hardware.copy_bandwidth: 512 MiB tensor copy, 2 threads, read + write) gives a tok/s
   ceiling; tokenmill's decode from an empty context (decode_d0: weights only, no KV to read) / ceiling.
-Targets (issue 30): decode >= 1.0x llama.cpp, prefill >= 1.2x, batched@32 >= 1.5x, RSS <= 1.3x llama-bench's,
-disk <= 1.1x the file, roofline >= 80%.
+Targets (issue 30): decode >= 1.0x llama.cpp (at both depths), prefill >= 1.2x, batched@32 >= 1.5x, RSS <= 1.3x
+llama-bench's, disk <= 1.1x the file, roofline >= 80%.
 
 Files: "default" = the default model's own Q4_1 GGUF; "0.5b-q4_0" ... "1.5b-q4_k_m" = Qwen2-shaped models with
 random weights (benchmarks/make_gguf.py writes them once into --dir; its docstring says how they are laid out).
