@@ -3,6 +3,9 @@
  * -march=native), bf16 <-> fp32 with torch's rounding, a fixed-order horizontal sum and a vector exp. */
 #pragma once
 #include <math.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -33,12 +36,18 @@ static inline v8f load8(const float *p) { /* unaligned */
 }
 
 static inline v8f load8_bf16(const uint16_t *p) {
+#if defined(__AVX2__)
+    /* one 256-bit widening load: GCC builds the generic form below from two 128-bit halves and an insert */
+    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    return (v8f)_mm256_castsi256_ps(u);
+#else
     v8u16 h;
     memcpy(&h, p, sizeof h);
     v8u32 u = __builtin_convertvector(h, v8u32) << 16;
     v8f f;
     memcpy(&f, &u, sizeof f);
     return f;
+#endif
 }
 
 static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
