@@ -112,3 +112,30 @@ def test_checkpoint_kv_scales_are_loaded(tiny, tmp_path):
     assert attn.kv_quant.scale[1].tolist() == [0.25] * attn.num_kv_heads
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def _rss_anon_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("RssAnon")).split()[1])
+
+
+def test_kv_pool_is_zero_and_costs_memory_only_as_it_fills():
+    """zeroed_tensors (the KV cache's layer slots, the target's and a draft model's): views of one allocation,
+    all zeros; a large pool is not touched up front, though each of its 32 layers alone (3 MiB) is below the
+    size at which a lone torch.empty comes zeroed from the kernel."""
+    from tokenmill.layers.cpu_memory import LAZY_ZERO_BYTES, zeroed_tensors
+
+    shapes = [(2, 2, 3 * 2**20 // 16, 2)] * 32  # 32 x 3 MiB of float32
+    assert 32 * 3 * 2**20 >= LAZY_ZERO_BYTES
+    before = _rss_anon_kib()
+    pool = zeroed_tensors(shapes, torch.float32, "cpu")
+    grown = _rss_anon_kib() - before
+    assert grown < 16 * 1024, f"the pool's allocation touched {grown} KiB of its 96 MiB"
+    assert [t.shape for t in pool] == [torch.Size(s) for s in shapes]
+    assert len({t._base.data_ptr() for t in pool}) == 1
+    for t in pool[::7]:  # reads of untouched pages see zeros
+        assert t[:, :, ::4096].abs().sum().item() == 0
+    pool[3].fill_(1.0)  # each view is its own slot
+    assert pool[2].abs().sum().item() == 0 and pool[4].abs().sum().item() == 0
+    small = zeroed_tensors([(4, 8), (3,)], torch.bfloat16, "cpu")
+    assert all(t.dtype == torch.bfloat16 and not t.any() for t in small) and [t.shape for t in small] == [(4, 8), (3,)]

@@ -11,12 +11,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 
 import torch
 
 logger = logging.getLogger("tokenmill")
 
 _HUGE = 2 * 2**20
+# Above glibc's largest mmap threshold (32 MiB on 64-bit), so an allocation this large is always a fresh
+# anonymous mapping: zero pages the kernel hands out one by one as they are first touched.
+LAZY_ZERO_BYTES = 64 * 2**20
 _MADV_HUGEPAGE, _MADV_PAGEOUT = 14, 21  # Linux
 _PAGE = 4096
 _libc = None
@@ -74,5 +78,24 @@ def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         dst = buf[offset:offset + nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t)
         out.append(dst)
+        offset += size
+    return out
+
+
+def zeroed_tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Zero-filled tensors of these shapes, views into one allocation (a KV cache's layer slots). On CPU, when
+    that allocation is large (LAZY_ZERO_BYTES), it is a torch.empty: the kernel zeroes its pages as they are
+    first touched, so the pool costs memory only as blocks fill (torch.zeros would touch all of it up front:
+    seconds for GiBs, and the whole budget in the resident set from the start); under huge pages where the
+    system allows them. Per-layer allocations would each fall below the threshold on a model of many layers."""
+    sizes = [math.prod(shape) for shape in shapes]
+    total = sum(sizes)
+    lazy = torch.device(device).type == "cpu" and total * dtype.itemsize >= LAZY_ZERO_BYTES
+    flat = (torch.empty if lazy else torch.zeros)(total, dtype=dtype, device=device)
+    if lazy:
+        advise_huge_pages(flat)  # before the first write, so the pages come huge
+    out, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(flat[offset:offset + size].view(shape))
         offset += size
     return out

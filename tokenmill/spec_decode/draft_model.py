@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.models.flat_batch import block_table_array, flat_batch
+from tokenmill.layers.cpu_memory import zeroed_tensors
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")
@@ -44,11 +45,8 @@ class KVDrafter(Proposer):
         return self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim * elem
 
     def initialize_cache(self, num_blocks: int) -> None:
-        shapes = self.kv_cache_shapes(num_blocks)
-        nbytes = sum(int(np.prod(s)) for s in shapes) * torch.tensor([], dtype=self.dtype).element_size()
-        # As the target's cache: a large CPU torch.empty is lazily zeroed by the kernel (finite values).
-        alloc = torch.empty if self.device.type == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
-        self.kv_caches = [alloc(s, dtype=self.dtype, device=self.device) for s in shapes]
+        # zeros (finite values under masked reads), as the target's cache: one allocation, touched as it fills
+        self.kv_caches = zeroed_tensors(self.kv_cache_shapes(num_blocks), self.dtype, self.device)
 
     def _flat(self, tokens: list[list[int]], starts: list[int], block_ids: list[list[int]]):
         qlens = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))

@@ -14,7 +14,7 @@ from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.attention import cpu_kernels, get_attention_backend
 from tokenmill.layers.attention.kv_quant import KVCacheQuant
-from tokenmill.layers.cpu_memory import advise_huge_pages
+from tokenmill.layers.cpu_memory import zeroed_tensors
 from tokenmill.models.loader import load_model
 from tokenmill.models.resolution import gguf_weights_for, resolve_model_path
 from tokenmill.spec_decode import make_proposer
@@ -139,19 +139,14 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         shape = self.kv_shape(num_blocks)
-        dtype = self.kv_dtype
-        # Never-written slots are read (masked) by attention, so they must hold finite values. On CPU a large
-        # torch.empty is a fresh anonymous mmap, which the kernel hands out zeroed page by page as it is first
-        # touched; torch.zeros would instead touch all 4 GiB up front (seconds of start-up).
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        alloc = torch.empty if self.device == "cpu" and nbytes >= 64 * 2**20 else torch.zeros
         if not getattr(self.model, "uses_kv_cache", True):  # an encoder: the scheduler's blocks are bookkeeping
-            shape, alloc = (0,), torch.empty
+            shape = (0,)
+        # Never-written slots are read (masked) by attention, so they must hold finite values: zeros, touched
+        # only as blocks fill where the pool is large (zeroed_tensors)
         layer_slots = self._layer_slots()
-        slots = {slot: alloc(shape, dtype=dtype, device=self.device) for slot in sorted(set(layer_slots))}
+        slot_ids = sorted(set(layer_slots))
+        slots = dict(zip(slot_ids, zeroed_tensors([shape] * len(slot_ids), self.kv_dtype, self.device)))
         self.runner.kv_caches = [slots[slot] for slot in layer_slots]
-        for kv in slots.values():
-            advise_huge_pages(kv)  # CPU only; before the first write, so the pages come huge
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
         self.kernels = kernels_report.report(self.model, self.runner.kv_caches, self.device, self.kv_layout)
