@@ -121,8 +121,8 @@ def _rss_anon_kib() -> int:
 
 def test_kv_pool_is_zero_and_costs_memory_only_as_it_fills():
     """zeroed_tensors (the KV cache's layer slots, the target's and a draft model's): views of one allocation,
-    all zeros; a large pool is not touched up front, though each of its 32 layers alone (3 MiB) is below the
-    size at which a lone torch.empty comes zeroed from the kernel."""
+    all zeros, even where the allocator hands out memory that held other data; a large pool is not touched up
+    front."""
     from tokenmill.layers.cpu_memory import LAZY_ZERO_BYTES, zeroed_tensors
 
     shapes = [(2, 2, 3 * 2**20 // 16, 2)] * 32  # 32 x 3 MiB of float32
@@ -139,3 +139,18 @@ def test_kv_pool_is_zero_and_costs_memory_only_as_it_fills():
     assert pool[2].abs().sum().item() == 0 and pool[4].abs().sum().item() == 0
     small = zeroed_tensors([(4, 8), (3,)], torch.bfloat16, "cpu")
     assert all(t.dtype == torch.bfloat16 and not t.any() for t in small) and [t.shape for t in small] == [(4, 8), (3,)]
+
+
+def test_lazy_zero_zeroes_memory_that_held_data_and_gives_its_pages_back():
+    """lazy_zero, under zeroed_tensors: a large torch.empty can be heap memory that held other data (seen in a
+    full suite run), so the pool's pages are dropped, not assumed fresh; the partial pages at an unaligned
+    view's ends are zeroed in place and nothing outside it changes."""
+    from tokenmill.layers.cpu_memory import lazy_zero
+
+    base = torch.full((3 * 2**25 + 8,), -7.0)  # 96 MiB, touched
+    before = _rss_anon_kib()
+    inner = base[3:-5]  # not page-aligned at either end
+    assert lazy_zero(inner)
+    assert before - _rss_anon_kib() > 64 * 1024, "the dropped pages are still resident"
+    assert inner.abs().sum().item() == 0
+    assert base[:3].eq(-7.0).all() and base[-5:].eq(-7.0).all()

@@ -18,9 +18,8 @@ import torch
 logger = logging.getLogger("tokenmill")
 
 _HUGE = 2 * 2**20
-# Above glibc's largest mmap threshold (32 MiB on 64-bit), so an allocation this large is always a fresh
-# anonymous mapping: zero pages the kernel hands out one by one as they are first touched.
-LAZY_ZERO_BYTES = 64 * 2**20
+_MADV_DONTNEED = 4
+LAZY_ZERO_BYTES = 2 * 2**20  # a pool at least this large is zeroed by the kernel as it is touched (zeroed_tensors)
 _MADV_HUGEPAGE, _MADV_PAGEOUT = 14, 21  # Linux
 _PAGE = 4096
 _libc = None
@@ -83,19 +82,37 @@ def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def zeroed_tensors(shapes: list[tuple[int, ...]], dtype: torch.dtype, device) -> list[torch.Tensor]:
-    """Zero-filled tensors of these shapes, views into one allocation (a KV cache's layer slots). On CPU, when
-    that allocation is large (LAZY_ZERO_BYTES), it is a torch.empty: the kernel zeroes its pages as they are
-    first touched, so the pool costs memory only as blocks fill (torch.zeros would touch all of it up front:
-    seconds for GiBs, and the whole budget in the resident set from the start); under huge pages where the
-    system allows them. Per-layer allocations would each fall below the threshold on a model of many layers."""
+    """Zero-filled tensors of these shapes, views into one allocation (a KV cache's layer slots). On CPU a large
+    pool is zeroed lazily (lazy_zero): it costs memory only as its blocks fill, where torch.zeros would touch
+    all of it up front (seconds for GiBs, and the whole budget resident from the start); under huge pages where
+    the system allows them."""
     sizes = [math.prod(shape) for shape in shapes]
     total = sum(sizes)
-    lazy = torch.device(device).type == "cpu" and total * dtype.itemsize >= LAZY_ZERO_BYTES
-    flat = (torch.empty if lazy else torch.zeros)(total, dtype=dtype, device=device)
-    if lazy:
+    flat = torch.empty(total, dtype=dtype, device=device)
+    if flat.device.type == "cpu" and total * dtype.itemsize >= LAZY_ZERO_BYTES and lazy_zero(flat):
         advise_huge_pages(flat)  # before the first write, so the pages come huge
+    else:
+        flat.zero_()
     out, offset = [], 0
     for shape, size in zip(shapes, sizes):
         out.append(flat[offset:offset + size].view(shape))
         offset += size
     return out
+
+
+def lazy_zero(t: torch.Tensor) -> bool:
+    """Zero a contiguous CPU tensor without touching it: its whole pages are dropped (MADV_DONTNEED: private
+    anonymous memory reads as zeros afterwards, each page faulted in fresh when first touched), the partial
+    pages at its ends zeroed in place. Whatever the allocator handed out (a fresh mapping, or heap memory that
+    once held other data: a large torch.empty is not always the former). False where madvise is unavailable."""
+    libc = _libc_madvise()
+    if libc is None or t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    raw = t.view(-1).view(torch.uint8)
+    start = t.data_ptr()
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + raw.numel()) // _PAGE * _PAGE
+    if hi <= lo or libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
+        return False
+    raw[:lo - start].zero_()
+    raw[hi - start:].zero_()
+    return True
