@@ -12,30 +12,36 @@ import ctypes
 import ctypes.util
 import logging
 import math
+from typing import Optional
 
 import torch
 
 logger = logging.getLogger("tokenmill")
 
 _HUGE = 2 * 2**20
-_MADV_DONTNEED = 4
-LAZY_ZERO_BYTES = 2 * 2**20  # a pool at least this large is zeroed by the kernel as it is touched (zeroed_tensors)
-_MADV_HUGEPAGE, _MADV_PAGEOUT = 14, 21  # Linux
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_PAGEOUT = 4, 14, 21  # Linux
 _PAGE = 4096
+LAZY_ZERO_BYTES = 2 * 2**20  # a pool at least this large is zeroed by the kernel as it is touched (zeroed_tensors)
 _libc = None
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for huge pages under the whole 2 MiB-aligned pages inside t's storage (CPU, Linux); True if taken."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < 2 * _HUGE:
+    if t.numel() * t.element_size() < 2 * _HUGE:
         return False
+    return _madvise_inside(t, _HUGE, _MADV_HUGEPAGE) is not None
+
+
+def _madvise_inside(t: torch.Tensor, page: int, advice: int) -> Optional[tuple[int, int]]:
+    """madvise(advice) over the whole `page`-sized pages inside t's bytes (CPU, Linux): their address range
+    [lo, hi), or None where nothing was advised."""
     libc = _libc_madvise()
-    if libc is None:
-        return False
+    if libc is None or t.device.type != "cpu":
+        return None
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    lo, hi = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
-    return hi > lo and libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+    lo, hi = -(-start // page) * page, end // page * page
+    return (lo, hi) if hi > lo and libc.madvise(lo, hi - lo, advice) == 0 else None
 
 
 def _libc_madvise():
@@ -53,13 +59,7 @@ def page_out(t: torch.Tensor) -> bool:
     """Reclaim the whole 4 KiB pages inside t's bytes (MADV_PAGEOUT, Linux 5.4+): for a view of a mapped file
     that was copied (repacked weights), its pages leave this process's resident set and a later read faults them
     back in from the file. Never loses data: anonymous memory would go to swap, or stay where there is none."""
-    libc = _libc_madvise()
-    if libc is None or t.device.type != "cpu":
-        return False
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
-    return hi > lo and libc.madvise(lo, hi - lo, _MADV_PAGEOUT) == 0
+    return _madvise_inside(t, _PAGE, _MADV_PAGEOUT) is not None
 
 
 def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,14 +105,11 @@ def lazy_zero(t: torch.Tensor) -> bool:
     anonymous memory reads as zeros afterwards, each page faulted in fresh when first touched), the partial
     pages at its ends zeroed in place. Whatever the allocator handed out (a fresh mapping, or heap memory that
     once held other data: a large torch.empty is not always the former). False where madvise is unavailable."""
-    libc = _libc_madvise()
-    if libc is None or t.device.type != "cpu" or not t.is_contiguous():
+    pages = _madvise_inside(t, _PAGE, _MADV_DONTNEED) if t.is_contiguous() else None
+    if pages is None:
         return False
-    raw = t.view(-1).view(torch.uint8)
-    start = t.data_ptr()
-    lo, hi = -(-start // _PAGE) * _PAGE, (start + raw.numel()) // _PAGE * _PAGE
-    if hi <= lo or libc.madvise(lo, hi - lo, _MADV_DONTNEED) != 0:
-        return False
+    lo, hi = pages
+    raw, start = t.view(-1).view(torch.uint8), t.data_ptr()
     raw[:lo - start].zero_()
     raw[hi - start:].zero_()
     return True

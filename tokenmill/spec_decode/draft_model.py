@@ -18,9 +18,9 @@ import logging
 import numpy as np
 import torch
 
+from tokenmill.layers.cpu_memory import zeroed_tensors
 from tokenmill.spec_decode import DraftBatch, DraftRequest, Proposer
 from tokenmill.models.flat_batch import block_table_array, flat_batch
-from tokenmill.layers.cpu_memory import zeroed_tensors
 from tokenmill.models.loader import load_model
 
 logger = logging.getLogger("tokenmill")
