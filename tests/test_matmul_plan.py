@@ -113,10 +113,15 @@ def test_measured_choices_are_cached_and_dropped_when_cpu_or_kernels_change(own_
 def test_kernel_identity_follows_the_kernel_sources(monkeypatch, tmp_path):
     before = matmul_plan.kernel_identity()
     for name in matmul_plan._SOURCES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(os.path.join(os.path.dirname(matmul_plan.__file__), name), tmp_path / name)
-    (tmp_path / "skinny_linear.c").write_text((tmp_path / "skinny_linear.c").read_text() + "\n/* v2 */\n")
     monkeypatch.setattr(matmul_plan, "__file__", str(tmp_path / "matmul_plan.py"))
-    assert matmul_plan.kernel_identity() != before
+    assert matmul_plan.kernel_identity() == before
+    seen = {before}
+    for name in ("skinny_linear.c", "quantization/ggml.c"):  # the panel kernel's, the block kernels'
+        (tmp_path / name).write_text((tmp_path / name).read_text() + "\n/* v2 */\n")
+        seen.add(matmul_plan.kernel_identity())
+    assert len(seen) == 3
 
 
 def test_dtype_auto_measures_when_the_checkpoint_names_none(caplog):
@@ -264,3 +269,62 @@ def test_dtype_auto_is_bfloat16_for_a_gguf_served_in_its_blocks(monkeypatch):
     assert resolution.resolve_dtype("auto", None, "cpu", SimpleNamespace(**shape)) == torch.float32
     assert resolution.resolve_dtype("float32", None, "cpu", native) == torch.float32
     assert "GGUF served in its own block types" in config.DTYPE_AUTO_RULE
+
+
+def _fake_race(outcomes):
+    """_race stand-in: outcomes[rows] = (integer ms, tiles ms); the rows raced, in order, into `raced`."""
+    raced = []
+
+    def race(a, b):  # the runners are not called
+        rows = matmul_plan.BLOCK_PROBES[len(raced)]
+        raced.append(rows)
+        i, t = outcomes[rows]
+        return i, t, i / t
+    return race, raced
+
+
+@pytest.mark.parametrize("prior, outcomes, expected", [
+    (40, {16: (1, 3), 64: (2, 3), 256: (9, 5)}, 64),           # held up to 64, lost at 256: 64
+    (100, {16: (1, 3), 64: (2, 3), 256: (9, 5)}, 100),         # the prior stands between the probes
+    (32, {16: (3, 1)}, 15),                                    # lost at the first probe: under it
+    (40, {16: (1, 3), 64: (2, 3), 256: (9, 9.5), 1024: (30, 31)}, 1 << 20),  # a tie is the integer kernel's
+])
+def test_block_row_limit_walks_the_probes(prior, outcomes, expected, monkeypatch):
+    race, raced = _fake_race(outcomes)
+    monkeypatch.setattr(matmul_plan, "_race", race)
+    args = (prior, 1.0, None, None, lambda rows: None, 1 << 20)
+    assert matmul_plan.block_row_limit("ggml test", *args) == expected
+    assert raced == sorted(outcomes)  # stops at the first loss
+    raced.clear()
+    matmul_plan._Cache._instance = None  # a new process: the limit is read back, nothing raced
+    assert matmul_plan.block_row_limit("ggml test", *args) == expected and not raced
+    monkeypatch.setenv(matmul_plan.ENV, "panel")  # a forced path keeps the tables
+    assert matmul_plan.block_row_limit("ggml other", *args) == prior and not raced
+
+
+def test_block_row_limit_skips_probes_too_costly_to_time(monkeypatch):
+    race, raced = _fake_race({16: (1, 3), 64: (2, 3)})
+    monkeypatch.setattr(matmul_plan, "_race", race)
+    flop_per_row = matmul_plan.MAX_FLOP / 100  # 64 rows fit, 256 do not
+    assert matmul_plan.block_row_limit("ggml big", 40, flop_per_row, None, None, lambda r: None, 1 << 20) == 64
+    assert raced == [16, 64]
+
+
+def test_gguf_block_layer_measures_its_row_limit_once(monkeypatch):
+    """ggml.bind with the activations' dtype races the integer kernel against the tiles (the real kernels) and
+    binds the layer at the limit it cached."""
+    from tokenmill.layers.quantization import ggml
+    if not ggml.available():
+        pytest.skip("no ggml kernels")
+    K, N = 256, 64
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (N, K // 32, 18), dtype=torch.uint8, generator=g)
+    raw[..., :2] = (torch.rand(N, K // 32, generator=g) * 0.01).half().view(torch.uint8).reshape(N, K // 32, 2)
+    layer = ggml.bind([ggml.Part(ggml.Q4_0, raw.reshape(N, -1))], K, dtype=torch.bfloat16)
+    entries = matmul_plan._Cache.get().blocks
+    key = next(k for k in entries if k.startswith("ggml ") and f" {N}x{K} bfloat16 " in k)
+    assert layer.row_limit(torch.bfloat16) == entries[key]["limit"] >= 15
+    assert set(entries[key]["times"]) <= set(matmul_plan.BLOCK_PROBES)
+    x = torch.randn(300, K).to(torch.bfloat16)
+    assert torch.allclose(layer(x, None).float(), ggml.bind(layer.parts, K, repack=False)(x, None).float(),
+                          rtol=0.05, atol=0.05 * 8)

@@ -17,6 +17,11 @@ panel kernel (its order is what makes a row's result independent of the batch), 
 TOKENMILL_MATMUL=panel|torch forces one path for every non-decode class (A/B runs, tests); the default,
 "measure", times them.
 
+ggml block layers (quantization/ggml.py) have the same two kinds of path: the integer kernel on the blocks, and
+dequantized weight tiles + torch's GEMM. Their crossover moves far between CPUs (Q4_K x8 with bf16 x: ~40 rows
+on one AVX-512 CPU, ~250 on another), so `block_row_limit` measures it per (types, shape, dtype, threads) at
+BLOCK_PROBES rows, the tables in ggml.py being the prior; forcing a path (above) keeps the tables.
+
 `choose_dtype` serves `--dtype auto` on a checkpoint that names no dtype. The CPU decides first: bfloat16
 where it has native bf16 dot products (AVX512_BF16 or AMX), float32 elsewhere. A measurement may overturn
 that prior, but only clearly and repeatedly: the model's own layer shapes (each on its planned path) run in
@@ -54,7 +59,8 @@ DTYPE_ROUNDS = 2       # separate rounds of PAIRS in which a measured dtype must
 MAX_FLOP = 8e9         # a single timed run above this (a large LM head at 1024 rows) is not worth it
 ENV = "TOKENMILL_MATMUL"
 CLASSES = ("batched", "prefill")
-_SOURCES = ("skinny_linear.c", "cpu_vec.h")
+_SOURCES = ("skinny_linear.c", "cpu_vec.h", "quantization/ggml.c")
+BLOCK_PROBES = (16, 64, 256, 1024)  # rows at which a block layer's integer kernel and tiles are timed
 
 
 class MatmulPlan(NamedTuple):
@@ -119,6 +125,36 @@ def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tens
     plan = MatmulPlan(choice["batched"], choice["prefill"], times)
     cache.store(key, plan)
     return plan
+
+
+def block_row_limit(key: str, prior: int, flop_per_row: float, run_int: Callable[[torch.Tensor], object],
+                    run_tiles: Callable[[torch.Tensor], object], make_x: Callable[[int], torch.Tensor],
+                    unlimited: int) -> int:
+    """The most rows of x a ggml block layer's integer kernel serves, tiles above (key: what the layer is, prior:
+    its tables' limit). BLOCK_PROBES are timed in rising order (_race) until the tiles win by MARGIN, in the best
+    times and the median pair: the limit rises to each probe the integer kernel held (`unlimited` past the last)
+    and stops under the first it lost, never below the prior there (rows between probes keep the tables'
+    word). A probe above MAX_FLOP ends the walk. Cached per CPU with the plans."""
+    if forced_path() is not None:
+        return prior
+    cache = _Cache.get()
+    cached = cache.block_limit(key)
+    if cached is not None:
+        return cached
+    limit, times = prior, {}
+    for rows in BLOCK_PROBES:
+        if rows * flop_per_row > MAX_FLOP:
+            break
+        x = make_x(rows)
+        with torch.no_grad():
+            int_ms, tiles_ms, ratio = _race(lambda: run_int(x), lambda: run_tiles(x))
+        times[rows] = [round(int_ms, 4), round(tiles_ms, 4)]
+        if ratio > MARGIN and tiles_ms * MARGIN < int_ms:
+            limit = min(limit, rows - 1)
+            break
+        limit = max(limit, unlimited if rows == BLOCK_PROBES[-1] else rows)
+    cache.store_block_limit(key, limit, times)
+    return limit
 
 
 def _model_pass(dtype: torch.dtype, shapes: list[tuple[int, int]],
@@ -261,7 +297,7 @@ def cpu_identity() -> str:
 
 
 def kernel_identity() -> str:
-    """A hash of the panel kernel's sources and torch's version: either changing invalidates every choice."""
+    """A hash of the panel and block kernels' sources and torch's version: any changing invalidates every choice."""
     h = hashlib.sha256(torch.__version__.encode())
     here = os.path.dirname(__file__)
     for name in _SOURCES:
@@ -272,19 +308,21 @@ def kernel_identity() -> str:
 
 class _Cache:
     """matmul_plans.json: {"cpu", "kernels", "plans": {key: {"batched", "prefill", "times"}}, "dtypes": {key:
-    [dtype, why]}}, one per process."""
+    [dtype, why]}, "blocks": {key: {"limit", "times"}}}, one per process."""
     _instance: Optional["_Cache"] = None
 
     def __init__(self, path: str) -> None:
         self.path, self.identity = path, {"cpu": cpu_identity(), "kernels": kernel_identity()}
         self.plans: dict = {}
         self.dtypes: dict = {}
+        self.blocks: dict = {}
         try:
             with open(path) as f:
                 data = json.load(f)
             if all(data.get(k) == v for k, v in self.identity.items()):
                 self.plans, self.dtypes = data.get("plans", {}), data.get("dtypes", {})
                 self.dtypes = self.dtypes if isinstance(self.dtypes, dict) else {}
+                self.blocks = data.get("blocks", {}) if isinstance(data.get("blocks"), dict) else {}
             else:
                 logger.info("matmul plans: the CPU or the kernels changed since %s was written; measuring again",
                             path)
@@ -311,6 +349,15 @@ class _Cache:
             return None
         return entry[0], str(entry[1])
 
+    def block_limit(self, key: str) -> Optional[int]:
+        entry = self.blocks.get(key)
+        limit = entry.get("limit") if isinstance(entry, dict) else None
+        return limit if isinstance(limit, int) and limit >= 0 else None
+
+    def store_block_limit(self, key: str, limit: int, times: dict) -> None:
+        self.blocks[key] = {"limit": limit, "times": times}
+        self._write()
+
     def store_dtype(self, key: str, dtype: str, why: str) -> None:
         self.dtypes[key] = [dtype, why]
         self._write()
@@ -324,7 +371,8 @@ class _Cache:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".json")
             with os.fdopen(fd, "w") as f:
-                json.dump({**self.identity, "plans": self.plans, "dtypes": self.dtypes}, f, indent=1, sort_keys=True)
+                json.dump({**self.identity, "plans": self.plans, "dtypes": self.dtypes, "blocks": self.blocks}, f,
+                          indent=1, sort_keys=True)
             os.replace(tmp, self.path)  # atomic: concurrent engines never read half a file
         except OSError as e:
             logger.warning("matmul plans not cached (%s); they will be measured again next start", e)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.host import cpu_has_native_bf16
-from tokenmill.layers import batch_invariant
+from tokenmill.layers import batch_invariant, matmul_plan
 from tokenmill.layers.cpu_build import VEC_HEADER, load_library
 
 logger = logging.getLogger("tokenmill")
@@ -352,9 +352,20 @@ def unpacked(part: Part, K: int) -> Part:
     return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
 
 
-def bind(parts: list[Part], K: int, lib=None, repack: bool = True) -> BlockLinear:
+def bind(parts: list[Part], K: int, lib=None, repack: bool = True, dtype: Optional[torch.dtype] = None) -> BlockLinear:
     """The bound linear over these parts (their tensors must outlive it: it keeps them). repack: REPACKABLE parts
-    run from x8 copies (`repacked`; the caller drops its own tensor if nothing else reads it)."""
+    run from x8 copies (`repacked`; the caller drops its own tensor if nothing else reads it). dtype: the dtype x
+    will have, whose row limit (integer kernel up to it, tiles above) is then measured on this CPU
+    (matmul_plan.block_row_limit, the tables the prior); without it the tables' limits hold."""
     if repack:
         parts = [repacked(p, K, lib) for p in parts]
-    return BlockLinear(parts, K, lib)
+    layer = BlockLinear(parts, K, lib)
+    if dtype is None or layer.lib is None or batch_invariant.enabled():
+        return layer
+    int_only, tiles_only = BlockLinear(parts, K, lib, max_rows=NO_ROW_LIMIT), BlockLinear(parts, K, lib, max_rows=0)
+    key = f"ggml {'+'.join(TYPE_NAMES[p.type] for p in parts)} {layer.N}x{K} {str(dtype).removeprefix('torch.')} " \
+          f"t{torch.get_num_threads()}"
+    limit = matmul_plan.block_row_limit(
+        key, layer.row_limit(dtype), 2.0 * layer.N * K, lambda x: int_only(x, None), lambda x: tiles_only(x, None),
+        lambda rows: torch.randn(rows, K).to(dtype), NO_ROW_LIMIT)
+    return BlockLinear(parts, K, lib, max_rows=limit)

@@ -66,10 +66,11 @@ def _zero_rows(rows: int, K: int) -> ggml.Part:
     return ggml.Part(FLOAT_TYPES[torch.float32], torch.zeros(rows, 4 * K, dtype=torch.uint8))
 
 
-def _bind(parts: list[ggml.Part], K: int) -> ggml.BlockLinear:
-    """ggml.bind over views of the mapped file; the views it ran from repacked copies of leave the resident set
-    (their pages fault back in from the file should a lookup or a dequantized_weight read them)."""
-    bound = ggml.bind(parts, K)
+def _bind(parts: list[ggml.Part], K: int, dtype: Optional[torch.dtype] = None) -> ggml.BlockLinear:
+    """ggml.bind over views of the mapped file (dtype: measure the layer's row limit for x in it); the views it
+    ran from repacked copies of leave the resident set (their pages fault back in from the file should a lookup or
+    a dequantized_weight read them)."""
+    bound = ggml.bind(parts, K, dtype=dtype)
     for p, q in zip(parts, bound.parts):
         if q is not p:
             page_out(p.data)
@@ -84,10 +85,11 @@ class BlockLinearMethod:
     def __init__(self, tied_to: Optional["BlockEmbedding"] = None) -> None:
         self.tied_to = tied_to
         self.parts: list[Optional[list[ggml.Part]]] = []
+        self.dtype: Optional[torch.dtype] = None  # the activations' (the model's) dtype
         self.block_linear: Optional[ggml.BlockLinear] = None  # bound once the parts are loaded
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        self.parts = [None] * len(sharding_of(layer).local_sizes)
+        self.parts, self.dtype = [None] * len(sharding_of(layer).local_sizes), dtype
         if self.tied_to is not None:
             layer.weight = self.tied_to.weight
             return
@@ -111,7 +113,7 @@ class BlockLinearMethod:
             self.parts = [self.tied_to.head_parts(layer.out_features)]
         if any(p is None for p in self.parts):
             raise ValueError("a GGUF linear layer is missing one of its merged projections")
-        self.block_linear = _bind([p for parts in self.parts for p in parts], layer.in_features)
+        self.block_linear = _bind([p for parts in self.parts for p in parts], layer.in_features, self.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.block_linear(x, bias, float_out=getattr(layer, "float_logits", False))
