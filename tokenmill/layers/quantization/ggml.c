@@ -404,10 +404,11 @@ AI float hsum256(__m256 v) {
 }
 #endif
 
-/* Weight bytes [p + PREFETCH_AHEAD, + n) on their way into L1, for the kernels' decode forms (1-4 rows of x, a
- * single pass streaming the weights from memory). On an AVX-512 AMD EPYC the hardware prefetchers alone left
- * them at 37-42 GB/s where this, 4 KiB ahead, gave 44-49 (2 threads, one or two rows of x: Q4_K/Q4_0/Q5_0 x8
- * +10-22%, Q6_K +11%; 2-9 KiB ahead alike; no change at 4-8 rows). Prefetches never fault. */
+/* Weight bytes [p + PREFETCH_AHEAD, + n) on their way into L1, ahead of a kernel's pass over them (the x8 kernels'
+ * one-group form, which the passes that stream weights from memory take; the per-row K-quant kernel). On an
+ * AVX-512 AMD EPYC the hardware prefetchers alone left decode (1-2 rows of x) at 37-42 GB/s where this, 4 KiB
+ * ahead, gave 44-49 (2 threads: Q4_K/Q4_0/Q5_0 x8 +10-22%, Q6_K +11%; 2-9 KiB ahead alike), 8 rows of x
+ * +9-14% (x8), the per-row Q6_K at 16-32 rows +13-16%; nothing slower. Prefetches never fault. */
 #define PREFETCH_AHEAD 4096
 AI void prefetch_ahead(const uint8_t *p, int n) {
     for (int o = 0; o < n; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o, 0, 3);
@@ -675,7 +676,7 @@ AI void dot_k(const int t, const int R, const uint8_t *w, const act_t *a, float 
     for (int r = 0; r < R; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * tbytes(t);
-        if (R <= 4) prefetch_ahead(b, tbytes(t));
+        prefetch_ahead(b, tbytes(t));
         kvec_t h;
         dec_kvec(t, b, &h);
         const __m256i *T = h.T;
@@ -929,7 +930,7 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
             const uint8_t *g = w + j * gb;                                                                     \
-            if (GROUPS == 1 && R <= 4) prefetch_ahead(g, gb);                                                  \
+            if (GROUPS == 1) prefetch_ahead(g, gb);                                                  \
             __m##W##i s0[RMAX], s1[RMAX], p[RMAX]; /* two chains per row of x; p: int16 pair sums (no VNNI) */  \
             for (int r = 0; r < R; r++) s0[r] = s1[r] = p[r] = z;                                              \
             const __m##W##i q = is_q5(base) ? ld_##W(g + x8_heads(base), next) : z;                            \
@@ -1029,7 +1030,7 @@ X8K_CHUNK(512)
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * 8 * 144;                                                                \
-            if (GROUPS == 1 && R <= 4) prefetch_ahead(g, 8 * 144);                                              \
+            if (GROUPS == 1) prefetch_ahead(g, 8 * 144);                                              \
             const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
             __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
             for (int h = 0; h < 2; h++) {                                                                       \
