@@ -287,12 +287,13 @@ def _fake_race(outcomes):
     (40, {16: (1, 3), 64: (2, 3), 256: (9, 5)}, 64),           # held up to 64, lost at 256: 64
     (100, {16: (1, 3), 64: (2, 3), 256: (9, 5)}, 100),         # the prior stands between the probes
     (32, {16: (3, 1)}, 15),                                    # lost at the first probe: under it
-    (40, {16: (1, 3), 64: (2, 3), 256: (9, 9.5), 1024: (30, 31)}, 1 << 20),  # a tie is the integer kernel's
+    (40, {16: (1, 3), 64: (2, 3), 256: (9, 9.5)}, 256),        # a tie is the integer kernel's
+    (1 << 20, {16: (1, 3), 64: (2, 3), 256: (9, 9.5)}, 1 << 20),  # past the last probe the prior stands
 ])
 def test_block_row_limit_walks_the_probes(prior, outcomes, expected, monkeypatch):
     race, raced = _fake_race(outcomes)
     monkeypatch.setattr(matmul_plan, "_race", race)
-    args = (prior, 1.0, None, None, lambda rows: None, 1 << 20)
+    args = (prior, 1.0, None, None, lambda rows: None)
     assert matmul_plan.block_row_limit("ggml test", *args) == expected
     assert raced == sorted(outcomes)  # stops at the first loss
     raced.clear()
@@ -306,7 +307,7 @@ def test_block_row_limit_skips_probes_too_costly_to_time(monkeypatch):
     race, raced = _fake_race({16: (1, 3), 64: (2, 3)})
     monkeypatch.setattr(matmul_plan, "_race", race)
     flop_per_row = matmul_plan.MAX_FLOP / 100  # 64 rows fit, 256 do not
-    assert matmul_plan.block_row_limit("ggml big", 40, flop_per_row, None, None, lambda r: None, 1 << 20) == 64
+    assert matmul_plan.block_row_limit("ggml big", 40, flop_per_row, None, None, lambda r: None) == 64
     assert raced == [16, 64]
 
 

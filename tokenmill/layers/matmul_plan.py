@@ -60,7 +60,9 @@ MAX_FLOP = 8e9         # a single timed run above this (a large LM head at 1024 
 ENV = "TOKENMILL_MATMUL"
 CLASSES = ("batched", "prefill")
 _SOURCES = ("skinny_linear.c", "cpu_vec.h", "quantization/ggml.c")
-BLOCK_PROBES = (16, 64, 256, 1024)  # rows at which a block layer's integer kernel and tiles are timed
+# rows at which a block layer's integer kernel and tiles are timed: batched steps. Not prefill's: timed alone at 512
+# and 1024 rows the integer kernel won on a 0.5B's layers, and the model's prefill then ran 0.95x as fast
+BLOCK_PROBES = (16, 64, 256)
 
 
 class MatmulPlan(NamedTuple):
@@ -128,13 +130,12 @@ def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tens
 
 
 def block_row_limit(key: str, prior: int, flop_per_row: float, run_int: Callable[[torch.Tensor], object],
-                    run_tiles: Callable[[torch.Tensor], object], make_x: Callable[[int], torch.Tensor],
-                    unlimited: int) -> int:
+                    run_tiles: Callable[[torch.Tensor], object], make_x: Callable[[int], torch.Tensor]) -> int:
     """The most rows of x a ggml block layer's integer kernel serves, tiles above (key: what the layer is, prior:
     its tables' limit). BLOCK_PROBES are timed in rising order (_race) until the tiles win by MARGIN, in the best
-    times and the median pair: the limit rises to each probe the integer kernel held (`unlimited` past the last)
-    and stops under the first it lost, never below the prior there (rows between probes keep the tables'
-    word). A probe above MAX_FLOP ends the walk. Cached per CPU with the plans."""
+    times and the median pair: the limit rises to each probe the integer kernel held and stops under the first
+    it lost, never below the prior there (rows between probes, and past the last, keep the tables' word). A
+    probe above MAX_FLOP ends the walk. Cached per CPU with the plans."""
     if forced_path() is not None:
         return prior
     cache = _Cache.get()
@@ -152,7 +153,7 @@ def block_row_limit(key: str, prior: int, flop_per_row: float, run_int: Callable
         if ratio > MARGIN and tiles_ms * MARGIN < int_ms:
             limit = min(limit, rows - 1)
             break
-        limit = max(limit, unlimited if rows == BLOCK_PROBES[-1] else rows)
+        limit = max(limit, rows)
     cache.store_block_limit(key, limit, times)
     return limit
 

@@ -83,8 +83,15 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 #     Q5_0   M=32 13.34/19.95  M=48 22.11/25.11  M=64 29.56/28.42  M=96 40.80/42.60
 #     Q8_0   M=32 12.94/17.56  M=48 17.00/21.67  M=64 27.13/25.54  M=96 34.69/32.25
 #     Q4_K   M=32 17.60/37.46  M=48 14.00/19.69  M=64 26.66/26.03  M=96 28.28/26.92
-# Their bf16 crossovers were not measured (no native-bf16 CPU at hand): the per-row kernels' (24; Q4_K 32) times
-# the x8 kernels' measured speed-up (1.4-1.6x; Q4_K 1.3-1.5x), rounded down.
+# Their bf16 crossovers were first set from the per-row kernels' (24; Q4_K 32) times the x8 kernels' speed-up
+# (1.4-1.6x; Q4_K 1.3-1.5x), rounded down. On an AVX-512 BF16 AMD EPYC (2026-12-07, N=8960 K=1536, bf16 x, ms
+# integer / tiled) they lie much higher, and the per-row Q6_K's lower:
+#   Q4_Kx8  M=32 1.11/3.05  M=64 2.17/3.95  M=128 4.43/5.74  M=256 9.41/9.31   M=512 20.27/16.47
+#   Q8_0x8  M=32 1.08/4.24  M=64 2.14/5.05  M=128 4.30/6.94  M=256 9.10/10.49  M=512 19.09/17.24
+#   Q5_0x8  M=32 0.81/4.91  M=64 1.95/5.89  M=128 3.30/7.73  M=256 6.84/11.17  M=512 16.08/18.24
+#   Q4_0x8  M=32 0.73/3.54  M=64 1.45/4.41  M=128 2.86/6.21  M=256 6.24/9.70   M=512 13.97/16.56
+#   Q6_K    M=16 1.35/1.81  M=24 2.02/2.02  M=32 2.70/2.28  M=64 5.28/3.09
+# which is why a GGUF layer's limit is measured on the CPU at hand (`bind(..., dtype=)`), these tables its prior.
 _MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40})
 _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64})
 # bf16 x where the CPU lacks native bf16 (the tiles are float32, the integer kernel runs int8 activations: not
@@ -367,5 +374,5 @@ def bind(parts: list[Part], K: int, lib=None, repack: bool = True, dtype: Option
           f"t{torch.get_num_threads()}"
     limit = matmul_plan.block_row_limit(
         key, layer.row_limit(dtype), 2.0 * layer.N * K, lambda x: int_only(x, None), lambda x: tiles_only(x, None),
-        lambda rows: torch.randn(rows, K).to(dtype), NO_ROW_LIMIT)
+        lambda rows: torch.randn(rows, K).to(dtype))
     return BlockLinear(parts, K, lib, max_rows=limit)
