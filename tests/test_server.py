@@ -487,19 +487,25 @@ def test_engine_death_health_503_then_restart():
                                  "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
             assert r.status_code == 200
 
-            # A stream in flight when the engine dies ends with an error event, not a hang.
-            result = {}
+            # A stream in flight when the engine dies ends with an error event, not a hang. The kill follows the
+            # stream's first event (a fixed delay let a fast machine finish all 900 tokens first).
+            result, streaming = {}, threading.Event()
+
+            def lines(r):
+                for line in r.iter_lines():
+                    streaming.set()
+                    yield line
 
             def stream():
                 with httpx.Client(base_url=s.url, timeout=30) as c:
                     with c.stream("POST", "/v1/completions", json={
                             "model": MODEL, "prompt": "Hello", "max_tokens": 900, "ignore_eos": True,
                             "stream": True}) as r:
-                        result["events"] = sse_events(r.iter_lines())
+                        result["events"] = sse_events(lines(r))
 
             t = threading.Thread(target=stream)
             t.start()
-            time.sleep(0.5)
+            assert streaming.wait(30)
             os.kill(s.engine_pid(), signal.SIGKILL)
             t.join(15)
             assert not t.is_alive()
