@@ -42,7 +42,7 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
-    T_Q4_KX8 = 1012
+    T_Q4_KX8 = 1012, T_Q6_KX8 = 1014
 };
 
 typedef struct {
@@ -90,7 +90,7 @@ static inline float f16(const uint8_t *p) {
 AI int tvalues(const int t) {
     switch (t) {
     case T_F32: case T_F16: case T_BF16: return 1;
-    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_KX8: return 256;
+    case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_KX8: case T_Q6_KX8: return 256;
     default: return 32;
     }
 }
@@ -109,7 +109,7 @@ AI int tbytes(const int t) {
     case T_Q3_K: return 110;
     case T_Q4_K: case T_Q4_KX8: return 144;
     case T_Q5_K: return 176;
-    case T_Q6_K: return 210;
+    case T_Q6_K: case T_Q6_KX8: return 210;
     case T_IQ4_XS: return 136;
     default: return 0;
     }
@@ -117,15 +117,18 @@ AI int tbytes(const int t) {
 
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 AI int is_x8(const int t) {
-    return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8 || t == T_Q4_KX8;
+    return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8 || t == T_Q4_KX8 ||
+           t == T_Q6_KX8;
 }
 AI int x8_base(const int t) { return t - 1000; }
 AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
 AI int is_q5(const int t) { return t == T_Q5_0 || t == T_Q5_1; }
-/* an x8 group record of a block (x8_lane): the d (and m or dmin) bytes, then Q5's fifth bits or Q4_K's scales,
- * then the values */
+/* an x8 group record of a block (x8_lane): the d (and m or dmin) bytes, then Q5's fifth bits or the K-quants'
+ * scales, then the values */
 AI int x8_heads(const int base) { return has_min(base) || base == T_Q4_K ? 32 : 16; }
-AI int x8_values(const int base) { return x8_heads(base) + (is_q5(base) ? 32 : base == T_Q4_K ? 96 : 0); }
+AI int x8_values(const int base) {
+    return x8_heads(base) + (is_q5(base) ? 32 : base == T_Q4_K ? 96 : base == T_Q6_K ? 128 : 0);
+}
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
 
 /* integer offset subtracted from u (the dequantized value is a * (u - off) + b) */
@@ -1081,6 +1084,87 @@ X8K_DOT(512, 2)
 #define dot_x8k_512(t, R, w, next, a, res) ((void)0)
 #endif
 
+/* Q6_K rows repacked eight at a time (T_Q6_KX8; x8_lane says the layout): a 16-value group's eight int8 scales
+ * come out of a scale chunk as int32 lanes with two shifts; a value chunk (a nibble of ql with two bits of qh, 6
+ * bits unsigned) meets broadcast activations as in X8_DOT, each group's integer dot scaled per lane; the offset 32
+ * is 32 times the scales against the groups' activation sums (the super-block form of x), as Q4_K's mins. */
+#define X6K_DOT(W, GROUPS)                                                                                      \
+    /* the eight (sixteen) rows' int8 scales of group g (< 16) of the record at rec, as int32 lanes */          \
+    AI __m##W##i x6k_scale_##W(const uint8_t *rec, int64_t next, const int g) {                                \
+        return _mm##W##_srai_epi32(_mm##W##_slli_epi32(ld_##W(rec + 16 + 32 * (g / 4), next), 24 - 8 * (g % 4)), 24); \
+    }                                                                                                           \
+    /* group g (sub-block g / 2: half g / 8, quarter g / 2 % 4 of ggml's ql/qh split) against R rows of x */    \
+    AI void x6k_group_##W(const int R, const uint8_t *rec, int64_t next, const act_t *a, int64_t sb, const int g, \
+                          __m##W##i *isum) {                                                                    \
+        const int h = g / 8, sp = g / 2 % 4;                                                                    \
+        const uint8_t *vals = rec + x8_values(T_Q6_K);                                                          \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), m48 = _mm##W##_set1_epi8(48), z = _mm##W##_setzero_si##W(); \
+        const __m##W##i sc = x6k_scale_##W(rec, next, g);                                                       \
+        __m##W##i part[RMAX];                                                                                   \
+        for (int r = 0; r < R; r++) part[r] = z;                                                                \
+        _Pragma("GCC unroll 4")                                                                                 \
+        for (int c = 4 * (g % 2); c < 4 * (g % 2) + 4; c++) {                                                   \
+            const __m##W##i QL = ld_##W(vals + 32 * (16 * h + 8 * (sp & 1) + c), next);                          \
+            const __m##W##i QH = ld_##W(vals + 32 * (32 + 8 * h + c), next);                                     \
+            /* bits 2sp, 2sp + 1 of each qh byte to bits 4, 5 (16-bit shifts: the mask drops what crosses) */    \
+            const __m##W##i hi = _mm##W##_and_si##W(sp < 2 ? _mm##W##_slli_epi16(QH, 4 - 2 * sp)                \
+                                                           : _mm##W##_srli_epi16(QH, 2 * sp - 4), m48);         \
+            const __m##W##i u = _mm##W##_or_si##W(_mm##W##_and_si##W(sp >> 1 ? _mm##W##_srli_epi16(QL, 4) : QL, m4), hi); \
+            for (int r = 0; r < R; r++) {                                                                       \
+                const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4));                \
+                part[r] = dpbusd_##W(part[r], u, x);                                                            \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++) isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_mullo_epi32(part[r], sc)); \
+    }                                                                                                           \
+    AI void dot_x6k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
+        (void)t;                                                                                                \
+        const __m##W##i z = _mm##W##_setzero_si##W(), lo16 = _mm##W##_set1_epi32(0xffff);                        \
+        __m##W acc[RMAX];                                                                                       \
+        for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
+        for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
+            const uint8_t *rec = w + sb * 8 * 210;                                                              \
+            if (GROUPS == 1) prefetch_ahead(rec, 8 * 210);                                                      \
+            __m##W##i isum[RMAX], msum[RMAX];                                                                   \
+            for (int r = 0; r < R; r++) isum[r] = msum[r] = z;                                                  \
+            if (R == 8) { /* as two halves of four rows (all eight at once spilled registers: 0.75x the per-row \
+                           * kernel at 8 rows, where the halves run 1.1x) */                                     \
+                const act_t a4 = {a->base + 4 * a->stride, a->stride, a->xf + 4 * a->K, a->K, a->wide};         \
+                _Pragma("GCC unroll 16")                                                                        \
+                for (int g = 0; g < 16; g++) {                                                                  \
+                    x6k_group_##W(4, rec, next, a, sb, g, isum);                                                \
+                    x6k_group_##W(4, rec, next, &a4, sb, g, isum + 4);                                          \
+                }                                                                                               \
+            } else { /* unrolled: constant shifts and offsets */                                                \
+                _Pragma("GCC unroll 16")                                                                        \
+                for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
+            }                                                                                                   \
+            for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
+                const __m##W##i pair = _mm##W##_or_si##W(_mm##W##_and_si##W(x6k_scale_##W(rec, next, 2 * s), lo16), \
+                                                         _mm##W##_slli_epi32(x6k_scale_##W(rec, next, 2 * s + 1), 16)); \
+                for (int r = 0; r < R; r++) {                                                                   \
+                    const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
+                    msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
+                }                                                                                               \
+            }                                                                                                   \
+            const __m##W d = f16_##W(rec, next);                                                                \
+            for (int r = 0; r < R; r++) {                                                                       \
+                const __m##W ddx = _mm##W##_mul_ps(d, _mm##W##_set1_ps(act_d256(a, r)[sb]));                    \
+                const __m##W##i dot = _mm##W##_sub_epi32(isum[r], _mm##W##_slli_epi32(msum[r], 5));             \
+                acc[r] = _mm##W##_fmadd_ps(ddx, _mm##W##_cvtepi32_ps(dot), acc[r]);                              \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
+    }
+#if vnni_256 /* without VNNI the x8 form measured 0.92-0.97x the per-row kernel: gg_repack_x8 leaves Q6_K as it is */
+X6K_DOT(256, 1)
+#if X16
+X6K_DOT(512, 2)
+#else
+#define dot_x6k_512(t, R, w, next, a, res) ((void)0)
+#endif
+#endif
+
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
     float col[RMAX];
     for (int r = 0; r < R; r++) col[r] = res[width * r + k];
@@ -1115,6 +1199,9 @@ KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
+#if vnni_256
+KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
+#endif
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1143,6 +1230,9 @@ static dot_fn pick(int type, int R) {
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
+#if vnni_256
+    case T_Q6_KX8: PICK(d_q6_kx8);
+#endif
 #endif
     default: return NULL;
     }
@@ -1467,7 +1557,9 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
  * Q4_K (a record per super-block; x8k_scales): d, then dmin (16 bytes each); the 6-bit scales and mins of
  * sub-block s in bytes 8s + i of 64 (scale's low 4 bits, then min's) and the high 2 bits in byte 8(s % 4) + i
  * of 32 (scale's at bit 2(s / 4), min's at 4 + 2(s / 4)); then 32 chunks: bytes 4i..4i+3 of chunk 8q + c are
- * row i's bytes 32q + 4c.. of its nibbles (low nibbles: values 64q + 4c.., sub-block 2q; high: sub-block 2q + 1). */
+ * row i's bytes 32q + 4c.. of its nibbles (low nibbles: values 64q + 4c.., sub-block 2q; high: sub-block 2q + 1).
+ * Q6_K (a record per super-block): d (16 bytes), then 4 chunks of the int8 scales (bytes 4i..4i+3 of chunk c are
+ * row i's scales 4c..4c+3), then 48 chunks of its ql and qh bytes as they lie (ql's 128, qh's 64), 4 per lane. */
 /* Q4_K's eight 6-bit scales and mins (ggml's 12 bytes at sc12) <-> lane i's bytes of the record's regrouping at o */
 static void x8k_scales(uint8_t *sc12, uint8_t *o, const int i, const int unpack) {
     uint8_t *A = o + 32 + i, *B = o + 96 + i, v[16];
@@ -1508,6 +1600,12 @@ static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const i
     const int two = has_min(base) || base == T_Q4_K; /* d, then m (dmin) */
     const int qh = 2 + 2 * two, qs = base == T_Q4_K ? 16 : qh + (is_q5(base) ? 4 : 0);
 #define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
+    if (base == T_Q6_K) { /* ql, qh, scales, d in the block */
+        MOVE(b + 208, o + 2 * i, 2);
+        for (int c = 0; c < 4; c++) MOVE(b + 192 + 4 * c, o + 16 + 32 * c + 4 * i, 4);
+        for (int c = 0; c < 48; c++) MOVE(b + 4 * c, o + x8_values(base) + 32 * c + 4 * i, 4);
+        return;
+    }
     MOVE(b, o + 2 * i, 2);
     if (two) MOVE(b + 2, o + 16 + 2 * i, 2);
     for (int c = 0; c < (tbytes(base) - qs) / 4; c++) MOVE(b + qs + 4 * c, o + x8_values(base) + 32 * c + 4 * i, 4);
@@ -1543,13 +1641,14 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     }
 }
 
-/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K (row stride src_stride, rows % 8 == 0) into the
+/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K or Q6_K (row stride src_stride, rows % 8 == 0) into the
  * x8 layout at dst (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no
  * x8 kernel (no AVX2) or the type or shape does not fit (nothing written then). */
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,
                      int num_threads) {
 #if defined(__AVX2__)
     if (!is_x8(type + 1000) || rows % 8 || K % tvalues(type)) return -1;
+    if (type == T_Q6_K && !vnni_256) return -1; /* (X6K_DOT) */
     const int tb = tbytes(type);
     const int64_t nb = K / tvalues(type), rb = nb * tb;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
