@@ -1,9 +1,10 @@
 """The ggml block kernels (layers/quantization/ggml.c via ggml.py) against gguf-py's reference dequantization.
 
 Each C path is tested on this machine: the library as the engine builds it (-march=native: AVX-512 VNNI here,
-AVX2 on AVX2-only CI machines), and two more builds of the same source with -march=x86-64-v3 (AVX2/FMA/F16C,
-no AVX-512: vpmaddubsw + vpmaddwd, the byte-shuffle bit expansion) and -march=x86-64 (SSE2 only: the scalar
-decoders and dot products, fp16 converted in software). Where TOKENMILL_SIMDE_DIR names a checkout of SIMDe
+AVX2 on AVX2-only CI machines), and more builds of the same source with -march=x86-64-v3 (AVX2/FMA/F16C,
+no AVX-512: vpmaddubsw + vpmaddwd, the byte-shuffle bit expansion), -march=x86-64 (SSE2 only: the scalar
+decoders and dot products, fp16 converted in software) and, where the CPU has avx_vnni, -march=alderlake
+(256-bit VNNI without AVX-512: the Q6_K x8 kernel's 256-bit form). Where TOKENMILL_SIMDE_DIR names a checkout of SIMDe
 (github.com/simd-everywhere/simde; header-only, not a dependency), a fourth build runs the AVX-512 VNNI paths on
 any AVX2 CPU: the source's __AVX512*__ tests are renamed to macros the build defines, and SIMDe's portable
 _mm512_*/VNNI functions stand in for the instructions (AVX512_BF16 stays off: SIMDe lacks it).
@@ -181,7 +182,7 @@ def _cpu_flags() -> str:
         return f.read()
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64", "avx512-emulated"])
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64", "alderlake", "avx512-emulated"])
 def lib(request, tmp_path_factory):
     if request.param == "native":
         native = ggml.load()
@@ -192,8 +193,10 @@ def lib(request, tmp_path_factory):
         built = _avx512_emulated(tmp_path_factory.mktemp("ggml"))
         assert ggml.isa(built) == "avx512-vnni"
         return built
+    if request.param == "alderlake" and " avx_vnni" not in _cpu_flags():
+        pytest.skip("the 256-bit AVX-VNNI build needs a CPU with avx_vnni")
     built = _variant(request.param, tmp_path_factory.mktemp("ggml"))
-    assert ggml.isa(built) == {"x86-64-v3": "avx2", "x86-64": "scalar"}[request.param]
+    assert ggml.isa(built) == {"x86-64-v3": "avx2", "x86-64": "scalar", "alderlake": "avx-vnni"}[request.param]
     return built
 
 
