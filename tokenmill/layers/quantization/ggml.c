@@ -933,7 +933,7 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
             const uint8_t *g = w + j * gb;                                                                     \
-            if (GROUPS == 1) prefetch_ahead(g, gb);                                                  \
+            if (GROUPS == 1) prefetch_ahead(g, gb);                                                             \
             __m##W##i s0[RMAX], s1[RMAX], p[RMAX]; /* two chains per row of x; p: int16 pair sums (no VNNI) */  \
             for (int r = 0; r < R; r++) s0[r] = s1[r] = p[r] = z;                                              \
             const __m##W##i q = is_q5(base) ? ld_##W(g + x8_heads(base), next) : z;                            \
@@ -1033,7 +1033,7 @@ X8K_CHUNK(512)
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * 8 * 144;                                                                \
-            if (GROUPS == 1) prefetch_ahead(g, 8 * 144);                                              \
+            if (GROUPS == 1) prefetch_ahead(g, 8 * 144);                                                        \
             const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
             __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
             for (int h = 0; h < 2; h++) {                                                                       \
@@ -1156,7 +1156,10 @@ X8K_DOT(512, 2)
         }                                                                                                       \
         for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
     }
-#if vnni_256 /* without VNNI the x8 form measured 0.92-0.97x the per-row kernel: gg_repack_x8 leaves Q6_K as it is */
+/* Q6_K has an x8 kernel only with VNNI: without, the x8 form measured 0.92-0.97x the per-row kernel, and
+ * gg_repack_x8 leaves Q6_K as it is */
+#define HAS_X6K vnni_256
+#if HAS_X6K
 X6K_DOT(256, 1)
 #if X16
 X6K_DOT(512, 2)
@@ -1199,7 +1202,7 @@ KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
-#if vnni_256
+#if HAS_X6K
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
 #endif
 #endif
@@ -1230,7 +1233,7 @@ static dot_fn pick(int type, int R) {
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
-#if vnni_256
+#if HAS_X6K
     case T_Q6_KX8: PICK(d_q6_kx8);
 #endif
 #endif
@@ -1648,7 +1651,7 @@ int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64
                      int num_threads) {
 #if defined(__AVX2__)
     if (!is_x8(type + 1000) || rows % 8 || K % tvalues(type)) return -1;
-    if (type == T_Q6_K && !vnni_256) return -1; /* (X6K_DOT) */
+    if (type == T_Q6_K && !HAS_X6K) return -1;
     const int tb = tbytes(type);
     const int64_t nb = K / tvalues(type), rb = nb * tb;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)
