@@ -323,6 +323,24 @@ def test_row_limits_follow_the_measured_crossovers():
     assert ggml.BlockLinear([part(ggml.Q8_0)], 256, max_rows=5).max_rows == 5
 
 
+@pytest.mark.parametrize("type_id", [ggml.Q4_0, ggml.Q4_K], ids=lambda t: ggml.TYPE_NAMES[t])
+def test_x8_repack_in_runs_of_rows_releases_each_once_copied(lib, type_id, monkeypatch):
+    """`repacked` copies a large part a run of whole 8-row groups at a time and hands each run of source rows to
+    release once copied (gguf_blocks pages a mapped file's rows out, so source and copy are never both resident in
+    full): the same bytes as one pass, the runs covering the rows once, in order."""
+    if ggml.isa(lib) == "scalar":
+        pytest.skip("the scalar build has no x8 layout")
+    K = 512
+    part = ggml.Part(type_id, blocks(type_id, 40, K, pad=5))
+    whole = ggml.repacked(part, K, lib)
+    monkeypatch.setattr(ggml, "REPACK_CHUNK_BYTES", 16 * ggml.row_bytes(type_id, K) + 7)  # runs of 16 rows
+    runs: list[torch.Tensor] = []
+    chunked = ggml.repacked(part, K, lib, release=runs.append)
+    assert chunked.type == whole.type == 1000 + type_id and torch.equal(chunked.data, whole.data)
+    assert [r.shape[0] for r in runs] == [16, 16, 8]
+    assert [r.data_ptr() for r in runs] == [part.data[i].data_ptr() for i in (0, 16, 32)]
+
+
 @pytest.mark.parametrize("type_id", ggml.REPACKABLE, ids=lambda t: ggml.TYPE_NAMES[t])
 def test_x8_repack_matches_reference(lib, type_id):
     """`bind` runs the REPACKABLE types from copies repacked eight rows at a time (not on the scalar build, which

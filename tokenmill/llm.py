@@ -38,8 +38,10 @@ def _with_image_parts(conversation: list[dict]) -> tuple[list[dict], list[str]]:
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         self.config = resolve_engine_config(EngineConfig.from_kwargs(model=model, **kwargs))
-        self.engine = EngineCore(self.config)
+        # the tokenizer first: its load's transient Python heap is handed back before the weights arrive, so
+        # it does not add to the start's peak RSS
         self.tokenizer = load_tokenizer(self.config)
+        self.engine = EngineCore(self.config)
         self.eos_token_ids = eos_token_ids(self.config, self.tokenizer)
         self.image_processor = load_image_processor(self.config)  # None unless a vision-language model
         self.processor = OutputProcessor(self.tokenizer)

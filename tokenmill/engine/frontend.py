@@ -8,6 +8,7 @@ import os
 from typing import Optional, Union
 
 from tokenmill.config import EngineConfig
+from tokenmill.host import release_free_heap
 from tokenmill.lora import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.models import resolution_cache
@@ -37,6 +38,7 @@ def load_tokenizer(config: EngineConfig):
             raise ValueError(f"cannot load a tokenizer from {mc.tokenizer}: {str(e).splitlines()[0]}") from None
     if mc.resolution_key is not None and tokenizer is not None:
         resolution_cache.save(mc.resolution_key, mc.hf_config, mc.dtype_name, tokenizer)
+    release_free_heap()  # transformers parses the tokenizer's JSON in Python on the way
     return tokenizer
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
-from tokenmill.host import cache_root
+from tokenmill.host import cache_root, release_free_heap
 
 if TYPE_CHECKING:  # annotations only: the API process and plan import this module without torch
     import torch
@@ -145,6 +145,7 @@ def gguf_to_hf_dir(gguf_path: str, weights: str = "dequantize") -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1fs", path, time.perf_counter() - t0)
+    release_free_heap()  # the metadata arrays (and transformers' GGUF tokenizer reader) were Python objects
     return str(final)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig, kv_cache_torch_dtype
 from tokenmill.distributed import init_distributed, stage_layers
-from tokenmill.host import usable_cpus
+from tokenmill.host import release_free_heap, usable_cpus
 from tokenmill.kv_transfer import make_worker_connector
 from tokenmill.layers import batch_invariant, cpu_linear
 from tokenmill.layers.attention import cpu_kernels, get_attention_backend
@@ -156,6 +156,7 @@ class Worker:
             quants = [getattr(getattr(layer, "self_attn", None), "kv_quant", None) for layer in self.model.layers]
             self.kv_connector.register_kv_caches(self.runner.kv_caches + list(getattr(self.drafter, "kv_caches", [])),
                                                  quants)
+        release_free_heap()  # the end of the start: the load's and the kernel probes' freed buffers
 
     def execute_model(self, scheduler_output):
         connector, plan = self.kv_connector, scheduler_output.kv_connector_plan

@@ -21,7 +21,7 @@ import ctypes
 import logging
 import os
 import threading
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +116,7 @@ MAX_ROWS_INT8_F32_TILES = 32
 _MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: 192, IQ4_XS: 64, IQ4_NL: 32,
                             **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE}}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
+REPACK_CHUNK_BYTES = 16 << 20  # rows repacked to x8 at a time (then released: `repacked`)
 
 
 def block_size(type_id: int) -> tuple[int, int]:
@@ -310,19 +311,30 @@ class BlockLinear:
         return F.linear(x.float(), w, None if bias is None else bias.float())
 
 
-def repacked(part: Part, K: int, lib=None) -> Part:
+def repacked(part: Part, K: int, lib=None, release: Optional[Callable[[torch.Tensor], object]] = None) -> Part:
     """A part of a REPACKABLE type as a new Part in the x8 layout (a copy: the part is left as it is), where the
-    library has the kernel and the rows come in whole groups of 8; any other part as it is.
+    library has the kernel and the rows come in whole groups of 8; any other part as it is. release: called on
+    each run of the part's rows (REPACK_CHUNK_BYTES) once copied, so that the source and the copy are not both
+    resident in full (gguf_blocks pages a mapped file's rows out: a tied 152k-row embedding is ~140 MB).
     TOKENMILL_GGML_REPACK=0 turns it off (the per-row kernel, for comparisons)."""
     lib = lib or load()
-    if (part.type not in REPACKABLE or lib is None or part.data.shape[0] % 8 or part.data.shape[0] == 0
+    rows = part.data.shape[0]
+    if (part.type not in REPACKABLE or lib is None or rows % 8 or rows == 0
             or os.environ.get("TOKENMILL_GGML_REPACK", "1") == "0"):
         return part
     _check(part, K)
-    out = torch.empty(part.data.shape[0], row_bytes(part.type, K), dtype=torch.uint8)
-    t = lib.gg_repack_x8(part.type, part.data.data_ptr(), part.data.stride(0), part.data.shape[0], K,
-                         out.data_ptr(), torch.get_num_threads())
-    return part if t < 0 else Part(t, out)
+    out = torch.empty(rows, row_bytes(part.type, K), dtype=torch.uint8)
+    step = max(8, REPACK_CHUNK_BYTES // out.shape[1] // 8 * 8)  # whole groups of 8 rows
+    t = -1
+    for r0 in range(0, rows, step):
+        src = part.data[r0:r0 + step]
+        t = lib.gg_repack_x8(part.type, src.data_ptr(), src.stride(0), src.shape[0], K, out[r0:].data_ptr(),
+                             torch.get_num_threads())
+        if t < 0:  # the type or shape has no x8 kernel in this build: the same for every run of rows
+            return part
+        if release is not None:
+            release(src)
+    return Part(t, out)
 
 
 def unpacked(part: Part, K: int) -> Part:
@@ -363,13 +375,15 @@ def unpacked(part: Part, K: int) -> Part:
     return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
 
 
-def bind(parts: list[Part], K: int, lib=None, repack: bool = True, dtype: Optional[torch.dtype] = None) -> BlockLinear:
+def bind(parts: list[Part], K: int, lib=None, repack: bool = True, dtype: Optional[torch.dtype] = None,
+         release: Optional[Callable[[torch.Tensor], object]] = None) -> BlockLinear:
     """The bound linear over these parts (their tensors must outlive it: it keeps them). repack: REPACKABLE parts
-    run from x8 copies (`repacked`; the caller drops its own tensor if nothing else reads it). dtype: the dtype x
+    run from x8 copies (`repacked`, which hands the rows it copied to release; the caller drops its own tensor if
+    nothing else reads it). dtype: the dtype x
     will have, whose row limit (integer kernel up to it, tiles above) is then measured on this CPU
     (matmul_plan.block_row_limit, the tables the prior); without it the tables' limits hold."""
     if repack:
-        parts = [repacked(p, K, lib) for p in parts]
+        parts = [repacked(p, K, lib, release) for p in parts]
     layer = BlockLinear(parts, K, lib)
     if dtype is None or layer.lib is None or batch_invariant.enabled():
         return layer

@@ -67,14 +67,10 @@ def _zero_rows(rows: int, K: int) -> ggml.Part:
 
 
 def _bind(parts: list[ggml.Part], K: int, dtype: Optional[torch.dtype] = None) -> ggml.BlockLinear:
-    """ggml.bind over views of the mapped file (dtype: measure the layer's row limit for x in it); the views it
-    ran from repacked copies of leave the resident set (their pages fault back in from the file should a lookup or
-    a dequantized_weight read them)."""
-    bound = ggml.bind(parts, K, dtype=dtype)
-    for p, q in zip(parts, bound.parts):
-        if q is not p:
-            page_out(p.data)
-    return bound
+    """ggml.bind over views of the mapped file (dtype: measure the layer's row limit for x in it); the rows it
+    repacked copies of leave the resident set as they are copied (their pages fault back in from the file should a
+    lookup or a dequantized_weight read them)."""
+    return ggml.bind(parts, K, dtype=dtype, release=page_out)
 
 
 class BlockLinearMethod:
