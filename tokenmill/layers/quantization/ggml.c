@@ -57,9 +57,14 @@ typedef struct {
 #if defined(__AVX512F__)
 #define RMAX_WIDE 8
 #else /* the x8 and float kernels keep two or three accumulators per row: at 8 rows they spill AVX2's 16
-       * registers (F16 0.7x at 32 rows), where the per-row quantized kernels gain (Q6_K 1.23x, Q3_K 1.18x) */
+       * registers (F16 0.7x at 32 rows, Q8_0 x8 0.75x at 8), where the per-row quantized kernels gain (Q6_K
+       * 1.23x, Q3_K 1.18x) */
 #define RMAX_WIDE 4
 #endif
+/* rows of x per pass of an x8 kernel: Q4_K x8 takes RMAX everywhere, its per-row state outside the chunk loop
+ * spilling only once per sub-block (on an AVX2-only EPYC 8 rows ran 1.17x at 8 and 32 rows of x, 1.13x at 512;
+ * Q4_0 x8 1.02x, so it keeps RMAX_WIDE with the others) */
+#define X8_RMAX(T) ((T) == T_Q4_KX8 ? RMAX : RMAX_WIDE)
 
 static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -1182,7 +1187,7 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
 #define ROWS_X8(T, NAME, R, DOT) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
-        enum { RR = R > RMAX_WIDE ? 1 : R }; /* (run_columns never asks for more) */ \
+        enum { RR = R > X8_RMAX(T) ? 1 : R }; /* (run_columns never asks for more) */ \
         float res[16 * RMAX]; \
         int64_t i = 0; \
         for (; X16 && a->wide && i + 16 <= n; i += 16) { \
@@ -1382,7 +1387,8 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
         const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
-        const int rmax = is_x8(parts[p].type) || is_float(parts[p].type) ? RMAX_WIDE : RMAX; /* rows per pass */
+        const int t = parts[p].type;
+        const int rmax = is_x8(t) ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
         for (int64_t n = lo; n < hi; n += NTILE) {
             const int64_t count = hi - n < NTILE ? hi - n : NTILE;
             const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
