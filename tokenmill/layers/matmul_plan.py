@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.host import cache_root, release_free_heap
+from tokenmill.host import cache_root
 
 logger = logging.getLogger("tokenmill")
 
@@ -126,7 +126,6 @@ def measure(weight: torch.Tensor, run_panel: Callable[[torch.Tensor], torch.Tens
         batched_choice = choice["batched"]
     plan = MatmulPlan(choice["batched"], choice["prefill"], times)
     cache.store(key, plan)
-    release_free_heap()
     return plan
 
 
@@ -156,7 +155,6 @@ def block_row_limit(key: str, prior: int, flop_per_row: float, run_int: Callable
             break
         limit = max(limit, rows)
     cache.store_block_limit(key, limit, times)
-    release_free_heap()  # the probes' buffers, freed between the weights loaded around them (a start's peak)
     return limit
 
 
