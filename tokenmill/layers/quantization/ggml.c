@@ -1162,7 +1162,10 @@ X8K_DOT(512, 2)
         for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
     }
 /* Q6_K has an x8 kernel only with VNNI: without, the x8 form measured 0.92-0.97x the per-row kernel, and
- * gg_repack_x8 leaves Q6_K as it is */
+ * gg_repack_x8 leaves Q6_K as it is. A vpmaddubsw-native AVX2 form (u - 32 as |w| against x with w's sign, a
+ * group's four chunks summed in int16, one vpmaddwd for the scales) ran 1.11-1.20x the per-row kernel at 8-64
+ * rows of x but 0.75x (bf16 x) / 0.90-0.97x (float32 x) at one, on an AVX2-only EPYC (Zen 2): the 1.5B Q4_K_M
+ * decoded at 0.89x, batched at 32 sequences 1.06x, so not kept (2026-12-07). */
 #define HAS_X6K vnni_256
 #if HAS_X6K
 X6K_DOT(256, 1)
