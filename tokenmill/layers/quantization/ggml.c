@@ -57,14 +57,14 @@ typedef struct {
 #if defined(__AVX512F__)
 #define RMAX_WIDE 8
 #else /* the x8 and float kernels keep two or three accumulators per row: at 8 rows they spill AVX2's 16
-       * registers (F16 0.7x at 32 rows, Q8_0 x8 0.75x at 8), where the per-row quantized kernels gain (Q6_K
-       * 1.23x, Q3_K 1.18x) */
+       * registers (F16 0.7x at 32 rows), where the per-row quantized kernels gain (Q6_K 1.23x, Q3_K 1.18x) */
 #define RMAX_WIDE 4
 #endif
 /* rows of x per pass of an x8 kernel: Q4_K x8 takes RMAX everywhere, its per-row state outside the chunk loop
- * spilling only once per sub-block (on an AVX2-only EPYC 8 rows ran 1.17x at 8 and 32 rows of x, 1.13x at 512;
- * Q4_0 x8 1.02x, so it keeps RMAX_WIDE with the others) */
-#define X8_RMAX(T) ((T) == T_Q4_KX8 ? RMAX : RMAX_WIDE)
+ * spilling only once per sub-block (on an AVX2-only EPYC 8 rows ran 1.17x at 8 and 32 rows of x, 1.13x at 512),
+ * and Q8_0 x8, one int32 chain per row without VNNI (1.07x at 8 rows of x, 1.04x at 32; with two chains 8 rows
+ * spilled: 0.75x); Q4_0 x8 1.02x, so it keeps RMAX_WIDE with the others */
+#define X8_RMAX(T) ((T) == T_Q4_KX8 || (T) == T_Q8_0X8 ? RMAX : RMAX_WIDE)
 
 static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -948,7 +948,8 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
                     const __m##W##i u = abs_##W(v);                                                            \
                     for (int r = 0; r < R; r++) {                                                              \
                         const __m##W##i x = sign_##W(bcast_##W(act_q(a, r) + j * 32 + 4 * c), v);              \
-                        if (c & 1) s1[r] = dpbusd_##W(s1[r], u, x); else s0[r] = dpbusd_##W(s0[r], u, x);      \
+                        /* two chains hide vpdpbusd's latency; the emulated one ends in a 1-cycle add */         \
+                        if (c & 1 && vnni_##W) s1[r] = dpbusd_##W(s1[r], u, x); else s0[r] = dpbusd_##W(s0[r], u, x); \
                     }                                                                                          \
                     continue;                                                                                  \
                 }                                                                                              \
