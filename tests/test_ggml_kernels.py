@@ -210,14 +210,15 @@ def test_native_build_uses_the_best_path():
 # -- correctness ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("type_id", ALL_TYPES, ids=lambda t: ggml.TYPE_NAMES[t])
 def test_linear_matches_reference(lib, type_id):
-    """Every type, both routes (M <= 32: integer kernel; 40 and 300: tiles), strided rows; K = 512 and, for
-    32-value blocks, K = 288 (a tail of blocks after the last 256 values)."""
+    """Every type, both routes (M <= 32: integer kernel, Q6_K's tiles regrouped from 16 rows where it is not
+    repacked at load; 40 and 300: tiles), strided rows; K = 512 and, for 32-value blocks, K = 288 (a tail of
+    blocks after the last 256 values)."""
     Ks = [512] if ggml.block_size(type_id)[0] == 256 else [512, 288]
     for K in Ks:
         part = ggml.Part(type_id, blocks(type_id, 19, K, pad=5))
         w = reference(part, K)
         layer = ggml.BlockLinear([part], K, lib=lib, max_rows=MAX_ROWS)
-        check_routes(layer, lib, w, column_blocks(part), (1, 3, 8, 40, 300))
+        check_routes(layer, lib, w, column_blocks(part), (1, 3, 8, 20, 40, 300))
 
 
 def test_merged_parts_bias_and_shapes(lib):
@@ -264,19 +265,23 @@ def test_dequantize_rows_equal_reference(lib, type_id):
         ggml.dequantize(part, K, torch.tensor([11]), lib=lib)
 
 
-def test_rows_do_not_depend_on_the_batch_or_threads(lib):
-    """A row's output is the same bits whatever other rows share the call (the kernels over 8, 4, 2, 1 rows
-    at once) and however many threads split the columns: batch-invariant mode relies on it."""
+def test_rows_do_not_depend_on_the_batch_or_threads(lib, monkeypatch):
+    """In batch-invariant mode a row's output is the same bits whatever other rows share the call (the kernels
+    over 8, 4, 2, 1 rows at once; no Q6_K tile regrouped at 16 rows or more) and however many threads split the
+    columns."""
+    from tokenmill.layers import batch_invariant
+
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
     K = 512
     parts = [ggml.Part(t, blocks(t, 13, K)) for t in (ggml.Q4_K, ggml.Q8_0, ggml.Q6_K, ggml.BF16)]
     layer = ggml.BlockLinear(parts, K, lib=lib, max_rows=64)
-    x = torch.randn(15, K)
+    x = torch.randn(21, K)
     y = layer(x, None)
-    for i in (0, 9, 14):
+    for i in (0, 9, 20):
         assert torch.equal(layer(x[i:i + 1], None), y[i:i + 1])
-    y8 = kernel_call(layer, lib.gg_linear, x)  # the int8 kernel too (float32 x above took the precise one)
-    for i in (0, 9, 14):
-        assert torch.equal(kernel_call(layer, lib.gg_linear, x[i:i + 1].contiguous()), y8[i:i + 1])
+    y8 = kernel_call(layer, lib.gg_linear_invariant, x)  # the int8 kernel too (float32 x above: the precise one)
+    for i in (0, 9, 20):
+        assert torch.equal(kernel_call(layer, lib.gg_linear_invariant, x[i:i + 1].contiguous()), y8[i:i + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -316,7 +321,7 @@ def test_row_limits_follow_the_measured_crossovers():
     if cpu_has_native_bf16():  # bf16 x against bf16 tiles
         assert (q6k.max_rows, mixed.max_rows) == (32, 16)
     else:  # bf16 x (int8 activations) against float32 tiles
-        assert (q6k.max_rows, mixed.max_rows) == (192, 32)
+        assert (q6k.max_rows, mixed.max_rows) == (ggml.NO_ROW_LIMIT, 32)  # Q6_K: tiles regrouped to x8
     q4k = ggml.bind([part(ggml.Q4_K)], 256)
     assert (q4k.row_limit(torch.float32), mixed.row_limit(torch.float32)) == (96, 64)  # float32 x: two passes
     assert q6k.row_limit(torch.bfloat16) == q6k.max_rows

@@ -404,6 +404,13 @@ AI float hmax256(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
+AI int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
 AI float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -1116,12 +1123,22 @@ X8K_DOT(512, 2)
             const __m##W##i hi = _mm##W##_and_si##W(sp < 2 ? _mm##W##_slli_epi16(QH, 4 - 2 * sp)                \
                                                            : _mm##W##_srli_epi16(QH, 2 * sp - 4), m48);         \
             const __m##W##i u = _mm##W##_or_si##W(_mm##W##_and_si##W(sp >> 1 ? _mm##W##_srli_epi16(QL, 4) : QL, m4), hi); \
+            if (vnni_##W) {                                                                                     \
+                for (int r = 0; r < R; r++)                                                                     \
+                    part[r] = dpbusd_##W(part[r], u, bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4))); \
+                continue;                                                                                       \
+            }                                                                                                   \
+            /* without VNNI: u - 32 as |w| against x with w's sign, so that the group's four chunks of pair sums \
+             * (<= 2 * 32 * 127 each) add up in int16 and one vpmaddwd applies the scales */                     \
+            const __m##W##i sw = _mm##W##_sub_epi8(u, _mm##W##_set1_epi8(32)), aw = abs_##W(sw);                 \
             for (int r = 0; r < R; r++) {                                                                       \
-                const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4));                \
-                part[r] = dpbusd_##W(part[r], u, x);                                                            \
+                const __m##W##i x = sign_##W(bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4)), sw);  \
+                part[r] = _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(aw, x));                           \
             }                                                                                                   \
         }                                                                                                       \
-        for (int r = 0; r < R; r++) isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_mullo_epi32(part[r], sc)); \
+        for (int r = 0; r < R; r++)                                                                             \
+            isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)                  \
+                                                           : _mm##W##_madd_epi16(part[r], dup16(sc)));          \
     }                                                                                                           \
     AI void dot_x6k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         (void)t;                                                                                                \
@@ -1145,7 +1162,7 @@ X8K_DOT(512, 2)
                 _Pragma("GCC unroll 16")                                                                        \
                 for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
             }                                                                                                   \
-            for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
+            for (int s = 0; s < 8 * vnni_##W; s++) { /* the offset 32: the scales times the groups' x sums */    \
                 const __m##W##i pair = _mm##W##_or_si##W(_mm##W##_and_si##W(x6k_scale_##W(rec, next, 2 * s), lo16), \
                                                          _mm##W##_slli_epi32(x6k_scale_##W(rec, next, 2 * s + 1), 16)); \
                 for (int r = 0; r < R; r++) {                                                                   \
@@ -1162,19 +1179,16 @@ X8K_DOT(512, 2)
         }                                                                                                       \
         for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
     }
-/* Q6_K has an x8 kernel only with VNNI: without, the x8 form measured 0.92-0.97x the per-row kernel, and
- * gg_repack_x8 leaves Q6_K as it is. A vpmaddubsw-native AVX2 form (u - 32 as |w| against x with w's sign, a
- * group's four chunks summed in int16, one vpmaddwd for the scales) ran 1.11-1.20x the per-row kernel at 8-64
- * rows of x but 0.75x (bf16 x) / 0.90-0.97x (float32 x) at one, on an AVX2-only EPYC (Zen 2): the 1.5B Q4_K_M
- * decoded at 0.89x, batched at 32 sequences 1.06x, so not kept (2026-12-07). */
-#define HAS_X6K vnni_256
-#if HAS_X6K
+/* Q6_K rows are repacked at load only with VNNI (X6K_AT_LOAD). Without it the x8 kernel (vpmaddubsw-native, the
+ * signed form above) ran 1.11-1.20x the per-row kernel at 8-64 rows of x but 0.75x at one (bf16 x) on an AVX2-only
+ * EPYC (Zen 2): a 1.5B Q4_K_M decoded at 0.89x repacked. So the rows stay in ggml's layout there and run_columns
+ * regroups a tile into the x8 layout where enough rows of x pass over it (X6K_REGROUP_ROWS). */
+#define X6K_AT_LOAD vnni_256
 X6K_DOT(256, 1)
 #if X16
 X6K_DOT(512, 2)
 #else
 #define dot_x6k_512(t, R, w, next, a, res) ((void)0)
-#endif
 #endif
 
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
@@ -1211,9 +1225,7 @@ KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
-#if HAS_X6K
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
-#endif
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1242,22 +1254,11 @@ static dot_fn pick(int type, int R) {
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
-#if HAS_X6K
     case T_Q6_KX8: PICK(d_q6_kx8);
-#endif
 #endif
     default: return NULL;
     }
 }
-
-#if defined(__AVX2__)
-AI int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-#endif
 
 /* One row of x to int8 per 32 values (scale amax/127, round to nearest even), with the scaled sums. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32) {
@@ -1342,19 +1343,62 @@ static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int1
     }
 }
 
-/* the thread-local activation buffer (grown, never shrunk) */
-static __thread uint8_t *g_buf;
-static __thread size_t g_cap;
-
-static uint8_t *scratch(size_t n) {
-    if (n > g_cap) {
-        free(g_buf);
-        g_cap = (n + 4095) & ~(size_t)4095;
-        g_buf = aligned_alloc(64, g_cap);
-        if (g_buf == NULL) g_cap = 0;
+/* a thread-local buffer (grown, never shrunk) */
+static uint8_t *grown(uint8_t **buf, size_t *cap, size_t n) {
+    if (n > *cap) {
+        free(*buf);
+        *cap = (n + 4095) & ~(size_t)4095;
+        *buf = aligned_alloc(64, *cap);
+        if (*buf == NULL) *cap = 0;
     }
-    return g_buf;
+    return *buf;
 }
+
+static __thread uint8_t *g_buf; /* the calling thread's quantized activations, which all threads read */
+static __thread size_t g_cap;
+static uint8_t *scratch(size_t n) { return grown(&g_buf, &g_cap, n); }
+
+#if defined(__AVX2__)
+/* word k (< 8) of 8 rows (32-bit words at p[i] + off) as chunk k at out (lane i: row i's): an 8x8 transpose */
+AI void transpose8_words(const uint8_t *const *p, int64_t off, uint8_t *out) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(p[i] + off)));
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);     /* rows i, i+1: words 0, 1 | 4, 5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* words 2, 3 | 6, 7 */
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int k = 0; k < 2; k++) {
+            u[i + 2 * k] = _mm256_shuffle_ps(t[i + k], t[i + k + 2], 0x44);     /* word 2k (| 2k + 4) of 4 rows */
+            u[i + 2 * k + 1] = _mm256_shuffle_ps(t[i + k], t[i + k + 2], 0xEE); /* word 2k + 1 (| 2k + 5) */
+        }
+    for (int k = 0; k < 4; k++) {
+        _mm256_storeu_ps((float *)(out + 32 * k), _mm256_permute2f128_ps(u[k], u[k + 4], 0x20));
+        _mm256_storeu_ps((float *)(out + 32 * (k + 4)), _mm256_permute2f128_ps(u[k], u[k + 4], 0x31));
+    }
+}
+
+/* Q6_K rows [0, rows) (rows % 8 == 0, row stride `stride`) into x8 records at dst: gg_repack_x8's layout */
+static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t K, uint8_t *dst) {
+    const int64_t nsb = K / 256;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *p[8];
+            uint8_t *o = dst + (g * nsb + sb) * 8 * 210;
+            for (int i = 0; i < 8; i++) {
+                p[i] = w + (8 * g + i) * stride + sb * 210;
+                memcpy(o + 2 * i, p[i] + 208, 2);
+                for (int c = 0; c < 4; c++) memcpy(o + 16 + 32 * c + 4 * i, p[i] + 192 + 4 * c, 4);
+            }
+            for (int b = 0; b < 6; b++) transpose8_words(p, 32 * b, o + x8_values(T_Q6_K) + 256 * b);
+        }
+}
+
+static __thread uint8_t *t_buf; /* this thread's regrouped weight tile */
+static __thread size_t t_cap;
+/* rows of x from which run_columns regroups a Q6_K tile (where it is not repacked at load) */
+#define X6K_REGROUP_ROWS 16
+#endif
 
 /* the first output column whose weight bytes start at or after `target` (columns weighted by their row bytes) */
 static int64_t column_at(const gg_part_t *parts, int nparts, int64_t K, double target) {
@@ -1383,27 +1427,47 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
 
 #define NTILE 16 /* weight rows per kernel call: their bytes stay in L1/L2 while all row-chunks of x pass */
 
+/* weight rows [0, count) of type t (their outputs columns n..) for all M rows of x, RMAX rows of x per pass */
+static void run_tile(const int t, const uint8_t *w, int64_t stride, int64_t count, const act_t *a, int64_t M,
+                     int64_t N, int64_t n, const float *bias, float *y, int pairs) {
+    const int rmax = is_x8(t) ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
+    for (int64_t m = 0; m < M;) {
+        const int64_t left = M - m;
+        const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * a->K, a->K, M > rmax};
+        pick(t, R)(w, stride, count, &am, y + (pairs ? m / 2 : m) * N + n, N, bias ? bias + n : NULL, pairs);
+        m += R;
+    }
+}
+
 /* output columns [n0, n1) for all M rows of activations; pairs: rows 2i and 2i + 1 are the two halves of
  * output row i (gg_linear_precise), summed */
 static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t n1, const act_t *a, int64_t M,
-                        int64_t N, const float *bias, float *y, int pairs) {
+                        int64_t N, const float *bias, float *y, int pairs, int invariant) {
     const int64_t K = a->K;
     int64_t start = 0;
     for (int p = 0; p < nparts; start += parts[p].rows, p++) {
         const int64_t lo = n0 > start ? n0 : start, hi = n1 < start + parts[p].rows ? n1 : start + parts[p].rows;
         const int t = parts[p].type;
-        const int rmax = is_x8(t) ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
+        const int64_t stride = parts[p].row_stride;
         for (int64_t n = lo; n < hi; n += NTILE) {
             const int64_t count = hi - n < NTILE ? hi - n : NTILE;
-            const uint8_t *w = parts[p].w + (n - start) * parts[p].row_stride;
-            for (int64_t m = 0; m < M;) {
-                const int64_t left = M - m;
-                const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-                const act_t am = {a->base ? a->base + m * a->stride : NULL, a->stride, a->xf + m * K, K, M > rmax};
-                float *out = y + (pairs ? m / 2 : m) * N + n;
-                pick(parts[p].type, R)(w, parts[p].row_stride, count, &am, out, N, bias ? bias + n : NULL, pairs);
-                m += R;
+            const uint8_t *w = parts[p].w + (n - start) * stride;
+            int64_t done = 0;
+#if defined(__AVX2__)
+            /* not in batch-invariant mode: the x8 kernel's float sums differ from the per-row kernel's, and a
+             * row's bits would depend on how many rows share the call */
+            if (t == T_Q6_K && !X6K_AT_LOAD && !invariant && M >= X6K_REGROUP_ROWS && count >= 8) {
+                const int64_t rb = K / 256 * 210, whole = count / 8 * 8;
+                uint8_t *tile = grown(&t_buf, &t_cap, (size_t)(whole * rb));
+                if (tile != NULL) {
+                    x6k_regroup(w, stride, whole, K, tile);
+                    run_tile(T_Q6_KX8, tile, rb, whole, a, M, N, n, bias, y, pairs);
+                    done = whole;
+                }
             }
+#endif
+            if (done < count) run_tile(t, w + done * stride, stride, count - done, a, M, N, n + done, bias, y, pairs);
         }
     }
 }
@@ -1447,7 +1511,7 @@ static void quantize_x(const float *x, int64_t K, const act_t *a, int64_t m, int
  * MB in Q4_1), its int4 HF form 1.05-1.07x; 0.5B and 1.5B Q4_K_M decode unchanged */
 #define SMALL_LAYER_BYTES (1024.0 * 1024.0)
 static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
-                   const float *bias, float *y, int num_threads, int precise) {
+                   const float *bias, float *y, int num_threads, int precise, int invariant) {
     int forms = 0;
     for (int p = 0; p < nparts; p++)
         if (!is_float(parts[p].type)) forms |= tvalues(parts[p].type) == 256 ? FORM256 : FORM32;
@@ -1481,7 +1545,7 @@ static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t np
         for (int c = 0; c < C; c++) {
             const int64_t n0 = column_at(parts, nparts, K, total * c / C);
             const int64_t n1 = c == C - 1 ? N : column_at(parts, nparts, K, total * (c + 1) / C);
-            run_columns(parts, nparts, n0, n1, &a, rows, N, bias, y, precise);
+            run_columns(parts, nparts, n0, n1, &a, rows, N, bias, y, precise, invariant);
         }
     }
 }
@@ -1489,7 +1553,7 @@ static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t np
 /* The decode kernel: int8 activations per 32 values (bfloat16 models: as fine as their activations). */
 void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
                const float *bias, float *y, int num_threads) {
-    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 0);
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 0, 0);
 }
 
 /* The same for float32 models, with the activations at about 16-bit precision: x ~ dx * q + dr * qr, qr the
@@ -1497,7 +1561,18 @@ void gg_linear(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts
  * block serves both; the integer dots are exact) and summed. Twice the integer work, the same weight bytes. */
 void gg_linear_precise(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
                        const float *bias, float *y, int num_threads) {
-    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 1);
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 1, 0);
+}
+
+/* Both for batch-invariant mode: each row's output the same bits whatever rows share the call */
+void gg_linear_invariant(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N, int64_t K,
+                         const float *bias, float *y, int num_threads) {
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 0, 1);
+}
+
+void gg_linear_precise_invariant(const float *x, int64_t M, const gg_part_t *parts, int32_t nparts, int64_t N,
+                                 int64_t K, const float *bias, float *y, int num_threads) {
+    linear(x, M, parts, nparts, N, K, bias, y, num_threads, 1, 1);
 }
 
 #if defined(__AVX2__)
@@ -1672,7 +1747,7 @@ int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64
                      int num_threads) {
 #if defined(__AVX2__)
     if (!is_x8(type + 1000) || rows % 8 || K % tvalues(type)) return -1;
-    if (type == T_Q6_K && !HAS_X6K) return -1;
+    if (type == T_Q6_K && !X6K_AT_LOAD) return -1;
     const int tb = tbytes(type);
     const int64_t nb = K / tvalues(type), rb = nb * tb;
 #pragma omp parallel for schedule(static) num_threads(num_threads > 0 ? num_threads : 1)

@@ -110,10 +110,12 @@ _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 
 #   Q6_K      12.19/16.01   23.31/25.10  34.37/35.89  47.63/43.90  99.28/100.23
 #   IQ4_XS    14.29/14.47   29.29/26.35  (IQ4_NL M=32 9.64/9.88, M=48 14.71/12.48)
 # The x8 layouts win at every count measured (1.4-1.7x at 512): they take prefill too (a step's rows are at most
-# --max-num-batched-tokens).
+# --max-num-batched-tokens). So does Q6_K since ggml.c regroups its tiles into the x8 layout from 16 rows of x
+# where it is not repacked at load (no VNNI; same EPYC, 2026-12-07, ms integer / tiled):
+#   Q6_K      M=16 2.97/12.25  M=64 11.04/21.20  M=128 22.46/33.05  M=256 46.13/56.69  M=512 93.50/102.07
 NO_ROW_LIMIT = 1 << 20  # more rows than any step holds
 MAX_ROWS_INT8_F32_TILES = 32
-_MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: 192, IQ4_XS: 64, IQ4_NL: 32,
+_MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: NO_ROW_LIMIT, IQ4_XS: 64, IQ4_NL: 32,
                             **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE}}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 REPACK_CHUNK_BYTES = 16 << 20  # rows repacked to x8 at a time (then released: `repacked`)
@@ -133,6 +135,10 @@ def row_bytes(type_id: int, K: int) -> int:
     return K // values * nbytes
 
 
+# the linear kernels, one signature: int8 activations, float32 x's two passes, and both for batch-invariant mode
+KERNEL_NAMES = ("gg_linear", "gg_linear_precise", "gg_linear_invariant", "gg_linear_precise_invariant")
+
+
 class _CPart(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("pad", ctypes.c_int32), ("rows", ctypes.c_int64),
                 ("row_stride", ctypes.c_int64), ("w", ctypes.c_void_p)]
@@ -142,9 +148,10 @@ def typed(lib):
     """Declare the library's signatures (once per loaded library)."""
     if lib is not None and not getattr(lib, "_typed", False):
         vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        lib.gg_linear.argtypes = lib.gg_linear_precise.argtypes = [vp, i64, vp, i32, i64, i64, vp, vp, i32]
+        for name in KERNEL_NAMES:
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [vp, i64, vp, i32, i64, i64, vp, vp, i32], None
         lib.gg_dequant_rows.argtypes = [i32, vp, i64, vp, i64, i64, vp, i32, i32]
-        lib.gg_linear.restype = lib.gg_linear_precise.restype = lib.gg_dequant_rows.restype = None
+        lib.gg_dequant_rows.restype = None
         lib.gg_isa.argtypes, lib.gg_isa.restype = [], ctypes.c_char_p
         lib.gg_repack_x8.argtypes, lib.gg_repack_x8.restype = [i32, vp, i64, i64, i64, vp, i32], i32
         lib._typed = True
@@ -263,8 +270,10 @@ class BlockLinear:
         return self._max_rows_f32 if dtype == torch.float32 else self.max_rows
 
     def kernel(self, dtype: torch.dtype):
-        """The C kernel for x in `dtype`: float32 models take the ~16-bit activations of gg_linear_precise."""
-        return self.lib.gg_linear_precise if dtype == torch.float32 else self.lib.gg_linear
+        """The C kernel for x in `dtype`: float32 models take the ~16-bit activations of gg_linear_precise; in
+        batch-invariant mode the variant that never picks a kernel by the number of rows."""
+        name = "gg_linear_precise" if dtype == torch.float32 else "gg_linear"
+        return getattr(self.lib, name + "_invariant" if batch_invariant.enabled() else name)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor], float_out: bool = False) -> torch.Tensor:
         """y in x's dtype, or float32 with float_out (logits: the kernels compute in float32, and rounding them
