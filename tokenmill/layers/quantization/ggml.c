@@ -42,7 +42,8 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
-    T_Q4_KX8 = 1012, T_Q6_KX8 = 1014
+    T_Q4_KX8 = 1012, T_Q6_KX8 = 1014,
+    T_Q6_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
 };
 
 typedef struct {
@@ -1106,39 +1107,31 @@ X8K_DOT(512, 2)
     AI __m##W##i x6k_scale_##W(const uint8_t *rec, int64_t next, const int g) {                                \
         return _mm##W##_srai_epi32(_mm##W##_slli_epi32(ld_##W(rec + 16 + 32 * (g / 4), next), 24 - 8 * (g % 4)), 24); \
     }                                                                                                           \
-    /* group g (sub-block g / 2: half g / 8, quarter g / 2 % 4 of ggml's ql/qh split) against R rows of x */    \
-    AI void x6k_group_##W(const int R, const uint8_t *rec, int64_t next, const act_t *a, int64_t sb, const int g, \
-                          __m##W##i *isum) {                                                                    \
+    /* values 4c..4c+3 (c < 8) of group g's sub-block (half g / 8, quarter g / 2 % 4 of ggml's ql/qh split), u    \
+     * in 0..63: a nibble of ql with bits 2sp, 2sp + 1 of qh moved to bits 4, 5 (16-bit shifts: the mask drops   \
+     * what crosses) */                                                                                         \
+    AI __m##W##i x6k_u_##W(const uint8_t *rec, int64_t next, const int g, const int c) {                       \
         const int h = g / 8, sp = g / 2 % 4;                                                                    \
         const uint8_t *vals = rec + x8_values(T_Q6_K);                                                          \
-        const __m##W##i m4 = _mm##W##_set1_epi8(15), m48 = _mm##W##_set1_epi8(48), z = _mm##W##_setzero_si##W(); \
+        const __m##W##i QL = ld_##W(vals + 32 * (16 * h + 8 * (sp & 1) + c), next);                              \
+        const __m##W##i QH = ld_##W(vals + 32 * (32 + 8 * h + c), next);                                         \
+        const __m##W##i hi = _mm##W##_and_si##W(sp < 2 ? _mm##W##_slli_epi16(QH, 4 - 2 * sp)                    \
+                                                       : _mm##W##_srli_epi16(QH, 2 * sp - 4), _mm##W##_set1_epi8(48)); \
+        return _mm##W##_or_si##W(_mm##W##_and_si##W(sp >> 1 ? _mm##W##_srli_epi16(QL, 4) : QL, _mm##W##_set1_epi8(15)), hi); \
+    }                                                                                                           \
+    /* group g against R rows of x (vpdpbusd: the offset 32 is left to the scales times the groups' x sums) */  \
+    AI void x6k_group_##W(const int R, const uint8_t *rec, int64_t next, const act_t *a, int64_t sb, const int g, \
+                          __m##W##i *isum) {                                                                    \
         const __m##W##i sc = x6k_scale_##W(rec, next, g);                                                       \
         __m##W##i part[RMAX];                                                                                   \
-        for (int r = 0; r < R; r++) part[r] = z;                                                                \
+        for (int r = 0; r < R; r++) part[r] = _mm##W##_setzero_si##W();                                         \
         _Pragma("GCC unroll 4")                                                                                 \
         for (int c = 4 * (g % 2); c < 4 * (g % 2) + 4; c++) {                                                   \
-            const __m##W##i QL = ld_##W(vals + 32 * (16 * h + 8 * (sp & 1) + c), next);                          \
-            const __m##W##i QH = ld_##W(vals + 32 * (32 + 8 * h + c), next);                                     \
-            /* bits 2sp, 2sp + 1 of each qh byte to bits 4, 5 (16-bit shifts: the mask drops what crosses) */    \
-            const __m##W##i hi = _mm##W##_and_si##W(sp < 2 ? _mm##W##_slli_epi16(QH, 4 - 2 * sp)                \
-                                                           : _mm##W##_srli_epi16(QH, 2 * sp - 4), m48);         \
-            const __m##W##i u = _mm##W##_or_si##W(_mm##W##_and_si##W(sp >> 1 ? _mm##W##_srli_epi16(QL, 4) : QL, m4), hi); \
-            if (vnni_##W) {                                                                                     \
-                for (int r = 0; r < R; r++)                                                                     \
-                    part[r] = dpbusd_##W(part[r], u, bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4))); \
-                continue;                                                                                       \
-            }                                                                                                   \
-            /* without VNNI: u - 32 as |w| against x with w's sign, so that the group's four chunks of pair sums \
-             * (<= 2 * 32 * 127 each) add up in int16 and one vpmaddwd applies the scales */                     \
-            const __m##W##i sw = _mm##W##_sub_epi8(u, _mm##W##_set1_epi8(32)), aw = abs_##W(sw);                 \
-            for (int r = 0; r < R; r++) {                                                                       \
-                const __m##W##i x = sign_##W(bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4)), sw);  \
-                part[r] = _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(aw, x));                           \
-            }                                                                                                   \
+            const __m##W##i u = x6k_u_##W(rec, next, g, c);                                                     \
+            for (int r = 0; r < R; r++)                                                                         \
+                part[r] = dpbusd_##W(part[r], u, bcast_##W(act_q256(a, r) + sb * 256 + 16 * g + 4 * (c % 4)));   \
         }                                                                                                       \
-        for (int r = 0; r < R; r++)                                                                             \
-            isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)                  \
-                                                           : _mm##W##_madd_epi16(part[r], dup16(sc)));          \
+        for (int r = 0; r < R; r++) isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_mullo_epi32(part[r], sc)); \
     }                                                                                                           \
     AI void dot_x6k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         (void)t;                                                                                                \
@@ -1162,7 +1155,7 @@ X8K_DOT(512, 2)
                 _Pragma("GCC unroll 16")                                                                        \
                 for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
             }                                                                                                   \
-            for (int s = 0; s < 8 * vnni_##W; s++) { /* the offset 32: the scales times the groups' x sums */    \
+            for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
                 const __m##W##i pair = _mm##W##_or_si##W(_mm##W##_and_si##W(x6k_scale_##W(rec, next, 2 * s), lo16), \
                                                          _mm##W##_slli_epi32(x6k_scale_##W(rec, next, 2 * s + 1), 16)); \
                 for (int r = 0; r < R; r++) {                                                                   \
@@ -1179,10 +1172,11 @@ X8K_DOT(512, 2)
         }                                                                                                       \
         for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
     }
-/* Q6_K rows are repacked at load only with VNNI (X6K_AT_LOAD). Without it the x8 kernel (vpmaddubsw-native, the
- * signed form above) ran 1.11-1.20x the per-row kernel at 8-64 rows of x but 0.75x at one (bf16 x) on an AVX2-only
- * EPYC (Zen 2): a 1.5B Q4_K_M decoded at 0.89x repacked. So the rows stay in ggml's layout there and run_columns
- * regroups a tile into the x8 layout where enough rows of x pass over it (X6K_REGROUP_ROWS). */
+/* Q6_K rows are repacked at load only with VNNI (X6K_AT_LOAD). Without it an x8 kernel (vpmaddubsw, decoding
+ * values as it goes) ran 1.11-1.20x the per-row kernel at 8-64 rows of x but 0.75x at one (bf16 x) on an
+ * AVX2-only EPYC (Zen 2): a 1.5B Q4_K_M decoded at 0.89x repacked. So the rows stay in ggml's layout there, and
+ * where enough rows of x pass over a tile (X6K_REGROUP_ROWS) run_columns decodes it into a thread's buffer
+ * (x6k_regroup, T_Q6_KX8D below): 1.3x the per-row kernel at 32 rows of x, 1.45x at 64, 1.5x at 512. */
 #define X6K_AT_LOAD vnni_256
 X6K_DOT(256, 1)
 #if X16
@@ -1190,6 +1184,45 @@ X6K_DOT(512, 2)
 #else
 #define dot_x6k_512(t, R, w, next, a, res) ((void)0)
 #endif
+
+/* A Q6_K tile decoded for a CPU without VNNI (x6k_regroup), where the x8 layout's kernel would decode every
+ * value once per pass of rows of x: per 8 rows and super-block a record of X6D_REC bytes, their d as floats (32
+ * bytes), each group's scales as int16 pairs (16 x 32 bytes; lane i: row i's scale twice), then the values u - 32
+ * as int8 in 64 chunks (chunk 4g + c, lane i: row i's values 16g + 4c..16g + 4c + 3). A chunk is then one vpabsb
+ * before its rows' vpsignb (x takes w's sign), vpmaddubsw, vpaddw: a group's four chunks' pair sums (<= 2 * 32 *
+ * 127 each) add up in int16, and one vpmaddwd per group and row applies the scales. */
+#define X6D_REC 2592
+AI void dot_x6d_256(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) {
+    (void)t, (void)next;
+    __m256 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < a->K / 256; sb++) {
+        const uint8_t *rec = w + sb * X6D_REC;
+        __m256i isum[RMAX];
+        for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+        for (int g = 0; g < 16; g++) {
+            __m256i part[RMAX];
+            for (int r = 0; r < R; r++) part[r] = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) {
+                const __m256i sw = _mm256_load_si256((const __m256i *)(rec + 544 + 32 * (4 * g + c)));
+                const __m256i aw = _mm256_abs_epi8(sw);
+                for (int r = 0; r < R; r++) {
+                    const __m256i x = _mm256_sign_epi8(bcast_256(act_q256(a, r) + sb * 256 + 16 * g + 4 * c), sw);
+                    part[r] = _mm256_add_epi16(part[r], _mm256_maddubs_epi16(aw, x));
+                }
+            }
+            const __m256i sc = _mm256_load_si256((const __m256i *)(rec + 32 + 32 * g));
+            for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(part[r], sc));
+        }
+        const __m256 d = _mm256_load_ps((const float *)rec);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(act_d256(a, r)[sb])), _mm256_cvtepi32_ps(isum[r]),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(res + 8 * r, acc[r]);
+}
+#define dot_x6d_512(t, R, w, next, a, res) ((void)0)
 
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
     float col[RMAX];
@@ -1226,6 +1259,7 @@ KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
+KERNELS_X8(T_Q6_KX8D, d_q6_kx8d, dot_x6d)
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1255,6 +1289,7 @@ static dot_fn pick(int type, int R) {
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
     case T_Q6_KX8: PICK(d_q6_kx8);
+    case T_Q6_KX8D: PICK(d_q6_kx8d);
 #endif
     default: return NULL;
     }
@@ -1378,25 +1413,35 @@ AI void transpose8_words(const uint8_t *const *p, int64_t off, uint8_t *out) {
     }
 }
 
-/* Q6_K rows [0, rows) (rows % 8 == 0, row stride `stride`) into x8 records at dst: gg_repack_x8's layout */
+/* Q6_K rows [0, rows) (rows % 8 == 0, row stride `stride`) decoded into T_Q6_KX8D records at dst (32-byte
+ * aligned): each 8 rows' super-block regrouped into the x8 layout (an 8x8 word transpose), then decoded */
 static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t K, uint8_t *dst) {
     const int64_t nsb = K / 256;
+    uint8_t x8[8 * 210];
     for (int64_t g = 0; g < rows / 8; g++)
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *p[8];
-            uint8_t *o = dst + (g * nsb + sb) * 8 * 210;
             for (int i = 0; i < 8; i++) {
                 p[i] = w + (8 * g + i) * stride + sb * 210;
-                memcpy(o + 2 * i, p[i] + 208, 2);
-                for (int c = 0; c < 4; c++) memcpy(o + 16 + 32 * c + 4 * i, p[i] + 192 + 4 * c, 4);
+                memcpy(x8 + 2 * i, p[i] + 208, 2);
+                for (int c = 0; c < 4; c++) memcpy(x8 + 16 + 32 * c + 4 * i, p[i] + 192 + 4 * c, 4);
             }
-            for (int b = 0; b < 6; b++) transpose8_words(p, 32 * b, o + x8_values(T_Q6_K) + 256 * b);
+            for (int b = 0; b < 6; b++) transpose8_words(p, 32 * b, x8 + x8_values(T_Q6_K) + 256 * b);
+            uint8_t *o = dst + (g * nsb + sb) * X6D_REC;
+            _mm256_store_ps((float *)o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)x8)));
+            for (int k = 0; k < 16; k++) {
+                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), dup16(x6k_scale_256(x8, 0, k)));
+                for (int c = 0; c < 4; c++)
+                    _mm256_store_si256((__m256i *)(o + 544 + 32 * (4 * k + c)),
+                                       _mm256_sub_epi8(x6k_u_256(x8, 0, k, 4 * (k % 2) + c), _mm256_set1_epi8(32)));
+            }
         }
 }
 
 static __thread uint8_t *t_buf; /* this thread's regrouped weight tile */
 static __thread size_t t_cap;
-/* rows of x from which run_columns regroups a Q6_K tile (where it is not repacked at load) */
+/* rows of x from which run_columns decodes a Q6_K tile (where it is not repacked at load): at 16 rows 1.15-1.2x
+ * the per-row kernel, at 8 (one pass of the tile for its decoding) 0.87x */
 #define X6K_REGROUP_ROWS 16
 #endif
 
@@ -1430,7 +1475,7 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
 /* weight rows [0, count) of type t (their outputs columns n..) for all M rows of x, RMAX rows of x per pass */
 static void run_tile(const int t, const uint8_t *w, int64_t stride, int64_t count, const act_t *a, int64_t M,
                      int64_t N, int64_t n, const float *bias, float *y, int pairs) {
-    const int rmax = is_x8(t) ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
+    const int rmax = is_x8(t) || t == T_Q6_KX8D ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
         const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -1458,11 +1503,11 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
             /* not in batch-invariant mode: the x8 kernel's float sums differ from the per-row kernel's, and a
              * row's bits would depend on how many rows share the call */
             if (t == T_Q6_K && !X6K_AT_LOAD && !invariant && M >= X6K_REGROUP_ROWS && count >= 8) {
-                const int64_t rb = K / 256 * 210, whole = count / 8 * 8;
+                const int64_t rb = K / 256 * X6D_REC / 8, whole = count / 8 * 8;
                 uint8_t *tile = grown(&t_buf, &t_cap, (size_t)(whole * rb));
                 if (tile != NULL) {
                     x6k_regroup(w, stride, whole, K, tile);
-                    run_tile(T_Q6_KX8, tile, rb, whole, a, M, N, n, bias, y, pairs);
+                    run_tile(T_Q6_KX8D, tile, rb, whole, a, M, N, n, bias, y, pairs);
                     done = whole;
                 }
             }

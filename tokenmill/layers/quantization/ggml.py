@@ -110,9 +110,9 @@ _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 
 #   Q6_K      12.19/16.01   23.31/25.10  34.37/35.89  47.63/43.90  99.28/100.23
 #   IQ4_XS    14.29/14.47   29.29/26.35  (IQ4_NL M=32 9.64/9.88, M=48 14.71/12.48)
 # The x8 layouts win at every count measured (1.4-1.7x at 512): they take prefill too (a step's rows are at most
-# --max-num-batched-tokens). So does Q6_K since ggml.c regroups its tiles into the x8 layout from 16 rows of x
+# --max-num-batched-tokens). So does Q6_K since ggml.c decodes its tiles for an x8-style kernel from 16 rows of x
 # where it is not repacked at load (no VNNI; same EPYC, 2026-12-07, ms integer / tiled):
-#   Q6_K      M=16 2.97/12.25  M=64 11.04/21.20  M=128 22.46/33.05  M=256 46.13/56.69  M=512 93.50/102.07
+#   Q6_K      M=16 2.77/12.30  M=64 9.02/21.29  M=128 18.20/33.20  M=256 35.89/57.31  M=512 73.54/103.48
 NO_ROW_LIMIT = 1 << 20  # more rows than any step holds
 MAX_ROWS_INT8_F32_TILES = 32
 _MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: NO_ROW_LIMIT, IQ4_XS: 64, IQ4_NL: 32,
