@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from tokenmill.host import cpu_has_native_bf16
-from tokenmill.layers import cpu_build, cpu_fused, cpu_linear, matmul_plan
+from tokenmill.layers import batch_invariant, cpu_build, cpu_fused, cpu_linear, matmul_plan
 from tokenmill.layers.attention import cpu_kernels
 from tokenmill.layers.linear import LinearBase
 from tokenmill.layers.quantization import ggml
@@ -138,10 +138,17 @@ def _block_types(model, dtype: torch.dtype, fallbacks: list[str]) -> dict[str, s
         fallbacks.append("ggml block kernels unavailable: GGUF/int4 layers run dequantized float weights")
         return {ggml.TYPE_NAMES[t]: "torch (dequantized float weights)" for t in types}
     tiles = "bf16" if cpu_has_native_bf16() and dtype != torch.float32 else "f32"  # as BlockLinear._tiled
-    # keyed by the file's type; an x8 layout (rows repacked 8 at a time) says so in its kernel
+    # keyed by the file's type; an x8 layout (rows repacked 8 at a time) says so in its kernel, and so does Q6_K's
+    # tile decoding where it is not repacked (ggml.c's x6k_regroup: AVX2 without VNNI, not batch-invariant)
+    decoded = isa == "avx2" and not batch_invariant.enabled()
+
+    def how(t: int) -> str:
+        if t in ggml.BASE_TYPE:
+            return ", rows repacked 8 at a time"
+        return ", 8-row tiles decoded at 16+ rows of x" if t == ggml.Q6_K and decoded else ""
+
     return {ggml.TYPE_NAMES[ggml.BASE_TYPE.get(t, t)]: (
-        f"float dot ({rows[t]})" if t in ggml.FLOAT_TYPES else
-        f"{isa} int8 dot{', rows repacked 8 at a time' if t in ggml.BASE_TYPE else ''} ({rows[t]})")
+        f"float dot ({rows[t]})" if t in ggml.FLOAT_TYPES else f"{isa} int8 dot{how(t)} ({rows[t]})")
         + (f"; {tiles} tiles + torch GEMM (more)" if limit[t] < ggml.NO_ROW_LIMIT else "") for t in types}
 
 
