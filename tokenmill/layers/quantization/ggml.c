@@ -447,11 +447,12 @@ AI const float *act_d(const act_t *a, int r) { return (const float *)(a->base + 
 AI const float *act_s32(const act_t *a, int r) { return act_d(a, r) + a->K / 32; }
 
 /* The super-block form of the same row (K-quant weights; K % 256 == 0), after it in the record: int8 q[K] with
- * one scale per 256 values (d256) and the integer sums of each 16 (b16), as llama.cpp's Q8_K. A super-block's
- * dot then sums in integers, its per-16 weight scales applied by vpmaddwd, and meets a float once. */
+ * one scale per 256 values (d256) and the integer sums of each 16 (b16), as llama.cpp's Q8_K, then of each 32
+ * (b32: Q4_K x8's mins take two sub-blocks per vpmaddwd). A super-block's dot then sums in integers, its per-16
+ * weight scales applied by vpmaddwd, and meets a float once. */
 static inline int64_t act_off256(int64_t K) { return (K + 8 * (K / 32) + 63) & ~(int64_t)63; }
 static inline int64_t act_stride(int64_t K) {
-    const int64_t form256 = K % 256 == 0 ? K + 4 * (K / 256) + 2 * (K / 16) : 0;
+    const int64_t form256 = K % 256 == 0 ? K + 4 * (K / 256) + 2 * (K / 16) + 2 * (K / 32) : 0;
     return ((act_off256(K) + form256 + 63) & ~(int64_t)63) + 64;
 }
 AI const int8_t *act_q256(const act_t *a, int r) {
@@ -459,6 +460,7 @@ AI const int8_t *act_q256(const act_t *a, int r) {
 }
 AI const float *act_d256(const act_t *a, int r) { return (const float *)(act_q256(a, r) + a->K); }
 AI const int16_t *act_b16(const act_t *a, int r) { return (const int16_t *)(act_d256(a, r) + a->K / 256); }
+AI const int16_t *act_b32(const act_t *a, int r) { return act_b16(a, r) + a->K / 16; }
 
 /* A K-quant super-block's terms for the super-block form (the scalar path's; the SIMD path builds the same in
  * registers, kvec_t): value i of 16-group g is d * sc[g] * u_i + dm * mn[g] (the
@@ -1074,12 +1076,12 @@ X8K_CHUNK(512)
                     isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)           \
                                                                    : _mm##W##_madd_epi16(part[r], sc16));        \
             }                                                                                                   \
-            for (int s = 0; s < 8; s++) { /* the mins' terms: min times the sub-block's activation sum */       \
-                const __m##W##i mn = lanes8_##W(MN[s / 4], s % 4);                                              \
-                const __m##W##i mn16 = _mm##W##_or_si##W(mn, _mm##W##_slli_epi32(mn, 16));                      \
+            for (int s = 0; s < 8; s += 2) { /* the mins' terms: sub-blocks s, s + 1's mins times their x sums */ \
+                const __m##W##i mn = _mm##W##_or_si##W(lanes8_##W(MN[s / 4], s % 4),                            \
+                                                       _mm##W##_slli_epi32(lanes8_##W(MN[s / 4], s % 4 + 1), 16)); \
                 for (int r = 0; r < R; r++) {                                                                   \
-                    const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
-                    msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, mn16));                        \
+                    const __m##W##i b = bcast_##W((const int8_t *)(act_b32(a, r) + sb * 8 + s));                \
+                    msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, mn));                          \
                 }                                                                                               \
             }                                                                                                   \
             const __m##W d = f16_##W(g, next), dmin = f16_##W(g + 16, next);                                    \
@@ -1337,7 +1339,7 @@ static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *
 }
 
 /* One row of x to the super-block form: int8 per 256 values (scale amax/127, nearest even), integer sums per 16. */
-static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int16_t *b16) {
+static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int16_t *b16, int16_t *b32) {
     for (int64_t j = 0; j < K / 256; j++) {
         const float *xb = x + j * 256;
         float amax = 0.0f;
@@ -1374,6 +1376,7 @@ static void quantize_row256(const float *x, int64_t K, int8_t *q, float *d, int1
             b16[j * 16 + g] = (int16_t)sum;
         }
 #endif
+        for (int s = 0; s < 8; s++) b32[j * 8 + s] = (int16_t)(b16[j * 16 + 2 * s] + b16[j * 16 + 2 * s + 1]);
         d[j] = amax / 127.0f;
     }
 }
@@ -1537,11 +1540,11 @@ static void quantize_x(const float *x, int64_t K, const act_t *a, int64_t m, int
     if (forms & FORM256) {
         int8_t *q = (int8_t *)act_q256(a, r);
         const float *d = act_d256(a, r);
-        quantize_row256(x, K, q, (float *)d, (int16_t *)act_b16(a, r));
+        quantize_row256(x, K, q, (float *)d, (int16_t *)act_b16(a, r), (int16_t *)act_b32(a, r));
         if (precise) {
             for (int64_t k = 0; k < K; k++) res[k] = x[k] - d[k / 256] * (float)q[k];
             quantize_row256(res, K, (int8_t *)act_q256(a, r + 1), (float *)act_d256(a, r + 1),
-                            (int16_t *)act_b16(a, r + 1));
+                            (int16_t *)act_b16(a, r + 1), (int16_t *)act_b32(a, r + 1));
         }
     }
     if (precise) {
