@@ -405,13 +405,6 @@ AI float hmax256(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-AI int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
 AI float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -1260,7 +1253,9 @@ KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
+#if X6K_AT_LOAD
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
+#endif
 KERNELS_X8(T_Q6_KX8D, d_q6_kx8d, dot_x6d)
 #endif
 
@@ -1290,12 +1285,23 @@ static dot_fn pick(int type, int R) {
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
+#if X6K_AT_LOAD
     case T_Q6_KX8: PICK(d_q6_kx8);
+#endif
     case T_Q6_KX8D: PICK(d_q6_kx8d);
 #endif
     default: return NULL;
     }
 }
+
+#if defined(__AVX2__)
+AI int32_t hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
 
 /* One row of x to int8 per 32 values (scale amax/127, round to nearest even), with the scaled sums. */
 static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s32) {
