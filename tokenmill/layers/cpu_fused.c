@@ -56,7 +56,10 @@ void NAME(const T_ *x, const T_ *residual, T_ *res_out, const WT *w, T_ *out, in
     }                                                                                                     \
 }
 
-/* x: [T, 2I] = [gate | up]; out[T, I] = silu(gate) * up */
+/* x: [T, 2I] = [gate | up]; out[T, I] = silu(gate) * up. SILU_VECS vectors per pass: one vector's exp8 (a chain
+ * of dependent FMAs) and division are latency-bound, and the out-of-order window overlaps too few of them on its
+ * own (Zen 2, bf16, 32 x 4864: 2.1 ns per element -> 1.3 with 4). The same operations per element. */
+#define SILU_VECS 4
 #define DEFINE_SILU_MUL(NAME, T_, LOAD, ROUND, STORE, LOAD8, ROUND8, STORE8)                              \
 void NAME(const T_ *x, T_ *out, int64_t T, int64_t I, int num_threads) {                                  \
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (T * I >= PARALLEL_MIN)")      \
@@ -64,6 +67,14 @@ void NAME(const T_ *x, T_ *out, int64_t T, int64_t I, int num_threads) {        
         const T_ *g = x + t * 2 * I, *u = g + I;                                                          \
         T_ *o = out + t * I;                                                                              \
         int64_t i = 0;                                                                                    \
+        for (; i + 8 * SILU_VECS <= I; i += 8 * SILU_VECS) {                                              \
+            v8f sv[SILU_VECS];                                                                            \
+            for (int k = 0; k < SILU_VECS; k++) {                                                         \
+                const v8f gv = LOAD8(g + i + 8 * k);                                                      \
+                sv[k] = gv / (1.0f + exp8((v8f){0} - gv));                                                \
+            }                                                                                             \
+            for (int k = 0; k < SILU_VECS; k++) STORE8(o + i + 8 * k, ROUND8(sv[k]) * LOAD8(u + i + 8 * k)); \
+        }                                                                                                 \
         for (; i + 8 <= I; i += 8) {                                                                      \
             const v8f gv = LOAD8(g + i);                                                                  \
             const v8f sv = gv / (1.0f + exp8((v8f){0} - gv));                                             \

@@ -49,7 +49,14 @@ static inline float exp_sum(float *s, int64_t L, float mx) {
  * a sink logit (sink != NULL) joins the max and the sum but has no value to weight. */
 static inline float softmax_inv(float *s, int64_t L, const float *sink, float oscale) {
     float mx = sink ? *sink : -INFINITY;
-    for (int64_t i = 0; i < L; i++) mx = s[i] > mx ? s[i] : mx;
+    v8f mv = (v8f){0} + mx; /* 8 lanes, then the lanes: a max is the same in any order (NaN scores skipped) */
+    int64_t i = 0;
+    for (; i + 8 <= L; i += 8) {
+        const v8f v = load8(s + i);
+        mv = select8(v > mv, v, mv);
+    }
+    for (int k = 0; k < 8; k++) mx = mv[k] > mx ? mv[k] : mx;
+    for (; i < L; i++) mx = s[i] > mx ? s[i] : mx;
     float sum = exp_sum(s, L, mx);
     if (sink) sum += expf(*sink - mx);
     return sum > 0.0f ? oscale / sum : 0.0f;
@@ -61,21 +68,55 @@ static inline float softmax_inv(float *s, int64_t L, const float *sink, float os
  * where widening each value costs more than the FMA) 4 heads x 16 columns at a time, so each value is widened
  * once per 4 heads instead of once per head (same order of additions). qf is the scaled query
  * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
+/* The weighted sum of values for GN query heads from g0 (in DEFINE_ITEM): 16 columns at a time, each value
+ * vector loaded (and widened) once for the GN heads; each output sums its keys in order. */
+#define VALUES_OF_HEADS(GN, KT, DD, LD8)                                                                   \
+    for (int c0 = 0; c0 < DD / 8; c0 += 2) {                                                                \
+        v8f a[GN][2];                                                                                       \
+        for (int g = 0; g < GN; g++) a[g][0] = a[g][1] = (v8f){0};                                          \
+        for (int64_t p = s0, n, slot; p < s1; p += n) {                                                     \
+            n = key_run(bt, p, s1, block_size, &slot);                                                      \
+            const KT *vb = vh + slot * DD + 8 * c0;                                                         \
+            const float *w = sc + g0 * L + (p - s0);                                                        \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                const v8f v0 = LD8(vb + j * DD), v1 = LD8(vb + j * DD + 8);                                 \
+                for (int g = 0; g < GN; g++) {                                                              \
+                    const float wj = w[g * L + j];                                                          \
+                    a[g][0] += wj * v0;                                                                     \
+                    a[g][1] += wj * v1;                                                                     \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int g = 0; g < GN; g++) {                                                                      \
+            memcpy(acc + (g0 + g) * DD + 8 * c0, &a[g][0], sizeof a[g][0]);                                 \
+            memcpy(acc + (g0 + g) * DD + 8 * c0 + 8, &a[g][1], sizeof a[g][1]);                             \
+        }                                                                                                   \
+    }
+
 #define DEFINE_ITEM(NAME, KT, DD, LD8, WIDEN)                                                              \
 static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
                  int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv,             \
                  const float *sk) {                                                                          \
     const int64_t L = s1 - s0;                                                                              \
+    v8f part[G][8]; /* eight keys' per-head partial sums, reduced together (hsum8x8: hsum8's bits) */        \
     for (int64_t p = s0, n, slot; p < s1; p += n) {                                                         \
         n = key_run(bt, p, s1, block_size, &slot);                                                          \
         const KT *kb = kh + slot * DD;                                                                      \
-        for (int64_t j = 0; j < n; j++) {                                                                   \
-            v8f kv[DD / 8];                                                                                 \
-            for (int c = 0; c < DD / 8; c++) kv[c] = LD8(kb + j * DD + 8 * c);                              \
+        for (int64_t j = 0; j < n; j += 8) {                                                                \
+            const int m = n - j < 8 ? (int)(n - j) : 8;                                                     \
+            for (int k = 0; k < m; k++) {                                                                   \
+                v8f kv[DD / 8];                                                                             \
+                for (int c = 0; c < DD / 8; c++) kv[c] = LD8(kb + (j + k) * DD + 8 * c);                    \
+                for (int64_t g = 0; g < G; g++) {                                                           \
+                    v8f a = (v8f){0};                                                                       \
+                    for (int c = 0; c < DD / 8; c++) a += load8(qf + g * DD + 8 * c) * kv[c];             \
+                    part[g][k] = a;                                                                         \
+                }                                                                                           \
+            }                                                                                               \
             for (int64_t g = 0; g < G; g++) {                                                               \
-                v8f a = (v8f){0};                                                                           \
-                for (int c = 0; c < DD / 8; c++) a += load8(qf + g * DD + 8 * c) * kv[c];                 \
-                sc[g * L + (p - s0) + j] = hsum8(a);                                                        \
+                float *s = sc + g * L + (p - s0) + j;                                                       \
+                if (m == 8) store8(s, hsum8x8(part[g]));                                                    \
+                else for (int k = 0; k < m; k++) s[k] = hsum8(part[g][k]);                                  \
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
@@ -83,30 +124,13 @@ static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt,
     if (WIDEN) {                                                                                            \
     /* values: up to 4 query heads x 16 columns of accumulators at a time, so each value vector is loaded  \
      * (and widened) once per 4 heads rather than once per head; each output still sums keys in order */    \
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {                                                                 \
-        const int gn = G - g0 < 4 ? (int)(G - g0) : 4;                                                      \
-        for (int c0 = 0; c0 < DD / 8; c0 += 2) {                                                            \
-            v8f a[4][2];                                                                                    \
-            for (int g = 0; g < 4; g++) a[g][0] = a[g][1] = (v8f){0};                                       \
-            for (int64_t p = s0, n, slot; p < s1; p += n) {                                                 \
-                n = key_run(bt, p, s1, block_size, &slot);                                                  \
-                const KT *vb = vh + slot * DD + 8 * c0;                                                     \
-                const float *w = sc + g0 * L + (p - s0);                                                    \
-                for (int64_t j = 0; j < n; j++) {                                                           \
-                    const v8f v0 = LD8(vb + j * DD), v1 = LD8(vb + j * DD + 8);                             \
-                    for (int g = 0; g < gn; g++) {                                                          \
-                        const float wj = w[g * L + j];                                                      \
-                        a[g][0] += wj * v0;                                                                 \
-                        a[g][1] += wj * v1;                                                                 \
-                    }                                                                                       \
-                }                                                                                           \
-            }                                                                                               \
-            for (int g = 0; g < gn; g++) {                                                                  \
-                memcpy(acc + (g0 + g) * DD + 8 * c0, &a[g][0], sizeof a[g][0]);                             \
-                memcpy(acc + (g0 + g) * DD + 8 * c0 + 8, &a[g][1], sizeof a[g][1]);                         \
-            }                                                                                               \
+    for (int64_t g0 = 0; g0 < G; g0 += 4)                                                                  \
+        switch (G - g0) { /* the head count a compile-time constant, so the accumulators stay in registers */ \
+        case 1: VALUES_OF_HEADS(1, KT, DD, LD8); break;                                                     \
+        case 2: VALUES_OF_HEADS(2, KT, DD, LD8); break;                                                     \
+        case 3: VALUES_OF_HEADS(3, KT, DD, LD8); break;                                                     \
+        default: VALUES_OF_HEADS(4, KT, DD, LD8);                                                           \
         }                                                                                                   \
-    }                                                                                                       \
     } else {                                                                                                \
     for (int64_t g = 0; g < G; g++) {                                                                       \
         v8f a[DD / 8];                                                                                      \
