@@ -95,3 +95,30 @@ def test_rope_in_place_on_qkv_slices(dtype):
     torch.testing.assert_close(q.float(), ref_q.float(), **TOL[dtype])
     torch.testing.assert_close(k.float(), ref_k.float(), **TOL[dtype])
     assert torch.equal(v, v_before)
+
+
+def _logits(kind: str, B: int, V: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(B, V, generator=g)
+    if kind == "ties":  # many equal maxima: the first one wins
+        x = torch.randint(0, 3, (B, V), generator=g).float()
+    elif kind == "nan":  # the first NaN wins, as in torch
+        x[:, V // 2] = float("nan")
+        x[:, -1] = float("nan")
+    elif kind == "-inf":
+        x[:] = float("-inf")
+    elif kind == "signed zeros":  # -0 equals +0
+        x[:] = -1.0
+        x[:, V // 3] = -0.0
+        x[:, -1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("B,V", [(1, 1), (2, 7), (3, 16), (2, 17), (4, 49152), (32, 151936)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan", "-inf", "signed zeros"])
+def test_argmax_equals_torch(B, V, kind):
+    """The greedy sampler's argmax: torch's indices for every row, ties, NaN and signed zeros included, across
+    the vector chunks and the tail."""
+    x = _logits(kind, B, V, torch.Generator().manual_seed(B * V))
+    with torch.inference_mode():
+        assert torch.equal(cpu_fused.argmax(x), x.argmax(-1))
+        assert torch.equal(cpu_fused.argmax(x[:, : max(1, V - 3)]), x[:, : max(1, V - 3)].argmax(-1))  # strided

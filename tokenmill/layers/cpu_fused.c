@@ -1,5 +1,5 @@
 /* The small per-layer ops of a decoder layer, each one pass over its rows: residual add + RMSNorm,
- * SiLU-and-multiply, and rotary embedding in place.
+ * SiLU-and-multiply, and rotary embedding in place; and the greedy sampler's argmax over the logits.
  *
  * Why: in a decode step these touch a few KB each, yet through torch each costs 5-50 us (a composite of
  * elementwise kernels, each with dispatch and an OpenMP fork) — about a third of a single-stream step on a
@@ -122,3 +122,43 @@ DEFINE_SILU_MUL(silu_mul_f32, float, IDENT, IDENT, IDENT, load8, IDENT, store8)
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16, load8_bf16, round8_bf16, store8_bf16)
 DEFINE_ROPE(rope_f32, float, IDENT, IDENT, IDENT)
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, rbf, f32_to_bf16)
+
+/* out[b] = the index of row b's largest value in x [B, V] (V >= 1), as torch.argmax: the first of equal maxima
+ * (-0 equals +0), the first NaN where a row has one. torch's loop is scalar: 3.1 ms for 32 rows of a 152K
+ * vocabulary on 2 threads, 1.4% of a batched decode step of a 0.5B model; here two vector passes per row, the
+ * maximum (two accumulators: a compare and blend per vector is a latency chain) and then its first index. */
+static inline int any8(v8i mask) {
+    const v8i a = mask | __builtin_shufflevector(mask, mask, 4, 5, 6, 7, 0, 1, 2, 3);
+    return (a[0] | a[1] | a[2] | a[3]) != 0;
+}
+
+void argmax_f32(const float *x, int64_t *out, int64_t B, int64_t V, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (B * V >= PARALLEL_MIN)")
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = x + b * V;
+        v8f m0 = (v8f){0} - INFINITY, m1 = m0;
+        v8i nan = {0};
+        int64_t i = 0;
+        for (; i + 16 <= V; i += 16) {
+            const v8f v0 = load8(r + i), v1 = load8(r + i + 8);
+            nan |= (v0 != v0) | (v1 != v1);
+            m0 = select8(v0 > m0, v0, m0);
+            m1 = select8(v1 > m1, v1, m1);
+        }
+        float m = -INFINITY;
+        int any_nan = 0;
+        for (int k = 0; k < 8; k++) {
+            m = m0[k] > m ? m0[k] : m;
+            m = m1[k] > m ? m1[k] : m;
+            any_nan |= nan[k] != 0;
+        }
+        for (; i < V; i++) {
+            m = r[i] > m ? r[i] : m;
+            any_nan |= r[i] != r[i];
+        }
+        int64_t j = 0; /* past the chunks of 8 without it, then to its lane */
+        for (v8f v; j + 8 <= V && !any8(any_nan ? ((v = load8(r + j)) != v) : (load8(r + j) == m)); j += 8) {}
+        while (j < V && !(any_nan ? r[j] != r[j] : r[j] == m)) j++;
+        out[b] = j;
+    }
+}

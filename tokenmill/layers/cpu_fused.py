@@ -24,6 +24,7 @@ def _load():
             getattr(lib, f"silu_mul_{sfx}").argtypes = [vp, vp, i64, i64, i32]
             getattr(lib, f"rope_{sfx}").argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i32]
         lib.add_rms_norm_w32_bf16.argtypes = [vp, vp, vp, vp, vp, i64, i64, f32, i32]
+        lib.argmax_f32.argtypes = [vp, vp, i64, i64, i32]
         lib._typed = True
     return lib
 
@@ -81,3 +82,14 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     T, H, D = x.shape
     kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                          T, H, D, torch.get_num_threads())
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for float32 x [B, V] (the greedy sampler's logits): the same indices, in one vector pass
+    per row where the C kernels are built; torch's otherwise (and for any other tensor)."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] == 0 or not usable(x):
+        return x.argmax(-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _load().argmax_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out

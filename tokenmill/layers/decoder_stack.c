@@ -148,6 +148,22 @@ static void lora_add(const lora_t *L, const float *x, float *y, int64_t M, int64
     }
 }
 
+/* bf16 <-> float32 around a float kernel, 8 lanes at a time, and from 64K elements (a batched step's gate/up
+ * output: 32 x 9728 on a 0.5B model) on all threads, which would otherwise wait for this one at the next kernel */
+#define CONVERT_PARALLEL_MIN 65536
+static void widen_bf16(const uint16_t *x, float *y, int64_t n, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (n >= CONVERT_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i += 8)
+        if (i + 8 <= n) store8(y + i, load8_bf16(x + i));
+        else for (int64_t k = i; k < n; k++) y[k] = bf16_to_f32(x[k]);
+}
+static void narrow_bf16(const float *x, uint16_t *y, int64_t n, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if (n >= CONVERT_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i += 8)
+        if (i + 8 <= n) store8_bf16(y + i, load8(x + i));
+        else for (int64_t k = i; k < n; k++) y[k] = f32_to_bf16(x[k]);
+}
+
 static void linear(const stack_t *s, const linear_t *l, const void *x, void *y, int64_t M, float *fx, float *fy,
                    const int32_t *lora_slot, int nt) {
     if (!s->bf16) {
@@ -155,11 +171,9 @@ static void linear(const stack_t *s, const linear_t *l, const void *x, void *y, 
         if (l->lora && lora_slot) lora_add(l->lora, x, y, M, l->K, l->N, lora_slot, nt);
         return;
     }
-    const uint16_t *xb = x;
-    uint16_t *yb = y;
-    for (int64_t i = 0; i < M * l->K; i++) fx[i] = bf16_to_f32(xb[i]);
+    widen_bf16(x, fx, M * l->K, nt);
     linear_f32(l, fx, fy, M, nt);
-    for (int64_t i = 0; i < M * l->N; i++) yb[i] = f32_to_bf16(fy[i]);
+    narrow_bf16(fy, y, M * l->N, nt);
 }
 
 /* rows [M, n*D] of a wider matrix (row stride `stride` elements) into a dense [M, n*D] buffer */

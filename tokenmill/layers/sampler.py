@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers import cpu_fused
+
 
 @dataclass
 class SamplingMetadata:
@@ -131,7 +133,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata, generator: Optional[torch
     raw_logprobs = logits.log_softmax(-1) if md.max_num_logprobs >= 0 else None
     logits = apply_logits_processors(logits, md)
 
-    greedy_tokens = logits.argmax(-1)
+    greedy_tokens = cpu_fused.argmax(logits)
     if md.all_greedy:
         tokens = greedy_tokens
     else:
