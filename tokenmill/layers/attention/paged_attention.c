@@ -62,12 +62,6 @@ static inline float softmax_inv(float *s, int64_t L, const float *sink, float os
     return sum > 0.0f ? oscale / sum : 0.0f;
 }
 
-/* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
- * models): each key is loaded once into registers and scored against the G query heads; values are summed
- * block by block (16 keys) with one query head's accumulators held in registers, or (WIDEN: bf16 caches,
- * where widening each value costs more than the FMA) 4 heads x 16 columns at a time, so each value is widened
- * once per 4 heads instead of once per head (same order of additions). qf is the scaled query
- * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
 /* The weighted sum of values for GN query heads from g0 (in DEFINE_ITEM): 16 columns at a time, each value
  * vector loaded (and widened) once for the GN heads; each output sums its keys in order. */
 #define VALUES_OF_HEADS(GN, KT, DD, LD8)                                                                   \
@@ -93,6 +87,13 @@ static inline float softmax_inv(float *s, int64_t L, const float *sink, float os
         }                                                                                                   \
     }
 
+/* One (query token, KV head) item with the head size D known at compile time (64 and 128 cover most
+ * models): each key is loaded once into registers and scored against the G query heads (eight keys' scores
+ * finished together per head); values are summed
+ * block by block (16 keys) with one query head's accumulators held in registers, or (WIDEN: bf16 caches,
+ * where widening each value costs more than the FMA) 4 heads x 16 columns at a time, so each value is widened
+ * once per 4 heads instead of once per head (same order of additions). qf is the scaled query
+ * [G, D], sc the scores [G, L]; acc receives the unnormalised output [G, D]. */
 #define DEFINE_ITEM(NAME, KT, DD, LD8, WIDEN)                                                              \
 static void NAME(const float *qf, const KT *kh, const KT *vh, const int32_t *bt, int64_t s0, int64_t s1,     \
                  int64_t block_size, int64_t G, float *sc, float *acc, float oscale, float *inv,             \
