@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers import cpu_fused
 from tokenmill.layers.sampler import SamplingMetadata, sampling_probs
 
 
@@ -39,7 +40,7 @@ def rejection_sample(logits: torch.Tensor, num_draft: list[int], draft_token_ids
     B, K = len(num_draft), max(num_draft, default=0)
     k, row_start, draft_start, valid, draft_idx, drafts, rows = _layout(num_draft, draft_token_ids, dev)
 
-    greedy_tokens = logits.argmax(-1)
+    greedy_tokens = cpu_fused.argmax(logits)
     all_greedy = bool(greedy.all())
     probs = None if all_greedy else sampling_probs(logits, md)
 
