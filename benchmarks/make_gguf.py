@@ -4,8 +4,9 @@ Shapes (Qwen2.5's): "0.5b" = hidden 896, 24 layers, 14 heads / 2 KV heads (head_
 "1.5b" = hidden 1536, 28 layers, 12 / 2 heads (head_dim 128), intermediate 8960. Both: vocabulary 151936, tied
 embeddings, q/k/v biases, rope_theta 1e6, rms eps 1e-6.
 
-Types: "q4_0" and "q8_0" (every matrix, the tied embedding too, in that one type: as `llama-quantize --pure`),
-and "q4_k_m", laid out as llama.cpp's `llama-quantize Q4_K_M` does (src/llama-quant.cpp of the vendored
+Types: "q4_0", "q8_0" and the other "pure" ones, q4_1, q5_0, q5_1, q2_k, q3_k, q5_k, q6_k and iq4_xs (every
+matrix, the tied embedding too, in that one type: as `llama-quantize --pure`; a K-quant or IQ4_XS needs rows that
+are a multiple of 256, so the 1.5B shape), and "q4_k_m", laid out as llama.cpp's `llama-quantize Q4_K_M` does (src/llama-quant.cpp of the vendored
 llama.cpp): Q4_K for most matrices; Q6_K for the tied embedding (it is the output) and for attn_v / ffn_down in
 the layers `use_more_bits` picks (the first and last eighth and every third between); a matrix whose rows are not
 a multiple of 256 falls back to Q5_0 (for Q4_K) or Q8_0 (for Q6_K). For the 0.5B (896-wide rows) this leaves
@@ -35,13 +36,16 @@ SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate)
     "1.5b": (1536, 28, 12, 2, 8960),
 }
 VOCAB = 151936
-QUANTS = ("q4_0", "q8_0", "q4_k_m")
+QUANTS = ("q4_0", "q8_0", "q4_k_m")  # the benchmark's files (NAMES)
+PURE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
 NAMES = tuple(f"{s}-{q}" for s in SHAPES for q in QUANTS)
 # (byte offsets of the block's fp16 scales, their value): weights of roughly +-0.05 whatever the other bytes
 SCALES = {"Q4_0": ((0,), 7e-3), "Q8_0": ((0,), 4e-4), "Q5_0": ((0,), 3e-3), "Q4_K": ((0, 2), 5e-5),
-          "Q6_K": ((208,), 1.2e-5)}
+          "Q6_K": ((208,), 1.2e-5), "Q4_1": ((0, 2), 3e-3), "Q5_1": ((0, 2), 1.5e-3), "Q2_K": ((80, 82), 1e-3),
+          "Q3_K": ((108,), 4e-4), "Q5_K": ((0, 2), 2.5e-5), "IQ4_XS": ((0,), 1.2e-5)}
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama-quant.cpp, rows not a multiple of 256
-FILE_TYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*: what llama-bench names
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k": 12, "q4_k_m": 15,
+              "q5_k": 17, "q6_k": 18, "iq4_xs": 30}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*: what llama-bench names
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -153,8 +157,9 @@ def ensure(directory: str, name: str) -> str:
     path = path_for(directory, name)
     if not os.path.isfile(path):
         shape, quant = name.split("-")
-        if shape not in SHAPES or quant not in QUANTS:
-            raise ValueError(f"unknown benchmark file {name!r}; known: {', '.join(NAMES)}")
+        if shape not in SHAPES or quant not in QUANTS + PURE:
+            raise ValueError(f"unknown benchmark file {name!r}; known: {', '.join(NAMES)}, or a shape with one of "
+                             f"{', '.join(PURE)}")
         os.makedirs(directory, exist_ok=True)
         logger.info("writing %s", path)
         write_file(path + ".tmp", shape, quant)
@@ -164,7 +169,8 @@ def ensure(directory: str, name: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("names", nargs="*", default=list(NAMES), help=f"files to write (default: all of {NAMES})")
+    p.add_argument("names", nargs="*", default=list(NAMES),
+                   help=f"files to write (default: all of {NAMES}; also SHAPE-TYPE for a type of {PURE})")
     p.add_argument("--dir", default=default_dir())
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

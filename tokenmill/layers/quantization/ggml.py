@@ -44,9 +44,9 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
 # Ours, not ggml's: rows repacked eight at a time (ggml.c's x8_lane says how), which `bind` makes where the CPU
 # has the kernel (Q6_K: with VNNI only): the same bytes, 1.5-2x the decode speed (benchmarks/ggml_kernels.py).
 # Id: 1000 + the type held.
-REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K)
+REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_XS)
 BASE_TYPE = {1000 + t: t for t in REPACKABLE}  # the ggml type an x8 layout holds
-Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8, Q6_KX8 = BASE_TYPE
+Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8, Q6_KX8, IQ4_XSX8 = BASE_TYPE
 TYPE_NAMES.update({x8: TYPE_NAMES[t] + "x8" for x8, t in BASE_TYPE.items()})
 _BLOCKS.update({x8: _BLOCKS[t] for x8, t in BASE_TYPE.items()})
 FLOAT_TYPES = (F32, F16, BF16)
@@ -93,8 +93,10 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 #   Q4_0x8  M=32 0.73/3.54  M=64 1.45/4.41  M=128 2.86/6.21  M=256 6.24/9.70   M=512 13.97/16.56
 #   Q6_K    M=16 1.35/1.81  M=24 2.02/2.02  M=32 2.70/2.28  M=64 5.28/3.09
 # which is why a GGUF layer's limit is measured on the CPU at hand (`bind(..., dtype=)`), these tables its prior.
-_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40, Q6_KX8: 40})
-_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64, Q6_KX8: 64})
+_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40, Q6_KX8: 40,
+                       IQ4_XSX8: 32})
+_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64, Q6_KX8: 64,
+                      IQ4_XSX8: 64})
 # bf16 x where the CPU lacks native bf16 (the tiles are float32, the integer kernel runs int8 activations: not
 # the float32 row's two passes), AVX2-only AMD EPYC, N=8960 K=1536 (a 1.5B's MLP), 2 threads, ms integer / tiled:
 #              M=64         M=128        M=192        M=256        M=512
@@ -115,8 +117,10 @@ _MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 
 #   Q6_K      M=16 2.77/12.30  M=64 9.02/21.29  M=128 18.20/33.20  M=256 35.89/57.31  M=512 73.54/103.48
 NO_ROW_LIMIT = 1 << 20  # more rows than any step holds
 MAX_ROWS_INT8_F32_TILES = 32
+# IQ4_XS x8 (added later, same EPYC, N=8960 K=1536, us per call integer x8 / per-row): M=1 680/1180, M=4
+# 1990/2160, M=8 3690/3750, M=32 14090/14480: its gain is at decode, so it keeps the per-row type's crossover
 _MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: NO_ROW_LIMIT, IQ4_XS: 64, IQ4_NL: 32,
-                            **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE}}
+                            **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE if x8 != IQ4_XSX8}, IQ4_XSX8: 64}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 REPACK_CHUNK_BYTES = 16 << 20  # rows repacked to x8 at a time (then released: `repacked`)
 
@@ -362,8 +366,9 @@ def unpacked(part: Part, K: int) -> Part:
         piece = records[..., start:start + 8 * chunks * width].reshape(rows // 8, nb, chunks, 8, width)
         return piece.permute(0, 3, 1, 2, 4).reshape(rows, nb, chunks * width)
 
-    if base == Q6_K:  # its ql and qh, then its scales and d
-        pieces = [lanes(16 + 128, 48, 4), lanes(16, 4, 4), lanes(0, 1, 2)]
+    if base in (Q6_K, IQ4_XS):  # Q6_K: its ql and qh, then its scales and d; IQ4_XS: d, scales_h, scales_l, qs
+        pieces = ([lanes(16 + 128, 48, 4), lanes(16, 4, 4), lanes(0, 1, 2)] if base == Q6_K else
+                  [lanes(0, 1, 2), lanes(48, 1, 2), lanes(16, 1, 4), lanes(64, 32, 4)])
         return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
     pieces, at = [lanes(0, heads // 2, 2)], 8 * heads
     if base == Q4_K:  # byte s of lo / t of hi (per row): sub-block s's scale and min, low 4 bits / high 2 bits
