@@ -42,7 +42,7 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
-    T_Q4_KX8 = 1012, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
+    T_Q4_KX8 = 1012, T_Q5_KX8 = 1013, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
     T_Q6_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
 };
 
@@ -64,8 +64,9 @@ typedef struct {
 /* rows of x per pass of an x8 kernel: Q4_K x8 takes RMAX everywhere, its per-row state outside the chunk loop
  * spilling only once per sub-block (on an AVX2-only EPYC 8 rows ran 1.17x at 8 and 32 rows of x, 1.13x at 512),
  * and Q8_0 x8, one int32 chain per row without VNNI (1.07x at 8 rows of x, 1.04x at 32; with two chains 8 rows
- * spilled: 0.75x); Q4_0 x8 1.02x, so it keeps RMAX_WIDE with the others */
-#define X8_RMAX(T) ((T) == T_Q4_KX8 || (T) == T_Q8_0X8 ? RMAX : RMAX_WIDE)
+ * spilled: 0.75x); Q5_K x8 as Q4_K (1.14x at 8 rows of x, 1.17x at 32); Q4_0 x8 1.02x, so it keeps RMAX_WIDE with
+ * the others */
+#define X8_RMAX(T) ((T) == T_Q4_KX8 || (T) == T_Q5_KX8 || (T) == T_Q8_0X8 ? RMAX : RMAX_WIDE)
 
 static const int8_t KV_IQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
@@ -97,7 +98,7 @@ AI int tvalues(const int t) {
     switch (t) {
     case T_F32: case T_F16: case T_BF16: return 1;
     case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_KX8: case T_Q6_KX8:
-    case T_IQ4_XSX8: return 256;
+    case T_Q5_KX8: case T_IQ4_XSX8: return 256;
     default: return 32;
     }
 }
@@ -115,7 +116,7 @@ AI int tbytes(const int t) {
     case T_Q2_K: return 84;
     case T_Q3_K: return 110;
     case T_Q4_K: case T_Q4_KX8: return 144;
-    case T_Q5_K: return 176;
+    case T_Q5_K: case T_Q5_KX8: return 176;
     case T_Q6_K: case T_Q6_KX8: return 210;
     case T_IQ4_XS: case T_IQ4_XSX8: return 136;
     default: return 0;
@@ -125,16 +126,17 @@ AI int tbytes(const int t) {
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 AI int is_x8(const int t) {
     return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8 || t == T_Q4_KX8 ||
-           t == T_Q6_KX8 || t == T_IQ4_XSX8;
+           t == T_Q5_KX8 || t == T_Q6_KX8 || t == T_IQ4_XSX8;
 }
 AI int x8_base(const int t) { return t - 1000; }
 AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
 AI int is_q5(const int t) { return t == T_Q5_0 || t == T_Q5_1; }
 /* an x8 group record of a block (x8_lane): the d (and m or dmin) bytes, then Q5's fifth bits or the K-quants'
  * scales, then the values */
-AI int x8_heads(const int base) { return has_min(base) || base == T_Q4_K ? 32 : 16; }
+AI int is_k45(const int t) { return t == T_Q4_K || t == T_Q5_K; } /* d, dmin and the 12-byte 6-bit scales */
+AI int x8_heads(const int base) { return has_min(base) || is_k45(base) ? 32 : 16; }
 AI int x8_values(const int base) {
-    return x8_heads(base) + (is_q5(base) ? 32 : base == T_Q4_K ? 96 : base == T_Q6_K ? 128 : 0);
+    return x8_heads(base) + (is_q5(base) ? 32 : base == T_Q4_K ? 96 : base == T_Q5_K ? 96 + 256 : base == T_Q6_K ? 128 : 0);
 }
 AI int is_signed(const int t) { return t == T_Q8_0 || t == T_IQ4_NL || t == T_IQ4_XS; } /* u holds int8 */
 
@@ -1018,32 +1020,52 @@ AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half a
 }
 #endif
 
-/* chunk c of Q4_K x8 sub-block s (values 4c..4c+3 of the eight rows, or sixteen: two groups) against R rows of
- * x, into part: vpdpbusd, or without VNNI int16 pair sums */
+/* chunk c of Q4_K (Q5_K) x8 sub-block s (values 4c..4c+3 of the eight rows, or sixteen: two groups) against R
+ * rows of x, into part: vpdpbusd, or without VNNI int16 pair sums. Q5_K's fifth bit: bit s of the qh chunk's
+ * bytes, moved to bit 4 (16-bit shifts: what crosses bytes lands outside the mask) */
 #define X8K_CHUNK(W)                                                                                            \
-    AI void x8k_chunk_##W(const int R, const uint8_t *g, int64_t next, const act_t *a, int64_t sb, const int s,  \
-                          const int c, __m##W##i *part) {                                                       \
-        const __m##W##i v = ld_##W(g + x8_values(T_Q4_K) + 256 * (s / 2) + 32 * c, next);                       \
-        const __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, _mm##W##_set1_epi8(15));  \
+    AI void x8k_chunk_##W(const int t, const int R, const uint8_t *g, int64_t next, const act_t *a, int64_t sb, \
+                          const int s, const int c, __m##W##i *part) {                                          \
+        const __m##W##i v = ld_##W(g + x8_values(t) + 256 * (s / 2) + 32 * c, next);                            \
+        __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, _mm##W##_set1_epi8(15));        \
+        if (t == T_Q5_K) {                                                                                      \
+            const __m##W##i qh = ld_##W(g + 128 + 32 * c, next);                                                \
+            const __m##W##i h = s <= 4 ? _mm##W##_slli_epi16(qh, 4 - s) : _mm##W##_srli_epi16(qh, s - 4);      \
+            u = _mm##W##_or_si##W(u, _mm##W##_and_si##W(h, _mm##W##_set1_epi8(16)));                            \
+        }                                                                                                       \
         for (int r = 0; r < R; r++) {                                                                           \
             const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);                         \
             part[r] = vnni_##W ? dpbusd_##W(part[r], u, x) : _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(u, x)); \
         }                                                                                                       \
     }
+/* a chunk, then (Q5_K without VNNI) after the fourth the pair sums so far scaled into isum: 4 pair sums <= 2 * 31
+ * * 127 fill int16 */
+#define X8K_STEP(W)                                                                                             \
+    AI void x8k_step_##W(const int t, const int R, const uint8_t *g, int64_t next, const act_t *a, int64_t sb,  \
+                         const int s, const int c, __m##W##i sc16, __m##W##i *part, __m##W##i *isum) {         \
+        x8k_chunk_##W(t, R, g, next, a, sb, s, c, part);                                                        \
+        if (t == T_Q5_K && !vnni_##W && c == 3)                                                                 \
+            for (int r = 0; r < R; r++) {                                                                       \
+                isum[r] = _mm##W##_add_epi32(isum[r], _mm##W##_madd_epi16(part[r], sc16));                      \
+                part[r] = _mm##W##_setzero_si##W();                                                             \
+            }                                                                                                   \
+    }
 X8K_CHUNK(256)
+X8K_STEP(256)
 #if X16
 X8K_CHUNK(512)
+X8K_STEP(512)
 #endif
 
 #define X8K_DOT(W, GROUPS)                                                                                      \
     AI void dot_x8k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
-        (void)t;                                                                                                \
+        const int base = x8_base(t), rec = 8 * tbytes(base);                                                    \
         const __m##W##i m4 = _mm##W##_set1_epi8(15), m3 = _mm##W##_set1_epi8(3), z = _mm##W##_setzero_si##W();   \
         __m##W acc[RMAX];                                                                                       \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
-            const uint8_t *g = w + sb * 8 * 144;                                                                \
-            if (GROUPS == 1) prefetch_ahead(g, 8 * 144);                                                        \
+            const uint8_t *g = w + sb * rec;                                                                    \
+            if (GROUPS == 1) prefetch_ahead(g, rec);                                                            \
             const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
             __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
             for (int h = 0; h < 2; h++) {                                                                       \
@@ -1060,13 +1082,14 @@ X8K_CHUNK(512)
                 const __m##W##i sc16 = _mm##W##_or_si##W(sc, _mm##W##_slli_epi32(sc, 16));                      \
                 __m##W##i part[RMAX]; /* the sub-block's unscaled dots (without VNNI: int16 pair sums) */       \
                 for (int r = 0; r < R; r++) part[r] = z;                                                        \
-                if (R == 8) { /* unrolled: 1.1-1.2x at 8-32 rows of x; 0.9x at two rows, so only here */      \
+                if (R >= (base == T_Q5_K ? 4 : 8)) { /* unrolled: Q4_K 1.1-1.2x at 8-32 rows of x, 0.9x at 2; \
+                                                      * Q5_K 1.3x at 4, 0.75x at 1 */                           \
                     _Pragma("GCC unroll 8")                                                                     \
-                    for (int c = 0; c < 8; c++) x8k_chunk_##W(R, g, next, a, sb, s, c, part);                   \
+                    for (int c = 0; c < 8; c++) x8k_step_##W(base, R, g, next, a, sb, s, c, sc16, part, isum);  \
                 } else {                                                                                        \
-                    for (int c = 0; c < 8; c++) x8k_chunk_##W(R, g, next, a, sb, s, c, part);                   \
+                    for (int c = 0; c < 8; c++) x8k_step_##W(base, R, g, next, a, sb, s, c, sc16, part, isum);  \
                 }                                                                                               \
-                for (int r = 0; r < R; r++) /* 8 pair sums <= 2 * 15 * 127 fit int16 */                         \
+                for (int r = 0; r < R; r++) /* 8 pair sums <= 2 * 15 * 127 fit int16 (Q5_K: the last 4) */     \
                     isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)           \
                                                                    : _mm##W##_madd_epi16(part[r], sc16));        \
             }                                                                                                   \
@@ -1331,6 +1354,7 @@ KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8)
 KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k)
+KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k)
 #if X6K_AT_LOAD
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
 #endif
@@ -1364,6 +1388,7 @@ static dot_fn pick(int type, int R) {
     case T_Q5_1X8: PICK(d_q5_1x8);
     case T_Q8_0X8: PICK(d_q8_0x8);
     case T_Q4_KX8: PICK(d_q4_kx8);
+    case T_Q5_KX8: PICK(d_q5_kx8);
 #if X6K_AT_LOAD
     case T_Q6_KX8: PICK(d_q6_kx8);
 #endif
@@ -1787,10 +1812,11 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
  *   Q5_0/Q5_1: then their fifth bits (32 bytes): bit c of byte 4i + k is the bit of row i's value 4c + k;
  *   then the values in chunks of 32 bytes, bytes 4i..4i+3 of chunk c being row i's value bytes 4c..4c+3 (Q8_0: 8
  *   chunks, values 4c..4c+3; the nibble types: 4 chunks, low nibbles values 4c..4c+3, high 16+4c..19+4c).
- * Q4_K (a record per super-block; x8k_scales): d, then dmin (16 bytes each); the 6-bit scales and mins of
+ * Q4_K and Q5_K (a record per super-block; x8k_scales): d, then dmin (16 bytes each); the 6-bit scales and mins of
  * sub-block s in bytes 8s + i of 64 (scale's low 4 bits, then min's) and the high 2 bits in byte 8(s % 4) + i
  * of 32 (scale's at bit 2(s / 4), min's at 4 + 2(s / 4)); then 32 chunks: bytes 4i..4i+3 of chunk 8q + c are
  * row i's bytes 32q + 4c.. of its nibbles (low nibbles: values 64q + 4c.., sub-block 2q; high: sub-block 2q + 1).
+ * Q5_K puts its qh between the scales and the nibbles: 8 chunks, bytes 4i..4i+3 of chunk c row i's qh[4c..4c+3].
  * Q6_K (a record per super-block): d (16 bytes), then 4 chunks of the int8 scales (bytes 4i..4i+3 of chunk c are
  * row i's scales 4c..4c+3), then 48 chunks of its ql and qh bytes as they lie (ql's 128, qh's 64), 4 per lane.
  * IQ4_XS (a record per super-block): d (16 bytes), its scales_l (4 bytes per lane, 32), its scales_h (2 per lane,
@@ -1833,8 +1859,8 @@ static void x8_fifth_bits(uint8_t *qh, uint8_t *bits, const int unpack) {
 }
 
 static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const int unpack) {
-    const int two = has_min(base) || base == T_Q4_K; /* d, then m (dmin) */
-    const int qh = 2 + 2 * two, qs = base == T_Q4_K ? 16 : qh + (is_q5(base) ? 4 : 0);
+    const int two = has_min(base) || is_k45(base); /* d, then m (dmin) */
+    const int qh = 2 + 2 * two, qs = base == T_Q4_K ? 16 : base == T_Q5_K ? 48 : qh + (is_q5(base) ? 4 : 0);
 #define MOVE(blk, rec, n) (unpack ? memcpy(blk, rec, n) : memcpy(rec, blk, n))
     if (base == T_Q6_K) { /* ql, qh, scales, d in the block */
         MOVE(b + 208, o + 2 * i, 2);
@@ -1852,8 +1878,10 @@ static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const i
     MOVE(b, o + 2 * i, 2);
     if (two) MOVE(b + 2, o + 16 + 2 * i, 2);
     for (int c = 0; c < (tbytes(base) - qs) / 4; c++) MOVE(b + qs + 4 * c, o + x8_values(base) + 32 * c + 4 * i, 4);
+    if (base == T_Q5_K)
+        for (int c = 0; c < 8; c++) MOVE(b + 16 + 4 * c, o + 128 + 32 * c + 4 * i, 4);
 #undef MOVE
-    if (base == T_Q4_K) x8k_scales(b + 4, o, i, unpack);
+    if (is_k45(base)) x8k_scales(b + 4, o, i, unpack);
     if (is_q5(base)) x8_fifth_bits(b + qh, o + x8_heads(base) + 4 * i, unpack);
 }
 
@@ -1884,7 +1912,7 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     }
 }
 
-/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K or IQ4_XS (row stride src_stride, rows % 8 == 0) into the
+/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS (row stride src_stride, rows % 8 == 0) into the
  * x8 layout at dst (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no
  * x8 kernel (no AVX2) or the type or shape does not fit (nothing written then). */
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,

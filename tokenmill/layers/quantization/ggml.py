@@ -44,9 +44,9 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
 # Ours, not ggml's: rows repacked eight at a time (ggml.c's x8_lane says how), which `bind` makes where the CPU
 # has the kernel (Q6_K: with VNNI only): the same bytes, 1.5-2x the decode speed (benchmarks/ggml_kernels.py).
 # Id: 1000 + the type held.
-REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, IQ4_XS)
+REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS)
 BASE_TYPE = {1000 + t: t for t in REPACKABLE}  # the ggml type an x8 layout holds
-Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8, Q6_KX8, IQ4_XSX8 = BASE_TYPE
+Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8, Q5_KX8, Q6_KX8, IQ4_XSX8 = BASE_TYPE
 TYPE_NAMES.update({x8: TYPE_NAMES[t] + "x8" for x8, t in BASE_TYPE.items()})
 _BLOCKS.update({x8: _BLOCKS[t] for x8, t in BASE_TYPE.items()})
 FLOAT_TYPES = (F32, F16, BF16)
@@ -93,10 +93,10 @@ _MAX_ROWS_F32 = {Q4_0: 48, Q4_K: 96}
 #   Q4_0x8  M=32 0.73/3.54  M=64 1.45/4.41  M=128 2.86/6.21  M=256 6.24/9.70   M=512 13.97/16.56
 #   Q6_K    M=16 1.35/1.81  M=24 2.02/2.02  M=32 2.70/2.28  M=64 5.28/3.09
 # which is why a GGUF layer's limit is measured on the CPU at hand (`bind(..., dtype=)`), these tables its prior.
-_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40, Q6_KX8: 40,
-                       IQ4_XSX8: 32})
-_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64, Q6_KX8: 64,
-                      IQ4_XSX8: 64})
+_MAX_ROWS_BF16.update({Q4_0X8: 96, Q4_1X8: 96, Q5_0X8: 32, Q5_1X8: 32, Q8_0X8: 32, Q4_KX8: 40, Q5_KX8: 40,
+                       Q6_KX8: 40, IQ4_XSX8: 32})
+_MAX_ROWS_F32.update({Q4_0X8: 128, Q4_1X8: 128, Q5_0X8: 64, Q5_1X8: 64, Q8_0X8: 64, Q4_KX8: 64, Q5_KX8: 64,
+                      Q6_KX8: 64, IQ4_XSX8: 64})
 # bf16 x where the CPU lacks native bf16 (the tiles are float32, the integer kernel runs int8 activations: not
 # the float32 row's two passes), AVX2-only AMD EPYC, N=8960 K=1536 (a 1.5B's MLP), 2 threads, ms integer / tiled:
 #              M=64         M=128        M=192        M=256        M=512
@@ -357,7 +357,7 @@ def unpacked(part: Part, K: int) -> Part:
         return part
     base = BASE_TYPE[part.type]
     values, nbytes = block_size(base)
-    heads = 4 if base in (Q4_1, Q5_1, Q4_K) else 2  # a block's d (and m or dmin) bytes
+    heads = 4 if base in (Q4_1, Q5_1, Q4_K, Q5_K) else 2  # a block's d (and m or dmin) bytes
     nb, rows = K // values, part.data.shape[0]
     records = part.data[:, :row_bytes(base, K)].reshape(rows // 8, nb, 8 * nbytes)
 
@@ -371,14 +371,15 @@ def unpacked(part: Part, K: int) -> Part:
                   [lanes(0, 1, 2), lanes(48, 1, 2), lanes(16, 1, 4), lanes(64, 32, 4)])
         return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
     pieces, at = [lanes(0, heads // 2, 2)], 8 * heads
-    if base == Q4_K:  # byte s of lo / t of hi (per row): sub-block s's scale and min, low 4 bits / high 2 bits
+    if base in (Q4_K, Q5_K):  # byte s of lo / t of hi (per row): sub-block s's scale and min, low 4 / high 2 bits
         lo, hi = lanes(32, 8, 1).to(torch.int64), lanes(96, 4, 1).to(torch.int64).repeat(1, 1, 2)
         shift = 2 * (torch.arange(8) // 4)
         sc = (lo & 15) | ((hi >> shift) & 3) << 4
         mn = (lo >> 4) | ((hi >> (4 + shift)) & 3) << 4
         packed = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
                             (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], dim=-1)  # ggml's 12 bytes
-        pieces += [packed.to(torch.uint8), lanes(128, 32, 4)]
+        qh = [lanes(128, 8, 4)] if base == Q5_K else []  # Q5_K's qh between the scales and the nibbles
+        pieces += [packed.to(torch.uint8), *qh, lanes(128 + 256 * len(qh), 32, 4)]
         return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
     if base in (Q5_0, Q5_1):  # byte k of a lane: bit c is the fifth bit of value 4c + k
         bits = (lanes(at, 1, 4).to(torch.int64).unsqueeze(-1) >> torch.arange(8)) & 1
