@@ -42,7 +42,7 @@ enum {
     T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20, T_IQ4_XS = 23, T_BF16 = 30,
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
-    T_Q4_KX8 = 1012, T_Q5_KX8 = 1013, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
+    T_Q2_KX8 = 1010, T_Q3_KX8 = 1011, T_Q4_KX8 = 1012, T_Q5_KX8 = 1013, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
     T_Q6_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
 };
 
@@ -98,7 +98,7 @@ AI int tvalues(const int t) {
     switch (t) {
     case T_F32: case T_F16: case T_BF16: return 1;
     case T_Q2_K: case T_Q3_K: case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: case T_Q4_KX8: case T_Q6_KX8:
-    case T_Q5_KX8: case T_IQ4_XSX8: return 256;
+    case T_Q5_KX8: case T_IQ4_XSX8: case T_Q2_KX8: case T_Q3_KX8: return 256;
     default: return 32;
     }
 }
@@ -113,8 +113,8 @@ AI int tbytes(const int t) {
     case T_Q5_1: case T_Q5_1X8: return 24;
     case T_Q8_0: case T_Q8_0X8: return 34;
     case T_IQ4_NL: return 18;
-    case T_Q2_K: return 84;
-    case T_Q3_K: return 110;
+    case T_Q2_K: case T_Q2_KX8: return 84;
+    case T_Q3_K: case T_Q3_KX8: return 110;
     case T_Q4_K: case T_Q4_KX8: return 144;
     case T_Q5_K: case T_Q5_KX8: return 176;
     case T_Q6_K: case T_Q6_KX8: return 210;
@@ -126,7 +126,7 @@ AI int tbytes(const int t) {
 AI int is_float(const int t) { return t == T_F32 || t == T_F16 || t == T_BF16; }
 AI int is_x8(const int t) {
     return t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8 || t == T_Q4_KX8 ||
-           t == T_Q5_KX8 || t == T_Q6_KX8 || t == T_IQ4_XSX8;
+           t == T_Q5_KX8 || t == T_Q6_KX8 || t == T_IQ4_XSX8 || t == T_Q2_KX8 || t == T_Q3_KX8;
 }
 AI int x8_base(const int t) { return t - 1000; }
 AI int has_min(const int t) { return t == T_Q4_1 || t == T_Q5_1; }
@@ -1320,6 +1320,102 @@ X8IQ_DOT(512, 2)
 #define dot_x8iq_512(t, R, w, next, a, res) ((void)0)
 #endif
 
+/* Q3_K and Q2_K rows repacked eight at a time (T_Q3_KX8, T_Q2_KX8; x8_lane says the layout): per super-block the
+ * eight rows' sixteen group scales (Q3_K: 6 bits from two places, minus 32; Q2_K: 4 bits, and its mins) come apart
+ * as bytes with a few shifts; a value chunk (two bits of qs, and Q3_K's hmask bit) meets broadcast activations as
+ * in X8_DOT, a group's four chunks' pair sums (<= 2 * 7 * 127) adding up in int16 before one vpmaddwd applies its
+ * scale (VNNI: vpdpbusd, a vpmulld per group); Q3_K's offset 4 and Q2_K's mins meet the groups' x sums (the
+ * super-block form of x), as Q6_K x8's offset. */
+#define X8Q23_DOT(W, GROUPS)                                                                                    \
+    /* group j (< 4) of a scale vector's lanes (4 signed bytes each) as int32 lanes */                         \
+    AI __m##W##i x8q23_scale_##W(__m##W##i v, const int j) {                                                   \
+        return _mm##W##_srai_epi32(_mm##W##_slli_epi32(v, 24 - 8 * j), 24);                                    \
+    }                                                                                                           \
+    AI void dot_x8q23_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
+        const int base = x8_base(t), q3 = base == T_Q3_K, rec = 8 * tbytes(base), qs = q3 ? 368 : 160;         \
+        const __m##W##i m3 = _mm##W##_set1_epi8(3), m15 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W(); \
+        const __m##W##i lo16 = _mm##W##_set1_epi32(0xffff);                                                     \
+        __m##W acc[RMAX];                                                                                       \
+        for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
+        for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
+            const uint8_t *g = w + sb * rec;                                                                    \
+            if (GROUPS == 1) prefetch_ahead(g, rec);                                                            \
+            __m##W##i S[4], MN[4]; /* byte j of lane i: row i's group 4k + j scale (min) */                     \
+            if (q3) { /* ggml's kmask shuffle, lane-wise */                                                     \
+                const __m##W##i A = ld_##W(g + 16, next), B = ld_##W(g + 48, next), C = ld_##W(g + 80, next);  \
+                for (int k = 0; k < 4; k++) {                                                                   \
+                    const __m##W##i l4 = _mm##W##_and_si##W(k < 2 ? (k ? B : A) : _mm##W##_srli_epi16(k == 2 ? A : B, 4), m15); \
+                    const __m##W##i h2 = _mm##W##_and_si##W(_mm##W##_srli_epi16(C, 2 * k), m3);                 \
+                    S[k] = _mm##W##_sub_epi8(_mm##W##_or_si##W(l4, _mm##W##_slli_epi16(h2, 4)), _mm##W##_set1_epi8(32)); \
+                    MN[k] = S[k];                                                                               \
+                }                                                                                               \
+            } else {                                                                                            \
+                for (int k = 0; k < 4; k++) {                                                                   \
+                    const __m##W##i v = ld_##W(g + 32 + 32 * k, next);                                          \
+                    S[k] = _mm##W##_and_si##W(v, m15);                                                          \
+                    MN[k] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m15);                                 \
+                }                                                                                               \
+            }                                                                                                   \
+            __m##W##i isum[RMAX], msum[RMAX];                                                                   \
+            for (int r = 0; r < R; r++) isum[r] = msum[r] = z;                                                  \
+            _Pragma("GCC unroll 8")                                                                             \
+            for (int s = 0; s < 8; s++) {                                                                       \
+                _Pragma("GCC unroll 2")                                                                         \
+                for (int half = 0; half < 2; half++) { /* group 2s + half: values 16 half.. of sub-block s */   \
+                    const int gr = 2 * s + half;                                                                \
+                    const __m##W##i sc = x8q23_scale_##W(S[gr / 4], gr % 4);                                   \
+                    const __m##W##i sc16 = _mm##W##_or_si##W(_mm##W##_and_si##W(sc, lo16), _mm##W##_slli_epi32(sc, 16)); \
+                    __m##W##i part[RMAX];                                                                       \
+                    for (int r = 0; r < R; r++) part[r] = z;                                                    \
+                    _Pragma("GCC unroll 4")                                                                     \
+                    for (int c = 4 * half; c < 4 * half + 4; c++) {                                             \
+                        const __m##W##i Q = ld_##W(g + qs + 32 * (8 * (s / 4) + c), next);                      \
+                        __m##W##i u = _mm##W##_and_si##W(_mm##W##_srli_epi16(Q, 2 * (s % 4)), m3);              \
+                        if (q3) { /* bit s of hmask to bit 2 (16-bit shifts: what crosses bytes is masked) */    \
+                            const __m##W##i H = ld_##W(g + 112 + 32 * c, next);                                 \
+                            const __m##W##i h = s <= 2 ? _mm##W##_slli_epi16(H, 2 - s) : _mm##W##_srli_epi16(H, s - 2); \
+                            u = _mm##W##_or_si##W(u, _mm##W##_and_si##W(h, _mm##W##_set1_epi8(4)));             \
+                        }                                                                                       \
+                        for (int r = 0; r < R; r++) {                                                           \
+                            const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);          \
+                            part[r] = vnni_##W ? dpbusd_##W(part[r], u, x)                                      \
+                                               : _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(u, x));     \
+                        }                                                                                       \
+                    }                                                                                           \
+                    for (int r = 0; r < R; r++)                                                                 \
+                        isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)       \
+                                                                       : _mm##W##_madd_epi16(part[r], sc16));    \
+                }                                                                                               \
+                /* groups 2s, 2s + 1's offset scales (Q3_K) or mins (Q2_K) times their x sums */                \
+                const __m##W##i pair = _mm##W##_or_si##W(                                                       \
+                    _mm##W##_and_si##W(x8q23_scale_##W(MN[s / 2], 2 * s % 4), lo16),                            \
+                    _mm##W##_slli_epi32(x8q23_scale_##W(MN[s / 2], 2 * s % 4 + 1), 16));                        \
+                for (int r = 0; r < R; r++) {                                                                   \
+                    const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
+                    msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
+                }                                                                                               \
+            }                                                                                                   \
+            const __m##W d = f16_##W(g, next), dmin = q3 ? d : f16_##W(g + 16, next);                          \
+            for (int r = 0; r < R; r++) {                                                                       \
+                const __m##W dx = _mm##W##_set1_ps(act_d256(a, r)[sb]);                                         \
+                if (q3) {                                                                                       \
+                    const __m##W##i dot = _mm##W##_sub_epi32(isum[r], _mm##W##_slli_epi32(msum[r], 2));         \
+                    acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, dx), _mm##W##_cvtepi32_ps(dot), acc[r]);      \
+                } else {                                                                                        \
+                    acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, dx), _mm##W##_cvtepi32_ps(isum[r]), acc[r]);  \
+                    acc[r] = _mm##W##_fnmadd_ps(_mm##W##_mul_ps(dmin, dx), _mm##W##_cvtepi32_ps(msum[r]), acc[r]); \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
+    }
+X8Q23_DOT(256, 1)
+#if X16
+X8Q23_DOT(512, 2)
+#else
+#define dot_x8q23_512(t, R, w, next, a, res) ((void)0)
+#endif
+
 AI void store_x8(const int R, const float *res, int width, int k, float *y, int64_t ldy, float b, int pairs) {
     float col[RMAX];
     for (int r = 0; r < R; r++) col[r] = res[width * r + k];
@@ -1360,6 +1456,8 @@ KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
 #endif
 KERNELS_X8(T_Q6_KX8D, d_q6_kx8d, dot_x6d)
 KERNELS_X8(T_IQ4_XSX8, d_iq4_xsx8, dot_x8iq)
+KERNELS_X8(T_Q3_KX8, d_q3_kx8, dot_x8q23)
+KERNELS_X8(T_Q2_KX8, d_q2_kx8, dot_x8q23)
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
@@ -1394,6 +1492,8 @@ static dot_fn pick(int type, int R) {
 #endif
     case T_Q6_KX8D: PICK(d_q6_kx8d);
     case T_IQ4_XSX8: PICK(d_iq4_xsx8);
+    case T_Q3_KX8: PICK(d_q3_kx8);
+    case T_Q2_KX8: PICK(d_q2_kx8);
 #endif
     default: return NULL;
     }
@@ -1821,7 +1921,9 @@ static void dequant_row_any(int t, const uint8_t *w, int64_t K, void *out, int o
  * row i's scales 4c..4c+3), then 48 chunks of its ql and qh bytes as they lie (ql's 128, qh's 64), 4 per lane.
  * IQ4_XS (a record per super-block): d (16 bytes), its scales_l (4 bytes per lane, 32), its scales_h (2 per lane,
  * 16), then 32 chunks of its qs as they lie, 4 bytes per lane (chunk 4s + c: sub-block s's values 4c.. in the low
- * nibbles, 16 + 4c.. in the high ones). */
+ * nibbles, 16 + 4c.. in the high ones).
+ * Q3_K (a record per super-block): d (16 bytes), its 12 scale bytes in 3 chunks (4 per lane), its hmask in 8 and
+ * its qs in 16, as they lie. Q2_K: d, dmin (16 bytes each), its 16 scale bytes in 4 chunks, its qs in 16. */
 /* Q4_K's eight 6-bit scales and mins (ggml's 12 bytes at sc12) <-> lane i's bytes of the record's regrouping at o */
 static void x8k_scales(uint8_t *sc12, uint8_t *o, const int i, const int unpack) {
     uint8_t *A = o + 32 + i, *B = o + 96 + i, v[16];
@@ -1868,6 +1970,15 @@ static void x8_lane(const int base, uint8_t *b, uint8_t *o, const int i, const i
         for (int c = 0; c < 48; c++) MOVE(b + 4 * c, o + x8_values(base) + 32 * c + 4 * i, 4);
         return;
     }
+    if (base == T_Q3_K || base == T_Q2_K) { /* Q3_K: hmask, qs, scales, d; Q2_K: scales, qs, d, dmin */
+        const int q3 = base == T_Q3_K, sc = q3 ? 96 : 0, nsc = q3 ? 3 : 4;
+        MOVE(b + (q3 ? 108 : 80), o + 2 * i, 2);
+        if (!q3) MOVE(b + 82, o + 16 + 2 * i, 2);
+        for (int k = 0; k < nsc; k++) MOVE(b + sc + 4 * k, o + (q3 ? 16 : 32) + 32 * k + 4 * i, 4);
+        for (int c = 0; c < 8 * q3; c++) MOVE(b + 4 * c, o + 112 + 32 * c + 4 * i, 4); /* hmask */
+        for (int c = 0; c < 16; c++) MOVE(b + (q3 ? 32 : 16) + 4 * c, o + (q3 ? 368 : 160) + 32 * c + 4 * i, 4);
+        return;
+    }
     if (base == T_IQ4_XS) { /* d, scales_h, scales_l, qs in the block */
         MOVE(b, o + 2 * i, 2);
         MOVE(b + 4, o + 16 + 4 * i, 4);
@@ -1912,7 +2023,7 @@ void gg_dequant_rows(int32_t type, const uint8_t *w, int64_t row_stride, const i
     }
 }
 
-/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS (row stride src_stride, rows % 8 == 0) into the
+/* Rows [rows, K] of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K or IQ4_XS (row stride src_stride, rows % 8 == 0) into the
  * x8 layout at dst (contiguous, the same bytes as the rows): returns the x8 type id, or -1 where this build has no
  * x8 kernel (no AVX2) or the type or shape does not fit (nothing written then). */
 int32_t gg_repack_x8(int32_t type, const uint8_t *src, int64_t src_stride, int64_t rows, int64_t K, uint8_t *dst,

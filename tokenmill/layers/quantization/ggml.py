@@ -44,9 +44,9 @@ _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20
 # Ours, not ggml's: rows repacked eight at a time (ggml.c's x8_lane says how), which `bind` makes where the CPU
 # has the kernel (Q6_K: with VNNI only): the same bytes, 1.5-2x the decode speed (benchmarks/ggml_kernels.py).
 # Id: 1000 + the type held.
-REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS)
+REPACKABLE = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)
 BASE_TYPE = {1000 + t: t for t in REPACKABLE}  # the ggml type an x8 layout holds
-Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q4_KX8, Q5_KX8, Q6_KX8, IQ4_XSX8 = BASE_TYPE
+Q4_0X8, Q4_1X8, Q5_0X8, Q5_1X8, Q8_0X8, Q2_KX8, Q3_KX8, Q4_KX8, Q5_KX8, Q6_KX8, IQ4_XSX8 = BASE_TYPE
 TYPE_NAMES.update({x8: TYPE_NAMES[t] + "x8" for x8, t in BASE_TYPE.items()})
 _BLOCKS.update({x8: _BLOCKS[t] for x8, t in BASE_TYPE.items()})
 FLOAT_TYPES = (F32, F16, BF16)
@@ -366,9 +366,13 @@ def unpacked(part: Part, K: int) -> Part:
         piece = records[..., start:start + 8 * chunks * width].reshape(rows // 8, nb, chunks, 8, width)
         return piece.permute(0, 3, 1, 2, 4).reshape(rows, nb, chunks * width)
 
-    if base in (Q6_K, IQ4_XS):  # Q6_K: its ql and qh, then its scales and d; IQ4_XS: d, scales_h, scales_l, qs
-        pieces = ([lanes(16 + 128, 48, 4), lanes(16, 4, 4), lanes(0, 1, 2)] if base == Q6_K else
-                  [lanes(0, 1, 2), lanes(48, 1, 2), lanes(16, 1, 4), lanes(64, 32, 4)])
+    as_they_lie = {  # the block's pieces in its order, each (start, chunks, width) as the record holds it
+        Q6_K: [(16 + 128, 48, 4), (16, 4, 4), (0, 1, 2)],  # ql and qh, scales, d
+        IQ4_XS: [(0, 1, 2), (48, 1, 2), (16, 1, 4), (64, 32, 4)],  # d, scales_h, scales_l, qs
+        Q3_K: [(112, 8, 4), (368, 16, 4), (16, 3, 4), (0, 1, 2)],  # hmask, qs, scales, d
+        Q2_K: [(32, 4, 4), (160, 16, 4), (0, 1, 2), (16, 1, 2)]}  # scales, qs, d, dmin
+    if base in as_they_lie:
+        pieces = [lanes(*piece) for piece in as_they_lie[base]]
         return Part(base, torch.cat(pieces, dim=-1).reshape(rows, nb * nbytes).contiguous())
     pieces, at = [lanes(0, heads // 2, 2)], 8 * heads
     if base in (Q4_K, Q5_K):  # byte s of lo / t of hi (per row): sub-block s's scale and min, low 4 / high 2 bits
