@@ -461,7 +461,8 @@ def sitting(a: argparse.Namespace, w: Workload) -> tuple[dict, dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--files", default=None, help=f"comma-separated, from: default,{','.join(make_gguf.NAMES)} "
-                                                 "(default: all; --quick: default)")
+                                                 f"(default: all; --quick: default), or SHAPE-TYPE for a type of "
+                                                 f"{','.join(make_gguf.PURE)} (every matrix in it)")
     p.add_argument("--dir", default=make_gguf.default_dir(), help="where the random-weight files are written")
     p.add_argument("--llama-bin", default=LLAMA_BIN, help="llama.cpp's build/bin (llama-bench, llama-batched-bench)")
     p.add_argument("--skip-llamacpp", action="store_true", help="tokenmill only")
