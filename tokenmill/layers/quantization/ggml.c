@@ -422,8 +422,15 @@ AI float hsum256(__m256 v) {
  * ahead, gave 44-49 (2 threads: Q4_K/Q4_0/Q5_0 x8 +10-22%, Q6_K +11%; 2-9 KiB ahead alike), 8 rows of x
  * +9-14% (x8), the per-row Q6_K at 16-32 rows +13-16%; nothing slower. Prefetches never fault. */
 #define PREFETCH_AHEAD 4096
-AI void prefetch_ahead(const uint8_t *p, int n) {
-    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o, 0, 3);
+/* once: a single pass of x rows reads these bytes (a->wide == 0), so they come non-temporal (prefetchnta: into
+ * L1, not kept in the outer caches they would only crowd). On an AVX2-only Zen 2, one row of x streaming a
+ * 152k x 1536 Q4_K x8 head from memory read 21.6 -> 26.4 GB/s, a 152k x 896 Q5_0 x8 one 22.7 -> 27.9 (the
+ * machine's 2-thread read bandwidth ~28); tiles that several passes of x rows reuse keep the temporal form. */
+AI void prefetch_ahead(const uint8_t *p, int n, const int once) {
+    if (once)
+        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o, 0, 0);
+    else
+        for (int o = 0; o < n; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o, 0, 3);
 }
 
 /* Quantized activations of M rows, one record per row at base + r * stride: int8 q[K], then float d[K/32] (the
@@ -690,7 +697,7 @@ AI void dot_k(const int t, const int R, const uint8_t *w, const act_t *a, float 
     for (int r = 0; r < R; r++) facc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *b = w + sb * tbytes(t);
-        prefetch_ahead(b, tbytes(t));
+        prefetch_ahead(b, tbytes(t), !a->wide);
         kvec_t h;
         dec_kvec(t, b, &h);
         const __m256i *T = h.T;
@@ -944,7 +951,7 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
             const uint8_t *g = w + j * gb;                                                                     \
-            if (GROUPS == 1) prefetch_ahead(g, gb);                                                             \
+            if (GROUPS == 1) prefetch_ahead(g, gb, !a->wide);                                                   \
             __m##W##i s0[RMAX], s1[RMAX], p[RMAX]; /* two chains per row of x; p: int16 pair sums (no VNNI) */  \
             for (int r = 0; r < R; r++) s0[r] = s1[r] = p[r] = z;                                              \
             const __m##W##i q = is_q5(base) ? ld_##W(g + x8_heads(base), next) : z;                            \
@@ -1065,7 +1072,7 @@ X8K_STEP(512)
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * rec;                                                                    \
-            if (GROUPS == 1) prefetch_ahead(g, rec);                                                            \
+            if (GROUPS == 1) prefetch_ahead(g, rec, !a->wide);                                                  \
             const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
             __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
             for (int h = 0; h < 2; h++) {                                                                       \
@@ -1159,7 +1166,7 @@ X8K_DOT(512, 2)
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *rec = w + sb * 8 * 210;                                                              \
-            if (GROUPS == 1) prefetch_ahead(rec, 8 * 210);                                                      \
+            if (GROUPS == 1) prefetch_ahead(rec, 8 * 210, !a->wide);                                            \
             __m##W##i isum[RMAX], msum[RMAX];                                                                   \
             for (int r = 0; r < R; r++) isum[r] = msum[r] = z;                                                  \
             if (R == 8) { /* as two halves of four rows (all eight at once spilled registers: 0.75x the per-row \
@@ -1272,7 +1279,7 @@ AI __m512i u16_lanes_512(const uint8_t *g, int64_t next) {
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * 8 * 136;                                                                \
-            if (GROUPS == 1) prefetch_ahead(g, 8 * 136);                                                        \
+            if (GROUPS == 1) prefetch_ahead(g, 8 * 136, !a->wide);                                              \
             const __m##W##i L = ld_##W(g + 16, next), H = u16_lanes_##W(g + 48, next);                          \
             __m##W##i isum[RMAX];                                                                               \
             for (int r = 0; r < R; r++) isum[r] = z;                                                            \
@@ -1339,7 +1346,7 @@ X8IQ_DOT(512, 2)
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * rec;                                                                    \
-            if (GROUPS == 1) prefetch_ahead(g, rec);                                                            \
+            if (GROUPS == 1) prefetch_ahead(g, rec, !a->wide);                                                  \
             __m##W##i S[4], MN[4]; /* byte j of lane i: row i's group 4k + j scale (min) */                     \
             if (q3) { /* ggml's kmask shuffle, lane-wise */                                                     \
                 const __m##W##i A = ld_##W(g + 16, next), B = ld_##W(g + 48, next), C = ld_##W(g + 80, next);  \
