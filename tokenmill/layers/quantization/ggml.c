@@ -919,6 +919,11 @@ AI __m256i abs_256(__m256i w) { return _mm256_abs_epi8(w); }
 #endif
 #define vnni_512 1
 AI __m256i sign_256(__m256i x, __m256i w) { return _mm256_sign_epi8(x, w); } /* x where w > 0, -x where w < 0 */
+/* bit `from` of each byte of v at bit `to`, the rest zero (16-bit shifts: what crosses bytes falls outside the mask) */
+AI __m256i bit_at_256(__m256i v, const int from, const int to) {
+    const __m256i h = from <= to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+    return _mm256_and_si256(h, _mm256_set1_epi8((char)(1 << to)));
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define X16 1
@@ -938,6 +943,10 @@ AI __m512i dpbusd_512(__m512i acc, __m512i u, __m512i x) { return _mm512_dpbusd_
 AI __m512i abs_512(__m512i w) { return _mm512_abs_epi8(w); }
 /* no vpsignb at 512 bits: -x where w < 0 (where w == 0 the weight's |w| zeroes the product anyway) */
 AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
+AI __m512i bit_at_512(__m512i v, const int from, const int to) {
+    const __m512i h = from <= to ? _mm512_slli_epi16(v, to - from) : _mm512_srli_epi16(v, from - to);
+    return _mm512_and_si512(h, _mm512_set1_epi8((char)(1 << to)));
+}
 #else
 #define X16 0
 #endif
@@ -946,7 +955,7 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
 #define X8_DOT(W, GROUPS)                                                                                      \
     AI void dot_x8_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), gb = 8 * tbytes(base), hv = x8_values(base), q8 = base == T_Q8_0;       \
-        const __m##W##i m4 = _mm##W##_set1_epi8(15), m16 = _mm##W##_set1_epi8(16), z = _mm##W##_setzero_si##W(); \
+        const __m##W##i m4 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W();                            \
         __m##W acc[RMAX];                                                                                      \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                            \
         for (int64_t j = 0; j < a->K / 32; j++) {                                                              \
@@ -968,8 +977,8 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
                 }                                                                                              \
                 __m##W##i lo = _mm##W##_and_si##W(v, m4), hi = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m4); \
                 if (is_q5(base)) {                                                                             \
-                    lo = _mm##W##_or_si##W(lo, _mm##W##_and_si##W(_mm##W##_slli_epi16(q, 4 - c), m16));        \
-                    hi = _mm##W##_or_si##W(hi, _mm##W##_and_si##W(_mm##W##_srli_epi16(q, c), m16));            \
+                    lo = _mm##W##_or_si##W(lo, bit_at_##W(q, c, 4));                                           \
+                    hi = _mm##W##_or_si##W(hi, bit_at_##W(q, c + 4, 4));                                       \
                 }                                                                                              \
                 for (int r = 0; r < R; r++) {                                                                  \
                     const int8_t *xq = act_q(a, r) + j * 32;                                                   \
@@ -1029,17 +1038,13 @@ AI __m512i lanes8_512(__m512i v, const int k) { /* bytes 8k..8k+7 of each half a
 
 /* chunk c of Q4_K (Q5_K) x8 sub-block s (values 4c..4c+3 of the eight rows, or sixteen: two groups) against R
  * rows of x, into part: vpdpbusd, or without VNNI int16 pair sums. Q5_K's fifth bit: bit s of the qh chunk's
- * bytes, moved to bit 4 (16-bit shifts: what crosses bytes lands outside the mask) */
+ * bytes, moved to bit 4 */
 #define X8K_CHUNK(W)                                                                                            \
     AI void x8k_chunk_##W(const int t, const int R, const uint8_t *g, int64_t next, const act_t *a, int64_t sb, \
                           const int s, const int c, __m##W##i *part) {                                          \
         const __m##W##i v = ld_##W(g + x8_values(t) + 256 * (s / 2) + 32 * c, next);                            \
         __m##W##i u = _mm##W##_and_si##W(s & 1 ? _mm##W##_srli_epi16(v, 4) : v, _mm##W##_set1_epi8(15));        \
-        if (t == T_Q5_K) {                                                                                      \
-            const __m##W##i qh = ld_##W(g + 128 + 32 * c, next);                                                \
-            const __m##W##i h = s <= 4 ? _mm##W##_slli_epi16(qh, 4 - s) : _mm##W##_srli_epi16(qh, s - 4);      \
-            u = _mm##W##_or_si##W(u, _mm##W##_and_si##W(h, _mm##W##_set1_epi8(16)));                            \
-        }                                                                                                       \
+        if (t == T_Q5_K) u = _mm##W##_or_si##W(u, bit_at_##W(ld_##W(g + 128 + 32 * c, next), s, 4));          \
         for (int r = 0; r < R; r++) {                                                                           \
             const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);                         \
             part[r] = vnni_##W ? dpbusd_##W(part[r], u, x) : _mm##W##_add_epi16(part[r], _mm##W##_maddubs_epi16(u, x)); \
@@ -1378,11 +1383,7 @@ X8IQ_DOT(512, 2)
                     for (int c = 4 * half; c < 4 * half + 4; c++) {                                             \
                         const __m##W##i Q = ld_##W(g + qs + 32 * (8 * (s / 4) + c), next);                      \
                         __m##W##i u = _mm##W##_and_si##W(_mm##W##_srli_epi16(Q, 2 * (s % 4)), m3);              \
-                        if (q3) { /* bit s of hmask to bit 2 (16-bit shifts: what crosses bytes is masked) */    \
-                            const __m##W##i H = ld_##W(g + 112 + 32 * c, next);                                 \
-                            const __m##W##i h = s <= 2 ? _mm##W##_slli_epi16(H, 2 - s) : _mm##W##_srli_epi16(H, s - 2); \
-                            u = _mm##W##_or_si##W(u, _mm##W##_and_si##W(h, _mm##W##_set1_epi8(4)));             \
-                        }                                                                                       \
+                        if (q3) u = _mm##W##_or_si##W(u, bit_at_##W(ld_##W(g + 112 + 32 * c, next), s, 2)); /* hmask */ \
                         for (int r = 0; r < R; r++) {                                                           \
                             const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);          \
                             part[r] = vnni_##W ? dpbusd_##W(part[r], u, x)                                      \
