@@ -924,6 +924,12 @@ AI __m256i bit_at_256(__m256i v, const int from, const int to) {
     const __m256i h = from <= to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
     return _mm256_and_si256(h, _mm256_set1_epi8((char)(1 << to)));
 }
+/* byte j (< 4) of each 32-bit lane, sign-extended (a scale chunk's lanes, 4 int8 scales each) */
+AI __m256i sbyte_256(__m256i v, const int j) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * j), 24); }
+/* int32 lanes lo and hi as one lane of two int16 (lo's low half, then hi's): a vpmaddwd operand */
+AI __m256i pair16_256(__m256i lo, __m256i hi) {
+    return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define X16 1
@@ -946,6 +952,10 @@ AI __m512i sign_512(__m512i x, __m512i w) { return _mm512_mask_sub_epi8(x, _mm51
 AI __m512i bit_at_512(__m512i v, const int from, const int to) {
     const __m512i h = from <= to ? _mm512_slli_epi16(v, to - from) : _mm512_srli_epi16(v, from - to);
     return _mm512_and_si512(h, _mm512_set1_epi8((char)(1 << to)));
+}
+AI __m512i sbyte_512(__m512i v, const int j) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24); }
+AI __m512i pair16_512(__m512i lo, __m512i hi) {
+    return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
 }
 #else
 #define X16 0
@@ -1136,7 +1146,7 @@ X8K_DOT(512, 2)
 #define X6K_DOT(W, GROUPS)                                                                                      \
     /* the eight (sixteen) rows' int8 scales of group g (< 16) of the record at rec, as int32 lanes */          \
     AI __m##W##i x6k_scale_##W(const uint8_t *rec, int64_t next, const int g) {                                \
-        return _mm##W##_srai_epi32(_mm##W##_slli_epi32(ld_##W(rec + 16 + 32 * (g / 4), next), 24 - 8 * (g % 4)), 24); \
+        return sbyte_##W(ld_##W(rec + 16 + 32 * (g / 4), next), g % 4);                                         \
     }                                                                                                           \
     /* values 4c..4c+3 (c < 8) of group g's sub-block (half g / 8, quarter g / 2 % 4 of ggml's ql/qh split), u    \
      * in 0..63: a nibble of ql with bits 2sp, 2sp + 1 of qh moved to bits 4, 5 (16-bit shifts: the mask drops   \
@@ -1166,7 +1176,7 @@ X8K_DOT(512, 2)
     }                                                                                                           \
     AI void dot_x6k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         (void)t;                                                                                                \
-        const __m##W##i z = _mm##W##_setzero_si##W(), lo16 = _mm##W##_set1_epi32(0xffff);                        \
+        const __m##W##i z = _mm##W##_setzero_si##W();                                                           \
         __m##W acc[RMAX];                                                                                       \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
@@ -1187,8 +1197,7 @@ X8K_DOT(512, 2)
                 for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
             }                                                                                                   \
             for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
-                const __m##W##i pair = _mm##W##_or_si##W(_mm##W##_and_si##W(x6k_scale_##W(rec, next, 2 * s), lo16), \
-                                                         _mm##W##_slli_epi32(x6k_scale_##W(rec, next, 2 * s + 1), 16)); \
+                const __m##W##i pair = pair16_##W(x6k_scale_##W(rec, next, 2 * s), x6k_scale_##W(rec, next, 2 * s + 1)); \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
@@ -1294,8 +1303,7 @@ AI __m512i u16_lanes_512(const uint8_t *g, int64_t next) {
                     _mm##W##_and_si##W(_mm##W##_srli_epi32(L, 4 * s), _mm##W##_set1_epi32(15)),                 \
                     _mm##W##_slli_epi32(_mm##W##_and_si##W(_mm##W##_srli_epi32(H, 2 * s), _mm##W##_set1_epi32(3)), 4)), \
                     _mm##W##_set1_epi32(32));                                                                   \
-                const __m##W##i sc16 = _mm##W##_or_si##W(_mm##W##_and_si##W(sc, _mm##W##_set1_epi32(0xffff)),   \
-                                                         _mm##W##_slli_epi32(sc, 16));                          \
+                const __m##W##i sc16 = pair16_##W(sc, sc);                                                      \
                 __m##W##i part[RMAX];                                                                           \
                 for (int r = 0; r < R; r++) part[r] = z;                                                        \
                 for (int c = 0; c < 4; c++) {                                                                   \
@@ -1339,14 +1347,9 @@ X8IQ_DOT(512, 2)
  * scale (VNNI: vpdpbusd, a vpmulld per group); Q3_K's offset 4 and Q2_K's mins meet the groups' x sums (the
  * super-block form of x), as Q6_K x8's offset. */
 #define X8Q23_DOT(W, GROUPS)                                                                                    \
-    /* group j (< 4) of a scale vector's lanes (4 signed bytes each) as int32 lanes */                         \
-    AI __m##W##i x8q23_scale_##W(__m##W##i v, const int j) {                                                   \
-        return _mm##W##_srai_epi32(_mm##W##_slli_epi32(v, 24 - 8 * j), 24);                                    \
-    }                                                                                                           \
     AI void dot_x8q23_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), q3 = base == T_Q3_K, rec = 8 * tbytes(base), qs = q3 ? 368 : 160;         \
         const __m##W##i m3 = _mm##W##_set1_epi8(3), m15 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W(); \
-        const __m##W##i lo16 = _mm##W##_set1_epi32(0xffff);                                                     \
         __m##W acc[RMAX];                                                                                       \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
@@ -1375,8 +1378,8 @@ X8IQ_DOT(512, 2)
                 _Pragma("GCC unroll 2")                                                                         \
                 for (int half = 0; half < 2; half++) { /* group 2s + half: values 16 half.. of sub-block s */   \
                     const int gr = 2 * s + half;                                                                \
-                    const __m##W##i sc = x8q23_scale_##W(S[gr / 4], gr % 4);                                   \
-                    const __m##W##i sc16 = _mm##W##_or_si##W(_mm##W##_and_si##W(sc, lo16), _mm##W##_slli_epi32(sc, 16)); \
+                    const __m##W##i sc = sbyte_##W(S[gr / 4], gr % 4);                                   \
+                    const __m##W##i sc16 = pair16_##W(sc, sc);                                                  \
                     __m##W##i part[RMAX];                                                                       \
                     for (int r = 0; r < R; r++) part[r] = z;                                                    \
                     _Pragma("GCC unroll 4")                                                                     \
@@ -1395,9 +1398,7 @@ X8IQ_DOT(512, 2)
                                                                        : _mm##W##_madd_epi16(part[r], sc16));    \
                 }                                                                                               \
                 /* groups 2s, 2s + 1's offset scales (Q3_K) or mins (Q2_K) times their x sums */                \
-                const __m##W##i pair = _mm##W##_or_si##W(                                                       \
-                    _mm##W##_and_si##W(x8q23_scale_##W(MN[s / 2], 2 * s % 4), lo16),                            \
-                    _mm##W##_slli_epi32(x8q23_scale_##W(MN[s / 2], 2 * s % 4 + 1), 16));                        \
+                const __m##W##i pair = pair16_##W(sbyte_##W(MN[s / 2], 2 * s % 4), sbyte_##W(MN[s / 2], 2 * s % 4 + 1)); \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \

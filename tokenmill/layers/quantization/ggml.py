@@ -120,7 +120,7 @@ MAX_ROWS_INT8_F32_TILES = 32
 # IQ4_XS x8 (added later, same EPYC, N=8960 K=1536, us per call integer x8 / per-row): M=1 680/1180, M=4
 # 1990/2160, M=8 3690/3750, M=32 14090/14480: its gain is at decode, so it keeps the per-row type's crossover
 _MAX_ROWS_INT8_F32_TILES = {Q2_K: 192, Q3_K: 64, Q5_K: 128, Q6_K: NO_ROW_LIMIT, IQ4_XS: 64, IQ4_NL: 32,
-                            **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE if x8 != IQ4_XSX8}, IQ4_XSX8: 64}
+                            **{x8: NO_ROW_LIMIT for x8 in BASE_TYPE}, IQ4_XSX8: 64}
 TILE_BYTES = 4 << 20  # a dequantized weight tile (L2/L3-sized, reused)
 REPACK_CHUNK_BYTES = 16 << 20  # rows repacked to x8 at a time (then released: `repacked`)
 
