@@ -365,4 +365,4 @@ def test_x8_repack_matches_reference(lib, type_id):
         assert torch.equal(ggml.dequantize(packed, K, rows, lib=lib), w[rows])
         assert torch.equal(ggml.dequantize(packed, K, lib=lib), w[:24])
         routed = ggml.BlockLinear(layer.parts, K, lib=lib, max_rows=MAX_ROWS)  # the tests' row limit
-        check_routes(routed, lib, w, column_blocks(part, other), (1, 3, 8, 13, 40))
+        check_routes(routed, lib, w, column_blocks(part, other), (1, 3, 8, 13, 20, 40))  # 20: decoded tiles

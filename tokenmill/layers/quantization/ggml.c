@@ -43,7 +43,7 @@ enum {
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
     T_Q2_KX8 = 1010, T_Q3_KX8 = 1011, T_Q4_KX8 = 1012, T_Q5_KX8 = 1013, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
-    T_Q6_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
+    T_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
 };
 
 typedef struct {
@@ -1215,8 +1215,8 @@ X8K_DOT(512, 2)
 /* Q6_K rows are repacked at load only with VNNI (X6K_AT_LOAD). Without it an x8 kernel (vpmaddubsw, decoding
  * values as it goes) ran 1.11-1.20x the per-row kernel at 8-64 rows of x but 0.75x at one (bf16 x) on an
  * AVX2-only EPYC (Zen 2): a 1.5B Q4_K_M decoded at 0.89x repacked. So the rows stay in ggml's layout there, and
- * where enough rows of x pass over a tile (X6K_REGROUP_ROWS) run_columns decodes it into a thread's buffer
- * (x6k_regroup, T_Q6_KX8D below): 1.3x the per-row kernel at 32 rows of x, 1.45x at 64, 1.5x at 512. */
+ * where enough rows of x pass over a tile (KX8D_ROWS) run_columns decodes it into a thread's buffer
+ * (x6k_regroup, T_KX8D below): 1.3x the per-row kernel at 32 rows of x, 1.45x at 64, 1.5x at 512. */
 #define X6K_AT_LOAD vnni_256
 X6K_DOT(256, 1)
 #if X16
@@ -1226,18 +1226,18 @@ X6K_DOT(512, 2)
 #endif
 
 /* A Q6_K tile decoded for a CPU without VNNI (x6k_regroup), where the x8 layout's kernel would decode every
- * value once per pass of rows of x: per 8 rows and super-block a record of X6D_REC bytes, their d as floats (32
+ * value once per pass of rows of x: per 8 rows and super-block a record of KX8D_REC bytes, their d as floats (32
  * bytes), each group's scales as int16 pairs (16 x 32 bytes; lane i: row i's scale twice), then the values u - 32
  * as int8 in 64 chunks (chunk 4g + c, lane i: row i's values 16g + 4c..16g + 4c + 3). A chunk is then one vpabsb
  * before its rows' vpsignb (x takes w's sign), vpmaddubsw, vpaddw: a group's four chunks' pair sums (<= 2 * 32 *
  * 127 each) add up in int16, and one vpmaddwd per group and row applies the scales. */
-#define X6D_REC 2592
-AI void dot_x6d_256(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) {
+#define KX8D_REC 2592
+AI void dot_kx8d_256(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) {
     (void)t, (void)next;
     __m256 acc[RMAX];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < a->K / 256; sb++) {
-        const uint8_t *rec = w + sb * X6D_REC;
+        const uint8_t *rec = w + sb * KX8D_REC;
         __m256i isum[RMAX];
         for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 16
@@ -1262,7 +1262,7 @@ AI void dot_x6d_256(const int t, const int R, const uint8_t *w, int64_t next, co
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(res + 8 * r, acc[r]);
 }
-#define dot_x6d_512(t, R, w, next, a, res) ((void)0)
+#define dot_kx8d_512(t, R, w, next, a, res) ((void)0)
 
 /* IQ4_XS rows repacked eight at a time (T_IQ4_XSX8; x8_lane says the layout): a value chunk's nibbles are looked
  * up in the IQ4 table (vpshufb) as signed bytes that meet broadcast activations with their sign, as Q8_0 x8 (a
@@ -1346,24 +1346,42 @@ X8IQ_DOT(512, 2)
  * in X8_DOT, a group's four chunks' pair sums (<= 2 * 7 * 127) adding up in int16 before one vpmaddwd applies its
  * scale (VNNI: vpdpbusd, a vpmulld per group); Q3_K's offset 4 and Q2_K's mins meet the groups' x sums (the
  * super-block form of x), as Q6_K x8's offset. */
+/* Q3_K x8 (per super-block record): byte j of lane i of S[k] is row i's scale of group 4k + j (6 bits from two
+ * places, minus 32: ggml's kmask shuffle, lane-wise) */
+#define X8Q23_PARTS(W)                                                                                          \
+    AI void q3k_scales_##W(const uint8_t *g, int64_t next, __m##W##i S[4]) {                                    \
+        const __m##W##i m3 = _mm##W##_set1_epi8(3), m15 = _mm##W##_set1_epi8(15);                             \
+        const __m##W##i A = ld_##W(g + 16, next), B = ld_##W(g + 48, next), C = ld_##W(g + 80, next);          \
+        for (int k = 0; k < 4; k++) {                                                                           \
+            const __m##W##i l4 = _mm##W##_and_si##W(k < 2 ? (k ? B : A) : _mm##W##_srli_epi16(k == 2 ? A : B, 4), m15); \
+            const __m##W##i h2 = _mm##W##_and_si##W(_mm##W##_srli_epi16(C, 2 * k), m3);                         \
+            S[k] = _mm##W##_sub_epi8(_mm##W##_or_si##W(l4, _mm##W##_slli_epi16(h2, 4)), _mm##W##_set1_epi8(32)); \
+        }                                                                                                       \
+    }                                                                                                           \
+    /* lane i: row i's values 32s + 4c .. + 3 as unsigned 2 bits of qs (Q3_K: hmask's bit as bit 2, u - 4 the   \
+     * value; Q2_K: the value) */                                                                               \
+    AI __m##W##i q23_values_##W(const uint8_t *g, int64_t next, const int q3, const int s, const int c) {       \
+        const __m##W##i Q = ld_##W(g + (q3 ? 368 : 160) + 32 * (8 * (s / 4) + c), next);                       \
+        const __m##W##i u = _mm##W##_and_si##W(_mm##W##_srli_epi16(Q, 2 * (s % 4)), _mm##W##_set1_epi8(3));    \
+        return q3 ? _mm##W##_or_si##W(u, bit_at_##W(ld_##W(g + 112 + 32 * c, next), s, 2)) : u;                 \
+    }
+X8Q23_PARTS(256)
+#if X16
+X8Q23_PARTS(512)
+#endif
 #define X8Q23_DOT(W, GROUPS)                                                                                    \
     AI void dot_x8q23_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
-        const int base = x8_base(t), q3 = base == T_Q3_K, rec = 8 * tbytes(base), qs = q3 ? 368 : 160;         \
-        const __m##W##i m3 = _mm##W##_set1_epi8(3), m15 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W(); \
+        const int base = x8_base(t), q3 = base == T_Q3_K, rec = 8 * tbytes(base);                             \
+        const __m##W##i m15 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W();                            \
         __m##W acc[RMAX];                                                                                       \
         for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
         for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
             const uint8_t *g = w + sb * rec;                                                                    \
             if (GROUPS == 1) prefetch_ahead(g, rec, !a->wide);                                                  \
             __m##W##i S[4], MN[4]; /* byte j of lane i: row i's group 4k + j scale (min) */                     \
-            if (q3) { /* ggml's kmask shuffle, lane-wise */                                                     \
-                const __m##W##i A = ld_##W(g + 16, next), B = ld_##W(g + 48, next), C = ld_##W(g + 80, next);  \
-                for (int k = 0; k < 4; k++) {                                                                   \
-                    const __m##W##i l4 = _mm##W##_and_si##W(k < 2 ? (k ? B : A) : _mm##W##_srli_epi16(k == 2 ? A : B, 4), m15); \
-                    const __m##W##i h2 = _mm##W##_and_si##W(_mm##W##_srli_epi16(C, 2 * k), m3);                 \
-                    S[k] = _mm##W##_sub_epi8(_mm##W##_or_si##W(l4, _mm##W##_slli_epi16(h2, 4)), _mm##W##_set1_epi8(32)); \
-                    MN[k] = S[k];                                                                               \
-                }                                                                                               \
+            if (q3) {                                                                                           \
+                q3k_scales_##W(g, next, S);                                                                     \
+                for (int k = 0; k < 4; k++) MN[k] = S[k];                                                       \
             } else {                                                                                            \
                 for (int k = 0; k < 4; k++) {                                                                   \
                     const __m##W##i v = ld_##W(g + 32 + 32 * k, next);                                          \
@@ -1384,9 +1402,7 @@ X8IQ_DOT(512, 2)
                     for (int r = 0; r < R; r++) part[r] = z;                                                    \
                     _Pragma("GCC unroll 4")                                                                     \
                     for (int c = 4 * half; c < 4 * half + 4; c++) {                                             \
-                        const __m##W##i Q = ld_##W(g + qs + 32 * (8 * (s / 4) + c), next);                      \
-                        __m##W##i u = _mm##W##_and_si##W(_mm##W##_srli_epi16(Q, 2 * (s % 4)), m3);              \
-                        if (q3) u = _mm##W##_or_si##W(u, bit_at_##W(ld_##W(g + 112 + 32 * c, next), s, 2)); /* hmask */ \
+                        const __m##W##i u = q23_values_##W(g, next, q3, s, c);                                  \
                         for (int r = 0; r < R; r++) {                                                           \
                             const __m##W##i x = bcast_##W(act_q256(a, r) + sb * 256 + 32 * s + 4 * c);          \
                             part[r] = vnni_##W ? dpbusd_##W(part[r], u, x)                                      \
@@ -1463,7 +1479,7 @@ KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k)
 #if X6K_AT_LOAD
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k)
 #endif
-KERNELS_X8(T_Q6_KX8D, d_q6_kx8d, dot_x6d)
+KERNELS_X8(T_KX8D, d_kx8d, dot_kx8d)
 KERNELS_X8(T_IQ4_XSX8, d_iq4_xsx8, dot_x8iq)
 KERNELS_X8(T_Q3_KX8, d_q3_kx8, dot_x8q23)
 KERNELS_X8(T_Q2_KX8, d_q2_kx8, dot_x8q23)
@@ -1499,7 +1515,7 @@ static dot_fn pick(int type, int R) {
 #if X6K_AT_LOAD
     case T_Q6_KX8: PICK(d_q6_kx8);
 #endif
-    case T_Q6_KX8D: PICK(d_q6_kx8d);
+    case T_KX8D: PICK(d_kx8d);
     case T_IQ4_XSX8: PICK(d_iq4_xsx8);
     case T_Q3_KX8: PICK(d_q3_kx8);
     case T_Q2_KX8: PICK(d_q2_kx8);
@@ -1636,7 +1652,7 @@ AI void transpose8_words(const uint8_t *const *p, int64_t off, uint8_t *out) {
     }
 }
 
-/* Q6_K rows [0, rows) (rows % 8 == 0, row stride `stride`) decoded into T_Q6_KX8D records at dst (32-byte
+/* Q6_K rows [0, rows) (rows % 8 == 0, row stride `stride`) decoded into T_KX8D records at dst (32-byte
  * aligned): each 8 rows' super-block regrouped into the x8 layout (an 8x8 word transpose), then decoded */
 static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t K, uint8_t *dst) {
     const int64_t nsb = K / 256;
@@ -1650,7 +1666,7 @@ static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t 
                 for (int c = 0; c < 4; c++) memcpy(x8 + 16 + 32 * c + 4 * i, p[i] + 192 + 4 * c, 4);
             }
             for (int b = 0; b < 6; b++) transpose8_words(p, 32 * b, x8 + x8_values(T_Q6_K) + 256 * b);
-            uint8_t *o = dst + (g * nsb + sb) * X6D_REC;
+            uint8_t *o = dst + (g * nsb + sb) * KX8D_REC;
             _mm256_store_ps((float *)o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)x8)));
             for (int k = 0; k < 16; k++) {
                 _mm256_store_si256((__m256i *)(o + 32 + 32 * k), dup16(x6k_scale_256(x8, 0, k)));
@@ -1661,11 +1677,37 @@ static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t 
         }
 }
 
-static __thread uint8_t *t_buf; /* this thread's regrouped weight tile */
+/* Q3_K x8 rows [0, rows) (whole groups, row stride `stride`) decoded into T_KX8D records at dst: a Q6_K tile's
+ * form, the values u - 4 (-4..3) where Q6_K's are u - 32, the scales (-32..31) as Q6_K's int8 ones */
+static void x3k_decode(const uint8_t *w, int64_t stride, int64_t rows, int64_t K, uint8_t *dst) {
+    const int64_t nsb = K / 256;
+    for (int64_t g = 0; g < rows / 8; g++)
+        for (int64_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *rec = w + 8 * g * stride + sb * 8 * tbytes(T_Q3_K);
+            uint8_t *o = dst + (g * nsb + sb) * KX8D_REC;
+            __m256i S[4];
+            q3k_scales_256(rec, 0, S);
+            _mm256_store_ps((float *)o, f16_256(rec, 0));
+            for (int k = 0; k < 16; k++) {
+                const __m256i sc = sbyte_256(S[k / 4], k % 4);
+                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), pair16_256(sc, sc));
+            }
+            for (int s = 0; s < 8; s++) /* chunk 4k + c of group k = 2s + c / 4: values 32s + 4c.. */
+                for (int c = 0; c < 8; c++)
+                    _mm256_store_si256((__m256i *)(o + 544 + 32 * (8 * s + c)),
+                                       _mm256_sub_epi8(q23_values_256(rec, 0, 1, s, c), _mm256_set1_epi8(4)));
+        }
+}
+
+/* the types whose tiles run_columns decodes to T_KX8D where enough rows of x pass over them (KX8D_ROWS): Q6_K
+ * where it is not repacked at load, and Q3_K x8 without VNNI, whose kernel otherwise decodes every value once per
+ * pass of four rows of x (AVX2-only EPYC, N=8960 K=1536, bf16 x, ms x8 / decoded tile: see x3k_decode's commit) */
+#define DECODES_TILE(t) (((t) == T_Q6_K && !X6K_AT_LOAD) || ((t) == T_Q3_KX8 && !vnni_256))
+static __thread uint8_t *t_buf; /* this thread's decoded weight tile */
 static __thread size_t t_cap;
-/* rows of x from which run_columns decodes a Q6_K tile (where it is not repacked at load): at 16 rows 1.15-1.2x
- * the per-row kernel, at 8 (one pass of the tile for its decoding) 0.87x */
-#define X6K_REGROUP_ROWS 16
+/* rows of x from which run_columns decodes a tile: Q6_K at 16 rows 1.15-1.2x the per-row kernel, at 8 (one pass
+ * of the tile for its decoding) 0.87x */
+#define KX8D_ROWS 16
 #endif
 
 /* the first output column whose weight bytes start at or after `target` (columns weighted by their row bytes) */
@@ -1698,7 +1740,7 @@ static double total_bytes(const gg_part_t *parts, int nparts, int64_t K) {
 /* weight rows [0, count) of type t (their outputs columns n..) for all M rows of x, RMAX rows of x per pass */
 static void run_tile(const int t, const uint8_t *w, int64_t stride, int64_t count, const act_t *a, int64_t M,
                      int64_t N, int64_t n, const float *bias, float *y, int pairs) {
-    const int rmax = is_x8(t) || t == T_Q6_KX8D ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
+    const int rmax = is_x8(t) || t == T_KX8D ? X8_RMAX(t) : is_float(t) ? RMAX_WIDE : RMAX; /* rows per pass */
     for (int64_t m = 0; m < M;) {
         const int64_t left = M - m;
         const int R = left >= rmax ? rmax : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -1725,12 +1767,12 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
 #if defined(__AVX2__)
             /* not in batch-invariant mode: the x8 kernel's float sums differ from the per-row kernel's, and a
              * row's bits would depend on how many rows share the call */
-            if (t == T_Q6_K && !X6K_AT_LOAD && !invariant && M >= X6K_REGROUP_ROWS && count >= 8) {
-                const int64_t rb = K / 256 * X6D_REC / 8, whole = count / 8 * 8;
+            if (DECODES_TILE(t) && !invariant && M >= KX8D_ROWS && count >= 8) {
+                const int64_t rb = K / 256 * KX8D_REC / 8, whole = count / 8 * 8;
                 uint8_t *tile = grown(&t_buf, &t_cap, (size_t)(whole * rb));
                 if (tile != NULL) {
-                    x6k_regroup(w, stride, whole, K, tile);
-                    run_tile(T_Q6_KX8D, tile, rb, whole, a, M, N, n, bias, y, pairs);
+                    (t == T_Q6_K ? x6k_regroup : x3k_decode)(w, stride, whole, K, tile);
+                    run_tile(T_KX8D, tile, rb, whole, a, M, N, n, bias, y, pairs);
                     done = whole;
                 }
             }
