@@ -1,8 +1,10 @@
 """Qwen2-shaped GGUF files with random weights, for benchmarks/gguf_native.py (issue 30).
 
 Shapes (Qwen2.5's): "0.5b" = hidden 896, 24 layers, 14 heads / 2 KV heads (head_dim 64), intermediate 4864;
-"1.5b" = hidden 1536, 28 layers, 12 / 2 heads (head_dim 128), intermediate 8960. Both: vocabulary 151936, tied
-embeddings, q/k/v biases, rope_theta 1e6, rms eps 1e-6.
+"1.5b" = hidden 1536, 28 layers, 12 / 2 heads (head_dim 128), intermediate 8960; "7b" = hidden 3584, 28 layers,
+28 / 4 heads (head_dim 128), intermediate 18944 (a 7B Q4_K_M is ~4.4 GB: a size users run, not one of the
+benchmark's default files). All: vocabulary 151936, tied embeddings (Qwen2.5-7B's are not: its file holds one
+more 152k-row matrix), q/k/v biases, rope_theta 1e6, rms eps 1e-6.
 
 Types: "q4_0", "q8_0" and the other "pure" ones, q4_1, q5_0, q5_1, q2_k, q3_k, q5_k, q6_k and iq4_xs (every
 matrix, the tied embedding too, in that one type: as `llama-quantize --pure`; a K-quant or IQ4_XS needs rows that
@@ -34,11 +36,12 @@ logger = logging.getLogger("tokenmill")
 SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate)
     "0.5b": (896, 24, 14, 2, 4864),
     "1.5b": (1536, 28, 12, 2, 8960),
+    "7b": (3584, 28, 28, 4, 18944),
 }
 VOCAB = 151936
 QUANTS = ("q4_0", "q8_0", "q4_k_m")  # the benchmark's files (NAMES)
 PURE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
-NAMES = tuple(f"{s}-{q}" for s in SHAPES for q in QUANTS)
+NAMES = tuple(f"{s}-{q}" for s in ("0.5b", "1.5b") for q in QUANTS)
 # (byte offsets of the block's fp16 scales, their value): weights of roughly +-0.05 whatever the other bytes
 SCALES = {"Q4_0": ((0,), 7e-3), "Q8_0": ((0,), 4e-4), "Q5_0": ((0,), 3e-3), "Q4_K": ((0, 2), 5e-5),
           "Q6_K": ((208,), 1.2e-5), "Q4_1": ((0, 2), 3e-3), "Q5_1": ((0, 2), 1.5e-3), "Q2_K": ((80, 82), 1e-3),
