@@ -156,3 +156,21 @@ def test_float32_activations_are_quantized_twice():
     err_precise = (bl(x, None).double() - exact).abs().max().item()
     err_int8 = (bl(x.bfloat16(), None).double() - x.bfloat16().double() @ exact_w.T).abs().max().item()
     assert err_precise < err_int8 / 20, (err_precise, err_int8)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_gguf_tokenizer_is_autotokenizers_choice(arch):
+    """The conversion names the tokenizer class for the model type (skipping AutoTokenizer's config step, which
+    parses the whole file): the class and the ids AutoTokenizer's full path gives."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.models.gguf import _gguf_tokenizer
+
+    path = quantized_gguf(arch, ("Q8_0",))
+    full = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    fast = _gguf_tokenizer(path, arch, arch)
+    assert type(fast) is type(full) and type(full).__name__ == "Qwen2Tokenizer"
+    text = "Hello world!  naïve café, 12345 + x**2\n\tdef f(): return 1"
+    assert fast(text).input_ids == full(text).input_ids
+    assert (fast.bos_token, fast.eos_token, fast.pad_token) == (full.bos_token, full.eos_token, full.pad_token)
+    assert fast.chat_template == full.chat_template

@@ -557,11 +557,16 @@ END_OF_TURN_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>",
 _TOKENIZER_ONLY = ("deepseek2",)
 
 
-def _gguf_tokenizer(path: str, arch: str):
+def _gguf_tokenizer(path: str, arch: str, model_type: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     if arch not in _TOKENIZER_ONLY:
-        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        # tokenizer_type names the class AutoTokenizer picks for the model type without its config step, which
+        # for most architectures parses the whole file with gguf-py's reader: 11.6 of 12.6 s for a 152k-token
+        # Qwen2 vocabulary (the same tokenizer either way); types without a registered class take that step
+        shortcut = {"tokenizer_type": model_type} if TOKENIZER_MAPPING_NAMES.get(model_type) else {}
+        return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **shortcut)
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
 
     architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
@@ -572,7 +577,7 @@ def _gguf_tokenizer(path: str, arch: str):
 
 def _save_tokenizer(path: str, meta: dict, config: dict, out: Path) -> list[int]:
     """Write the file's tokenizer as a Hugging Face one; returns the ids that end a generation (eos first)."""
-    tok = _gguf_tokenizer(path, meta["general.architecture"])
+    tok = _gguf_tokenizer(path, meta["general.architecture"], config["model_type"])
     # make the special tokens agree with the GGUF's ids, whatever the converter inferred
     for attr in ("bos", "eos", "pad"):
         token_id = config.get(f"{attr}_token_id")
