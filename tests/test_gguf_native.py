@@ -174,3 +174,30 @@ def test_gguf_tokenizer_is_autotokenizers_choice(arch):
     assert fast(text).input_ids == full(text).input_ids
     assert (fast.bos_token, fast.eos_token, fast.pad_token) == (full.bos_token, full.eos_token, full.pad_token)
     assert fast.chat_template == full.chat_template
+
+
+def test_served_tokenizer_follows_the_files_pre_tokenizer(monkeypatch, tmp_path):
+    """A converted GGUF is served with its tokenizer.json as the file's tokenizer.ggml.pre made it (the test
+    files say "default": digits in runs), cold and warm, where AutoTokenizer's Qwen2Tokenizer rebuilds Qwen2's
+    split from the vocabulary (digits one by one)."""
+    from transformers import AutoTokenizer
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.frontend import load_tokenizer
+    from tokenmill.models.resolution import resolve_engine_config
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    path = quantized_gguf("qwen2", ("Q8_0",))
+    in_file = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = "Hello world!  naïve café, 12345 + x**2\n\tdef f(): return 1"
+    served = []
+    for start in ("cold", "warm"):
+        config = resolve_engine_config(EngineConfig.from_kwargs(model=path, dtype="float32"))
+        assert config.model.tokenizer_class is not None  # cold: the GGUF folder's; warm: the record's
+        assert (config.model.resolution_key is None) == (start == "warm")
+        served.append(load_tokenizer(config))
+    for tok in served:
+        assert tok(text).input_ids == in_file(text).input_ids
+        assert (tok.bos_token, tok.eos_token, tok.chat_template) == (in_file.bos_token, in_file.eos_token,
+                                                                     in_file.chat_template)
+    assert AutoTokenizer.from_pretrained(served[0].name_or_path)(text).input_ids != in_file(text).input_ids

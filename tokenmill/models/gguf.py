@@ -154,7 +154,23 @@ def _cache_dir(gguf_path: str, weights: str) -> Path:
     st = os.stat(path)
     key = f"{_CONVERTER_VERSION}\0{weights}\0{path}\0{st.st_size}\0{st.st_mtime_ns}"
     suffix = "-native" if weights == "native" else ""
-    return Path(cache_root()) / "gguf" / f"{Path(path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}{suffix}"
+    return _cache_parent() / f"{Path(path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}{suffix}"
+
+
+def _cache_parent() -> Path:
+    return Path(cache_root()) / "gguf"
+
+
+# A converted folder's tokenizer is served as its tokenizer.json says: the pipeline transformers' GGUF converter
+# built from the file's tokenizer.ggml.pre, as llama.cpp splits text. AutoTokenizer would load some model types'
+# own class instead, which rebuilds its pre-tokenizer from the vocabulary (Qwen2Tokenizer: Qwen2's split, digits
+# one by one) whatever the file said (a DeepSeek-R1 distill of Qwen2 says "deepseek-r1-qwen": digits in threes).
+TOKENIZER_CLASS = "transformers:PreTrainedTokenizerFast"
+
+
+def tokenizer_class(tokenizer_dir: str) -> Optional[str]:
+    """The "module:name" tokenizer class for a converted folder (TOKENIZER_CLASS), None for any other."""
+    return TOKENIZER_CLASS if Path(tokenizer_dir).resolve().parent == _cache_parent().resolve() else None
 
 
 def _read(path: str):

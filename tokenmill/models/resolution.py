@@ -53,7 +53,10 @@ class Resolver:
                 mc.hf_config, mc.dtype_name, mc.tokenizer_class = (record.hf_config, record.dtype,
                                                                    record.tokenizer_class)
             else:
+                from tokenmill.models import gguf  # numpy: a cold start imports it with transformers anyway
+
                 mc.hf_config, mc.resolution_key = read_hf_config(mc.model_dir), key
+                mc.tokenizer_class = gguf.tokenizer_class(mc.tokenizer)
         cfg = mc.hf_config
         mc.quantization = validate_quantization(mc.quantization, cfg, mc.model_dir)
         if record is None:

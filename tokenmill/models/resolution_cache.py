@@ -30,7 +30,8 @@ from tokenmill.host import cache_root, cpu_key
 
 logger = logging.getLogger("tokenmill")
 
-FORMAT = 2  # bump when a record's meaning changes (2: --dtype auto is bfloat16 for a GGUF served natively)
+FORMAT = 3  # bump when a record's meaning changes (2: --dtype auto is bfloat16 for a GGUF served natively;
+            # 3: a GGUF's tokenizer is its tokenizer.json as converted, not AutoTokenizer's model class)
 _FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
           "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
           "chat_template.json", "modules.json", "sentence_bert_config.json")
@@ -40,7 +41,7 @@ _FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tok
 class Resolution:
     hf_config: Any                  # config_snapshot.ConfigSnapshot
     dtype: str                      # torch attribute name ("bfloat16")
-    tokenizer_class: str            # "module:name" of the class AutoTokenizer chose
+    tokenizer_class: str            # "module:name" of the class AutoTokenizer chose (a GGUF's: models/gguf.py)
 
 
 def _stamp(folder: str) -> list:
