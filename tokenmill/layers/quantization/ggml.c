@@ -43,7 +43,7 @@ enum {
     /* ours, not ggml's: rows repacked eight at a time (gg_repack_x8), 1000 + the type they hold */
     T_Q4_0X8 = 1002, T_Q4_1X8 = 1003, T_Q5_0X8 = 1006, T_Q5_1X8 = 1007, T_Q8_0X8 = 1008,
     T_Q2_KX8 = 1010, T_Q3_KX8 = 1011, T_Q4_KX8 = 1012, T_Q5_KX8 = 1013, T_Q6_KX8 = 1014, T_IQ4_XSX8 = 1023,
-    T_KX8D = 2014 /* a Q6_K tile decoded for the kernel in a thread's buffer (x6k_regroup), never a part */
+    T_KX8D = 2014 /* a Q6_K or Q3_K x8 tile decoded for the kernel in a thread's buffer (run_columns), never a part */
 };
 
 typedef struct {
@@ -1225,8 +1225,8 @@ X6K_DOT(512, 2)
 #define dot_x6k_512(t, R, w, next, a, res) ((void)0)
 #endif
 
-/* A Q6_K tile decoded for a CPU without VNNI (x6k_regroup), where the x8 layout's kernel would decode every
- * value once per pass of rows of x: per 8 rows and super-block a record of KX8D_REC bytes, their d as floats (32
+/* A Q6_K tile decoded for a CPU without VNNI (x6k_regroup; Q3_K x8's take the same form, x3k_decode), where the
+ * x8 layout's kernel would decode every value once per pass of rows of x: per 8 rows and super-block a record of KX8D_REC bytes, their d as floats (32
  * bytes), each group's scales as int16 pairs (16 x 32 bytes; lane i: row i's scale twice), then the values u - 32
  * as int8 in 64 chunks (chunk 4g + c, lane i: row i's values 16g + 4c..16g + 4c + 3). A chunk is then one vpabsb
  * before its rows' vpsignb (x takes w's sign), vpmaddubsw, vpaddw: a group's four chunks' pair sums (<= 2 * 32 *
@@ -1340,12 +1340,6 @@ X8IQ_DOT(512, 2)
 #define dot_x8iq_512(t, R, w, next, a, res) ((void)0)
 #endif
 
-/* Q3_K and Q2_K rows repacked eight at a time (T_Q3_KX8, T_Q2_KX8; x8_lane says the layout): per super-block the
- * eight rows' sixteen group scales (Q3_K: 6 bits from two places, minus 32; Q2_K: 4 bits, and its mins) come apart
- * as bytes with a few shifts; a value chunk (two bits of qs, and Q3_K's hmask bit) meets broadcast activations as
- * in X8_DOT, a group's four chunks' pair sums (<= 2 * 7 * 127) adding up in int16 before one vpmaddwd applies its
- * scale (VNNI: vpdpbusd, a vpmulld per group); Q3_K's offset 4 and Q2_K's mins meet the groups' x sums (the
- * super-block form of x), as Q6_K x8's offset. */
 /* Q3_K x8 (per super-block record): byte j of lane i of S[k] is row i's scale of group 4k + j (6 bits from two
  * places, minus 32: ggml's kmask shuffle, lane-wise) */
 #define X8Q23_PARTS(W)                                                                                          \
@@ -1369,6 +1363,13 @@ X8Q23_PARTS(256)
 #if X16
 X8Q23_PARTS(512)
 #endif
+
+/* Q3_K and Q2_K rows repacked eight at a time (T_Q3_KX8, T_Q2_KX8; x8_lane says the layout): per super-block the
+ * eight rows' sixteen group scales (Q3_K: 6 bits from two places, minus 32; Q2_K: 4 bits, and its mins) come apart
+ * as bytes with a few shifts; a value chunk (two bits of qs, and Q3_K's hmask bit) meets broadcast activations as
+ * in X8_DOT, a group's four chunks' pair sums (<= 2 * 7 * 127) adding up in int16 before one vpmaddwd applies its
+ * scale (VNNI: vpdpbusd, a vpmulld per group); Q3_K's offset 4 and Q2_K's mins meet the groups' x sums (the
+ * super-block form of x), as Q6_K x8's offset. */
 #define X8Q23_DOT(W, GROUPS)                                                                                    \
     AI void dot_x8q23_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), q3 = base == T_Q3_K, rec = 8 * tbytes(base);                             \
@@ -1701,7 +1702,8 @@ static void x3k_decode(const uint8_t *w, int64_t stride, int64_t rows, int64_t K
 
 /* the types whose tiles run_columns decodes to T_KX8D where enough rows of x pass over them (KX8D_ROWS): Q6_K
  * where it is not repacked at load, and Q3_K x8 without VNNI, whose kernel otherwise decodes every value once per
- * pass of four rows of x (AVX2-only EPYC, N=8960 K=1536, bf16 x, ms x8 / decoded tile: see x3k_decode's commit) */
+ * pass of four rows of x (Q3_K on an AVX2-only EPYC, N=8960 K=1536 + 1536x8960 + 2048x1536, bf16 x, ms x8 /
+ * decoded: M=16 6.70/5.52, M=32 12.97/9.88, M=128 54.0/37.9, M=512 218/151) */
 #define DECODES_TILE(t) (((t) == T_Q6_K && !X6K_AT_LOAD) || ((t) == T_Q3_KX8 && !vnni_256))
 static __thread uint8_t *t_buf; /* this thread's decoded weight tile */
 static __thread size_t t_cap;
