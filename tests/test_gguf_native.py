@@ -158,8 +158,9 @@ def test_float32_activations_are_quantized_twice():
     assert err_precise < err_int8 / 20, (err_precise, err_int8)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_gguf_tokenizer_is_autotokenizers_choice(arch):
+@pytest.mark.parametrize("arch,cls", [("qwen2", "Qwen2Tokenizer"), ("qwen3", "Qwen2Tokenizer"),
+                                      ("llama", "TokenizersBackend")])
+def test_gguf_tokenizer_is_autotokenizers_choice(arch, cls):
     """The conversion names the tokenizer class for the model type (skipping AutoTokenizer's config step, which
     parses the whole file): the class and the ids AutoTokenizer's full path gives."""
     from transformers import AutoTokenizer
@@ -169,7 +170,7 @@ def test_gguf_tokenizer_is_autotokenizers_choice(arch):
     path = quantized_gguf(arch, ("Q8_0",))
     full = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     fast = _gguf_tokenizer(path, arch, arch)
-    assert type(fast) is type(full) and type(full).__name__ == "Qwen2Tokenizer"
+    assert type(fast) is type(full) and type(full).__name__ == cls
     text = "Hello world!  naïve café, 12345 + x**2\n\tdef f(): return 1"
     assert fast(text).input_ids == full(text).input_ids
     assert (fast.bos_token, fast.eos_token, fast.pad_token) == (full.bos_token, full.eos_token, full.pad_token)
