@@ -1700,11 +1700,16 @@ static void x3k_decode(const uint8_t *w, int64_t stride, int64_t rows, int64_t K
         }
 }
 
-/* the types whose tiles run_columns decodes to T_KX8D where enough rows of x pass over them (KX8D_ROWS): Q6_K
- * where it is not repacked at load, and Q3_K x8 without VNNI, whose kernel otherwise decodes every value once per
- * pass of four rows of x (Q3_K on an AVX2-only EPYC, N=8960 K=1536 + 1536x8960 + 2048x1536, bf16 x, ms x8 /
- * decoded: M=16 6.70/5.52, M=32 12.97/9.88, M=128 54.0/37.9, M=512 218/151) */
-#define DECODES_TILE(t) (((t) == T_Q6_K && !X6K_AT_LOAD) || ((t) == T_Q3_KX8 && !vnni_256))
+/* What decodes a type's tiles to T_KX8D where enough rows of x pass over them (KX8D_ROWS), or NULL: Q6_K where it
+ * is not repacked at load, and Q3_K x8 without VNNI, whose kernel otherwise decodes every value once per pass of
+ * four rows of x (Q3_K on an AVX2-only EPYC, N=8960 K=1536 + 1536x8960 + 2048x1536, bf16 x, ms x8 / decoded:
+ * M=16 6.70/5.52, M=32 12.97/9.88, M=128 54.0/37.9, M=512 218/151) */
+typedef void (*tile_decoder_fn)(const uint8_t *w, int64_t stride, int64_t rows, int64_t K, uint8_t *dst);
+static tile_decoder_fn tile_decoder(const int t) {
+    if (t == T_Q6_K && !X6K_AT_LOAD) return x6k_regroup;
+    if (t == T_Q3_KX8 && !vnni_256) return x3k_decode;
+    return NULL;
+}
 static __thread uint8_t *t_buf; /* this thread's decoded weight tile */
 static __thread size_t t_cap;
 /* rows of x from which run_columns decodes a tile: Q6_K at 16 rows 1.15-1.2x the per-row kernel, at 8 (one pass
@@ -1769,11 +1774,12 @@ static void run_columns(const gg_part_t *parts, int nparts, int64_t n0, int64_t 
 #if defined(__AVX2__)
             /* not in batch-invariant mode: the x8 kernel's float sums differ from the per-row kernel's, and a
              * row's bits would depend on how many rows share the call */
-            if (DECODES_TILE(t) && !invariant && M >= KX8D_ROWS && count >= 8) {
+            const tile_decoder_fn decode = tile_decoder(t);
+            if (decode != NULL && !invariant && M >= KX8D_ROWS && count >= 8) {
                 const int64_t rb = K / 256 * KX8D_REC / 8, whole = count / 8 * 8;
                 uint8_t *tile = grown(&t_buf, &t_cap, (size_t)(whole * rb));
                 if (tile != NULL) {
-                    (t == T_Q6_K ? x6k_regroup : x3k_decode)(w, stride, whole, K, tile);
+                    decode(w, stride, whole, K, tile);
                     run_tile(T_KX8D, tile, rb, whole, a, M, N, n, bias, y, pairs);
                     done = whole;
                 }
