@@ -57,14 +57,14 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _model(arch: str, path: str, hidden: int, intermediate: int):
+def tiny_model(arch: str, path: str, hidden: int = 256, intermediate: int = 512):
     """A tiny random transformers model (2 layers, 4 heads of hidden / 4) and its tokenizer."""
     import torch
     import transformers
 
     tok = build_tokenizer(path)
     cls_name, extra = ARCHS[arch]
-    extra = {k: v for k, v in extra.items() if k not in ("rope_scaling", "head_dim", "sliding_window")}
+    extra = {k: v for k, v in extra.items() if k not in ("head_dim", "sliding_window")}
     config = getattr(transformers, cls_name)(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=4, max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.05,
@@ -77,6 +77,24 @@ def _model(arch: str, path: str, hidden: int, intermediate: int):
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     return model, tok
+
+
+def llama3_rope_freqs(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter writes it for Llama 3's rope scaling (conversion/llama.py):
+    each rotary frequency's divisor."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * np.pi / float(freq)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _add_metadata(w, config, tok) -> None:
@@ -99,11 +117,14 @@ def quantized_gguf(arch: str, types, hidden: int = 256, intermediate: int = 512,
     import gguf
 
     root = tempfile.mkdtemp(prefix="tokenmill-gguf-")
-    model, tok = _model(arch, os.path.join(root, "hf"), hidden, intermediate)
+    model, tok = tiny_model(arch, os.path.join(root, "hf"), hidden, intermediate)
     config, rng = model.config, np.random.default_rng(seed)
     path = os.path.join(root, f"{arch}-{'-'.join(types)}.gguf")
     w = gguf.GGUFWriter(path, _GGUF_ARCH[arch])
     _add_metadata(w, config, tok)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":  # the Llama 3 rope scaling, as the only place llama.cpp puts it
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, rope["rope_theta"], config.head_dim))
     turn = 0
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:

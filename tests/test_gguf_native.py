@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -202,3 +203,62 @@ def test_served_tokenizer_follows_the_files_pre_tokenizer(monkeypatch, tmp_path)
                                                                      in_file.chat_template)
     by_class = AutoTokenizer.from_pretrained(served[0].name_or_path)  # Qwen2Tokenizer: Qwen2's own split
     assert by_class(TOKENIZER_TEXT).input_ids != in_file(TOKENIZER_TEXT).input_ids
+
+
+# (rope_theta, head_dim, Llama 3 rope scaling): Llama 3.1 8B's and Llama 3.2 1B's, the tiny test models', and
+# two whose wavelengths leave none / one divisor between 1 and the factor (too few to fit a line through)
+LLAMA3_ROPES = [(500000.0, 128, 8.0, 1.0, 4.0, 8192), (500000.0, 64, 32.0, 1.0, 4.0, 8192),
+                (10000.0, 64, 4.0, 1.0, 4.0, 256), (10000.0, 16, 4.0, 1.0, 2.0, 500), (10000.0, 16, 4.0, 1.0, 1.5, 256)]
+
+
+@pytest.mark.parametrize("theta,head_dim,factor,low,high,original", LLAMA3_ROPES)
+def test_llama3_rope_scaling_is_read_from_rope_freqs(theta, head_dim, factor, low, high, original):
+    """llama.cpp's converter keeps Llama 3's rope scaling only as rope_freqs.weight (each frequency's divisor):
+    the rope_scaling read back from it must give transformers' llama3 rope exactly where the original did."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from gguf_models import llama3_rope_freqs
+    from tokenmill.models.gguf import _llama3_rope
+
+    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
+    divisors = llama3_rope_freqs(rope, theta, head_dim).astype(np.float64)
+    got = _llama3_rope("f.gguf", {"head_dim": head_dim, "rope_theta": theta}, divisors)
+
+    def inv_freq(params):
+        config = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                             max_position_embeddings=131072, rope_parameters={**params, "rope_theta": theta})
+        return ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))[0]
+
+    torch.testing.assert_close(inv_freq(got), inv_freq(rope), rtol=1e-6, atol=0)
+    unscaled = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    torch.testing.assert_close(unscaled / inv_freq(got), torch.tensor(divisors, dtype=torch.float))
+    assert 1 < divisors.max() and (divisors == 1).any() and (divisors == factor).any()
+    if (theta, head_dim) == (500000.0, 128):  # a real file's: its very numbers back
+        assert got == rope, got
+
+
+def test_rope_freqs_of_another_shape_are_refused():
+    from tokenmill.models.gguf import _llama3_rope
+
+    config = {"head_dim": 64, "rope_theta": 10000.0}
+    for divisors in (np.ones(16), np.linspace(1, 4, 32)[::-1].copy(), np.full(32, 0.5)):
+        with pytest.raises(ValueError, match="rope_freqs.weight is not a Llama 3 rope scaling"):
+            _llama3_rope("f.gguf", config, divisors)
+
+
+def test_llama3_gguf_keeps_the_models_rope(tmp_path):
+    """A Llama 3-style model written as llama.cpp writes it (rope_freqs.weight, float weights) and converted back
+    gives transformers the original model's logits: the rope scaling survived the file."""
+    from transformers import AutoModelForCausalLM
+
+    from gguf_models import tiny_model
+
+    reference, _ = tiny_model("llama", str(tmp_path / "tok"))
+    converted = AutoModelForCausalLM.from_pretrained(
+        gguf_to_hf_dir(quantized_gguf("llama", ("F32",)), "dequantize"), dtype=torch.float32)
+    assert converted.config.rope_parameters["rope_type"] == "llama3"
+    ids = torch.randint(0, reference.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(converted(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)

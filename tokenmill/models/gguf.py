@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # annotations only: the API process and plan import this modu
 
 logger = logging.getLogger("tokenmill")
 
-_CONVERTER_VERSION = 4  # bump whenever the output changes, so stale cache entries are not reused
+_CONVERTER_VERSION = 5  # bump whenever the output changes, so stale cache entries are not reused
 
 # GGUF architecture -> (HF class, HF model_type). Mistral GGUFs use the "llama" architecture.
 _ARCHS = {
@@ -102,7 +102,7 @@ def read_config(gguf_path: str) -> dict:
     """The Hugging Face config.json fields of a GGUF file (nothing written)."""
     path = os.path.abspath(gguf_path)
     reader, meta = _read(path)
-    return _hf_config(path, meta["general.architecture"], meta, _shapes(reader))
+    return _hf_config(path, meta["general.architecture"], meta, reader)
 
 
 def weight_bits(gguf_path: str) -> tuple[float, dict[str, float]]:
@@ -280,7 +280,7 @@ class _Scan:
 
 def _convert(path: str, reader, meta: dict, out: Path, native: bool) -> None:
     arch = meta["general.architecture"]
-    config = _hf_config(path, arch, meta, _shapes(reader))
+    config = _hf_config(path, arch, meta, reader)
     if native:
         config["tokenmill_gguf_file"] = path
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -297,7 +297,9 @@ def _shapes(reader) -> dict:
     return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
 
 
-def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
+def _hf_config(path: str, arch: str, meta: dict, reader) -> dict:
+    shapes = _shapes(reader)
+
     def need(key):
         value = meta.get(f"{arch}.{key}")
         if value is None:
@@ -345,11 +347,74 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict) -> dict:
                 f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
     elif scaling not in (None, "none"):
         raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if "rope_scaling" in config:
+            raise ValueError(f"{path}: both rope_freqs.weight and {arch}.rope.scaling.type {scaling!r}")
+        config["rope_scaling"] = _llama3_rope(path, config, np.asarray(freqs.data, dtype=np.float64))
     if arch == "gemma3":
         _gemma3_config(path, config, meta)
     if arch == "deepseek2":
         _deepseek2_config(path, config, meta, need)
     return config
+
+
+def _llama3_divisors(inv_freq: np.ndarray, rope: dict) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's rope scaling `rope` (transformers' llama3 rope and
+    llama.cpp's converter alike)."""
+    factor, original = rope["factor"], rope["original_max_position_embeddings"]
+    low, high = original / rope["low_freq_factor"], original / rope["high_freq_factor"]  # wavelengths
+    wavelen = 2 * np.pi / inv_freq
+    with np.errstate(divide="ignore", invalid="ignore"):
+        smooth = (1 / wavelen - 1 / low) / (1 / high - 1 / low)
+        medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < high, 1.0, np.where(wavelen > low, factor, medium))
+
+
+def _llama3_params(factor: float, low: float, high: float) -> dict:
+    """Llama 3's rope scaling with the divisor leaving `factor` at wavelength `low` and reaching 1 at `high`,
+    in round numbers where they are (Llama 3's: original_max_position_embeddings 8192, low_freq_factor 1)."""
+    original = round(low) if abs(low - round(low)) < 1e-3 * low else float(low)
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": round(float(original / low), 6),
+            "high_freq_factor": round(float(original / high), 6), "original_max_position_embeddings": original}
+
+
+def _llama3_rope(path: str, config: dict, divisors: np.ndarray) -> dict:
+    """The rope_scaling whose divisors are the file's `rope_freqs.weight`. llama.cpp's converter writes Llama 3's
+    rope scaling only as that tensor: each rotary frequency's divisor, 1 for short wavelengths, `factor` for long
+    ones and in between 1 / ((1 - s) / factor + s), s linear in 1 / wavelength. The divisors fix everything
+    transformers' llama3 rope depends on: the factor and the two wavelengths where s is 0 and 1, solved from the
+    in-between divisors (or placed between their neighbours where there are too few). Checked against the
+    file: divisors of any other shape are refused rather than served with the wrong rope."""
+    head_dim = config["head_dim"]
+    inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    bad = ValueError(f"{path}: rope_freqs.weight is not a Llama 3 rope scaling (its {len(divisors)} divisors; "
+                     f"expected {len(inv_freq)} going from 1 up to the scaling factor)")
+    if divisors.shape != inv_freq.shape or not np.all(np.isfinite(divisors)) or divisors.min() < 1:
+        raise bad
+    factor = float(divisors.max())
+    if factor == 1.0:
+        return {"rope_type": "default"}
+    wavelen = 2 * np.pi / inv_freq
+    is_short, is_long = np.isclose(divisors, 1.0, rtol=1e-6), np.isclose(divisors, factor, rtol=1e-6)
+    short_w = wavelen[is_short].max() if is_short.any() else wavelen.min() / 2
+    long_w = wavelen[is_long].min() if is_long.any() else wavelen.max() * 2
+    between = ~is_short & ~is_long
+    w, s = wavelen[between], (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+    if len(s) >= 2:  # s = (1/w - 1/low) / (1/high - 1/low): a line in 1/w through the in-between divisors
+        slope, offset = np.polyfit(1 / w, s, 1)
+        candidates = [(-slope / offset, slope / (1 - offset))]
+    elif len(s) == 1:  # one edge between the point and its neighbour, the other through the point
+        low, high = np.sqrt(w[0] * long_w), np.sqrt(short_w * w[0])
+        candidates = [(low, 1 / ((1 / w[0] - 1 / low) / s[0] + 1 / low)),
+                      ((1 - s[0]) / (1 / w[0] - s[0] / high), high)]
+    else:  # none: both edges between the neighbouring wavelengths
+        candidates = [((short_w * long_w * long_w) ** (1 / 3), (short_w * short_w * long_w) ** (1 / 3))]
+    for low, high in candidates:
+        params = _llama3_params(factor, float(low), float(high))
+        if 0 < high < low and np.allclose(_llama3_divisors(inv_freq, params), divisors, rtol=1e-4):
+            return params
+    raise bad
 
 
 def _moe_config(config: dict, arch: str, meta: dict, need, shapes: dict) -> None:
@@ -461,10 +526,7 @@ def _entries(path: str, reader, arch: str, config: dict):
         if len(parts) == 3 and parts[2] == "exp_probs_b":  # V3's router bias, a buffer of the gate in HF
             yield _Entry(f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias", shape, t, None, None)
             continue
-        if base == "rope_freqs":
-            # llama3-style per-frequency factors precomputed by llama.cpp; HF recomputes them from
-            # rope_scaling, which the GGUF does not carry, so long-context rope may differ slightly.
-            logger.warning("%s: ignoring rope_freqs.weight (llama3 rope scaling is not carried over)", path)
+        if base == "rope_freqs":  # in the config as its rope_scaling (_llama3_rope)
             continue
         if base in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[base]
