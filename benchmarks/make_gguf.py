@@ -4,7 +4,9 @@ Shapes (Qwen2.5's): "0.5b" = hidden 896, 24 layers, 14 heads / 2 KV heads (head_
 "1.5b" = hidden 1536, 28 layers, 12 / 2 heads (head_dim 128), intermediate 8960; "7b" = hidden 3584, 28 layers,
 28 / 4 heads (head_dim 128), intermediate 18944 (a 7B Q4_K_M is ~4.4 GB: a size users run, not one of the
 benchmark's default files). All: vocabulary 151936, tied embeddings (Qwen2.5-7B's are not: its file holds one
-more 152k-row matrix), q/k/v biases, rope_theta 1e6, rms eps 1e-6.
+more 152k-row matrix), q/k/v biases, rope_theta 1e6, rms eps 1e-6. "llama1b" is Llama 3.2 1B's instead (the
+llama architecture, written random-llama-*): hidden 2048, 16 layers, 32 / 8 heads (head_dim 64), intermediate
+8192, vocabulary 128256 (tied), no biases, rope_theta 5e5 with Llama 3's rope scaling as rope_freqs.weight.
 
 Types: "q4_0", "q8_0" and the other "pure" ones, q4_1, q5_0, q5_1, q2_k, q3_k, q5_k, q6_k and iq4_xs (every
 matrix, the tied embedding too, in that one type: as `llama-quantize --pure`; a K-quant or IQ4_XS needs rows that
@@ -37,8 +39,12 @@ SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate)
     "0.5b": (896, 24, 14, 2, 4864),
     "1.5b": (1536, 28, 12, 2, 8960),
     "7b": (3584, 28, 28, 4, 18944),
+    "llama1b": (2048, 16, 32, 8, 8192),
 }
 VOCAB = 151936
+# Llama 3.2 1B's: the llama architecture, no biases, 128256 tokens, rope_theta 5e5 with Llama 3's rope scaling
+# (factor 32, as llama.cpp's converter writes it: rope_freqs.weight, each rotary frequency's divisor)
+LLAMA = {"llama1b": {"vocab": 128256, "theta": 5e5, "rope": (32.0, 1.0, 4.0, 8192)}}
 QUANTS = ("q4_0", "q8_0", "q4_k_m")  # the benchmark's files (NAMES)
 PURE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
 NAMES = tuple(f"{s}-{q}" for s in ("0.5b", "1.5b") for q in QUANTS)
@@ -57,7 +63,18 @@ def default_dir() -> str:
 
 
 def path_for(directory: str, name: str) -> str:
-    return os.path.join(directory, f"random-qwen2-{name}.gguf")
+    arch = "llama" if name.split("-")[0] in LLAMA else "qwen2"
+    return os.path.join(directory, f"random-{arch}-{name}.gguf")
+
+
+def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: float, original: int):
+    """rope_freqs.weight as llama.cpp's converter computes it for Llama 3's rope scaling (conversion/llama.py)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
+    return out.astype(np.float32)
 
 
 def q4_k_m_type(name: str, layer: int, layers: int, cols: int) -> str:
@@ -115,8 +132,10 @@ def _header(w, shape: str) -> None:
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(LLAMA[shape]["theta"] if shape in LLAMA else 1e6)
+    w.add_layer_norm_rms_eps(1e-5 if shape in LLAMA else 1e-6)
+    if shape in LLAMA:
+        w.add_rope_dimension_count(hidden // heads)
 
 
 def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
@@ -124,17 +143,21 @@ def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
 
     hidden, layers, heads, kv_heads, inter = SHAPES[shape]
     head_dim = hidden // heads
+    llama = LLAMA.get(shape)
+    vocab = llama["vocab"] if llama else VOCAB
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, "qwen2")
-    w.add_name(f"random-qwen2-{shape}-{quant}")
+    w = gguf.GGUFWriter(path, "llama" if llama else "qwen2")
+    w.add_name(os.path.basename(path).split(".gguf")[0])
     _header(w, shape)
     w.add_file_type(FILE_TYPES[quant])
-    _copy_tokenizer(w, VOCAB)
+    _copy_tokenizer(w, vocab)
 
     def kind(name: str, layer: int, cols: int) -> str:
         return q4_k_m_type(name, layer, layers, cols) if quant == "q4_k_m" else quant.upper()
 
-    data, t = random_blocks(rng, VOCAB, hidden, kind("token_embd", 0, hidden))
+    if llama:
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(llama["theta"], head_dim, *llama["rope"]))
+    data, t = random_blocks(rng, vocab, hidden, kind("token_embd", 0, hidden))
     w.add_tensor("token_embd.weight", data, raw_dtype=t)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     shapes = {"attn_q": (hidden, hidden), "attn_k": (kv_heads * head_dim, hidden),
@@ -147,7 +170,7 @@ def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
             rows, cols = shapes[name]
             data, t = random_blocks(rng, rows, cols, kind(name, i, cols))
             w.add_tensor(f"blk.{i}.{name}.weight", data, raw_dtype=t)
-            if name in ("attn_q", "attn_k", "attn_v"):
+            if name in ("attn_q", "attn_k", "attn_v") and not llama:
                 w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
