@@ -350,7 +350,8 @@ def test_x8_repack_in_runs_of_rows_releases_each_once_copied(lib, type_id, monke
 def test_x8_repack_matches_reference(lib, type_id):
     """`bind` runs the REPACKABLE types from copies repacked eight rows at a time (not on the scalar build, which
     has no x8 kernel): merged with a part of another type, the threads' column split on a group bound, both routes and
-    both kernels within the derived bounds, lookups of single rows exact; the caller's part is left as it is."""
+    both kernels within the derived bounds, lookups of single rows exact; the caller's part is left as it is. Its 24
+    rows are three groups: a pass of one row of x reads the first two at once (two streams) and the third alone."""
     for K in (512, 768) if ggml.block_size(type_id)[0] == 256 else (512, 288):
         part, other = ggml.Part(type_id, blocks(type_id, 24, K, pad=5)), ggml.Part(ggml.Q8_0, blocks(ggml.Q8_0, 5, K))
         before = part.data.clone()
