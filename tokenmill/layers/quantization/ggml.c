@@ -1085,15 +1085,18 @@ X8K_CHUNK(512)
 X8K_STEP(512)
 #endif
 
-#define X8K_DOT(W, GROUPS)                                                                                      \
-    AI void dot_x8k_##W(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
+#define X8K_DOT(W, GROUPS, NAME)                                                                                \
+    AI void NAME(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), rec = 8 * tbytes(base);                                                    \
         const __m##W##i m4 = _mm##W##_set1_epi8(15), m3 = _mm##W##_set1_epi8(3), z = _mm##W##_setzero_si##W();   \
-        __m##W acc[RMAX];                                                                                       \
-        for (int r = 0; r < R; r++) acc[r] = _mm##W##_setzero_ps();                                             \
-        for (int64_t sb = 0; sb < a->K / 256; sb++) {                                                           \
-            const uint8_t *g = w + sb * rec;                                                                    \
-            if (GROUPS == 1) prefetch_ahead(g, rec, !a->wide);                                                  \
+        enum { H = W == 256 ? GROUPS : 1 }; /* groups in registers of their own (at 512 bits: halves) */       \
+        __m##W acc[H][RMAX];                                                                                    \
+        for (int st = 0; st < H; st++)                                                                          \
+            for (int r = 0; r < R; r++) acc[st][r] = _mm##W##_setzero_ps();                                     \
+        for (int64_t sb = 0; sb < a->K / 256; sb++)                                                             \
+        for (int st = 0; st < H; st++) {                                                                        \
+            const uint8_t *g = w + st * next + sb * rec;                                                        \
+            if (H == GROUPS) prefetch_ahead(g, rec, !a->wide);                                                  \
             const __m##W##i A0 = ld_##W(g + 32, next), A1 = ld_##W(g + 64, next), B = ld_##W(g + 96, next);     \
             __m##W##i SC[2], MN[2]; /* byte 8s + i: row i's sub-block s (s < 4 in [0], 4 + s in [1]) */         \
             for (int h = 0; h < 2; h++) {                                                                       \
@@ -1132,15 +1135,17 @@ X8K_STEP(512)
             const __m##W d = f16_##W(g, next), dmin = f16_##W(g + 16, next);                                    \
             for (int r = 0; r < R; r++) {                                                                       \
                 const __m##W dx = _mm##W##_set1_ps(act_d256(a, r)[sb]);                                         \
-                acc[r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, dx), _mm##W##_cvtepi32_ps(isum[r]), acc[r]);      \
-                acc[r] = _mm##W##_fnmadd_ps(_mm##W##_mul_ps(dmin, dx), _mm##W##_cvtepi32_ps(msum[r]), acc[r]);  \
+                acc[st][r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, dx), _mm##W##_cvtepi32_ps(isum[r]), acc[st][r]); \
+                acc[st][r] = _mm##W##_fnmadd_ps(_mm##W##_mul_ps(dmin, dx), _mm##W##_cvtepi32_ps(msum[r]), acc[st][r]); \
             }                                                                                                   \
         }                                                                                                       \
-        for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r, acc[r]);                           \
+        for (int st = 0; st < H; st++)                                                                          \
+            for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r + 8 * st, acc[st][r]);         \
     }
-X8K_DOT(256, 1)
+X8K_DOT(256, 1, dot_x8k_256)
+X8K_DOT(256, 2, dot_x8k_256x2)
 #if X16
-X8K_DOT(512, 2)
+X8K_DOT(512, 2, dot_x8k_512)
 #else
 #define dot_x8k_512(t, R, w, next, a, res) ((void)0)
 #endif
@@ -1459,16 +1464,17 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
  * rows of x); streaming it from memory in one pass, two groups at a time ran 0.55-0.9x as fast as one at a time
  * on an AMD EPYC with AVX-512 (Q4_K/Q8_0 x8, 1-8 rows, 1 or 2 threads, software prefetch did not close it; in
  * cache the wide form won there too). */
-/* Where one pass of x streams a tile from memory (decode), the x8 kernels of the 32-value types read two ranges
- * of its groups at once, each group's sums in its own registers (X8_DOT at 256 bits, two groups): two streams of
- * weight bytes, which the hardware prefetchers fetch faster than one. On an AVX2-only EPYC, 2 threads, a
- * 152k-row head from memory, one row of x: Q4_0 28.0 -> 39.3 GB/s, Q4_1 31.1 -> 43.5, Q5_0 26.8 -> 37.9, Q5_1
- * 28.4 -> 40.3, Q8_0 28.1 -> 36.3. With two rows of x (float32 models' two passes) the 4- and 5-bit kernels are
- * bound by their instructions, and two streams ran 0.85-0.99x (Q8_0 still 29.6 -> 36.3): one stream there.
- * Each group's arithmetic is the one-stream kernel's: the same bits. */
+/* Where one pass of x streams a tile from memory (decode), the x8 kernels of the 32-value types and Q4_K/Q5_K
+ * read two ranges of its groups at once, each group's sums in its own registers (X8_DOT and X8K_DOT at 256 bits,
+ * two groups): two streams of weight bytes, which the hardware prefetchers fetch faster than one. On an AVX2-only
+ * EPYC, 2 threads, a 152k-row head from memory, one row of x: Q4_0 28.0 -> 39.3 GB/s, Q4_1 31.1 -> 43.5, Q5_0
+ * 26.8 -> 37.9, Q5_1 28.4 -> 40.3, Q8_0 28.1 -> 36.3, Q4_K 25.5-27.0 -> 33.9-36.4, Q5_K 23.2-24.9 -> 30.1-31.2.
+ * With two rows of x (float32 models' two passes) the 4- and 5-bit kernels are bound by their instructions, and
+ * two streams ran 0.85-1.09x (Q8_0 still 29.6 -> 36.3): one stream there. Q6_K's per-row kernel (without VNNI)
+ * reading two rows at once ran 0.93-0.97x. Each group's arithmetic is the one-stream kernel's: the same bits. */
 AI int two_streams(const int t, const int R, const act_t *a) {
     const int x8_32 = t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8;
-    return x8_32 && !a->wide && (R == 1 || (R == 2 && t == T_Q8_0X8));
+    return (x8_32 || t == T_Q4_KX8 || t == T_Q5_KX8) && !a->wide && (R == 1 || (R == 2 && t == T_Q8_0X8));
 }
 #define ONE_STREAM(t, R, w, next, a, res) ((void)0) /* (the families two_streams never picks) */
 #define ROWS_X8(T, NAME, R, DOT, TWO) \
@@ -1505,8 +1511,8 @@ KERNELS_X8(T_Q4_1X8, d_q4_1x8, dot_x8, dot_x8_256x2)
 KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8, dot_x8_256x2)
 KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8, dot_x8_256x2)
 KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k, ONE_STREAM)
-KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k, ONE_STREAM)
+KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k, dot_x8k_256x2)
+KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k, dot_x8k_256x2)
 #if X6K_AT_LOAD
 KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k, ONE_STREAM)
 #endif
