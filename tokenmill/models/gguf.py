@@ -102,7 +102,7 @@ def read_config(gguf_path: str) -> dict:
     """The Hugging Face config.json fields of a GGUF file (nothing written)."""
     path = os.path.abspath(gguf_path)
     reader, meta = _read(path)
-    return _hf_config(path, meta["general.architecture"], meta, reader)
+    return _hf_config(path, meta["general.architecture"], meta, _shapes(reader), _rope_freqs(reader))
 
 
 def weight_bits(gguf_path: str) -> tuple[float, dict[str, float]]:
@@ -280,7 +280,7 @@ class _Scan:
 
 def _convert(path: str, reader, meta: dict, out: Path, native: bool) -> None:
     arch = meta["general.architecture"]
-    config = _hf_config(path, arch, meta, reader)
+    config = _hf_config(path, arch, meta, _shapes(reader), _rope_freqs(reader))
     if native:
         config["tokenmill_gguf_file"] = path
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -297,9 +297,13 @@ def _shapes(reader) -> dict:
     return {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # GGUF lists dims reversed
 
 
-def _hf_config(path: str, arch: str, meta: dict, reader) -> dict:
-    shapes = _shapes(reader)
+def _rope_freqs(reader) -> Optional[np.ndarray]:
+    """The file's rope_freqs.weight (Llama 3's rope scaling, as llama.cpp's converter writes it), if any."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    return None if t is None else np.asarray(t.data, dtype=np.float64)
 
+
+def _hf_config(path: str, arch: str, meta: dict, shapes: dict, rope_freqs: Optional[np.ndarray] = None) -> dict:
     def need(key):
         value = meta.get(f"{arch}.{key}")
         if value is None:
@@ -347,11 +351,10 @@ def _hf_config(path: str, arch: str, meta: dict, reader) -> dict:
                 f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
     elif scaling not in (None, "none"):
         raise ValueError(f"{path}: unsupported GGUF rope scaling {scaling!r}")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if freqs is not None:
+    if rope_freqs is not None:
         if "rope_scaling" in config:
             raise ValueError(f"{path}: both rope_freqs.weight and {arch}.rope.scaling.type {scaling!r}")
-        config["rope_scaling"] = _llama3_rope(path, config, np.asarray(freqs.data, dtype=np.float64))
+        config["rope_scaling"] = _llama3_rope(path, config, rope_freqs)
     if arch == "gemma3":
         _gemma3_config(path, config, meta)
     if arch == "deepseek2":
