@@ -350,10 +350,11 @@ def test_x8_repack_in_runs_of_rows_releases_each_once_copied(lib, type_id, monke
 def test_x8_repack_matches_reference(lib, type_id):
     """`bind` runs the REPACKABLE types from copies repacked eight rows at a time (not on the scalar build, which
     has no x8 kernel): merged with a part of another type, the threads' column split on a group bound, both routes and
-    both kernels within the derived bounds, lookups of single rows exact; the caller's part is left as it is. Its 24
-    rows are three groups: a pass of one row of x reads the first two at once (two streams) and the third alone."""
+    both kernels within the derived bounds, lookups of single rows exact; the caller's part is left as it is. Its 40
+    rows are five groups: a pass of one row of x on one thread reads four at once (Q8_0: four streams of one group;
+    the others: two of two) and the fifth alone."""
     for K in (512, 768) if ggml.block_size(type_id)[0] == 256 else (512, 288):
-        part, other = ggml.Part(type_id, blocks(type_id, 24, K, pad=5)), ggml.Part(ggml.Q8_0, blocks(ggml.Q8_0, 5, K))
+        part, other = ggml.Part(type_id, blocks(type_id, 40, K, pad=5)), ggml.Part(ggml.Q8_0, blocks(ggml.Q8_0, 5, K))
         before = part.data.clone()
         w = torch.cat([reference(part, K), reference(other, K)])
         layer = ggml.bind([part, other], K, lib=lib)
@@ -362,8 +363,8 @@ def test_x8_repack_matches_reference(lib, type_id):
         assert packed.type == (1000 + type_id if repacks else type_id)
         assert torch.equal(part.data, before) and layer.parts[1] is other
         assert torch.equal(ggml.unpacked(packed, K).data, before[:, :ggml.row_bytes(type_id, K)])
-        rows = torch.tensor([23, 0, 9, 9, 16])
+        rows = torch.tensor([39, 0, 9, 9, 16])
         assert torch.equal(ggml.dequantize(packed, K, rows, lib=lib), w[rows])
-        assert torch.equal(ggml.dequantize(packed, K, lib=lib), w[:24])
+        assert torch.equal(ggml.dequantize(packed, K, lib=lib), w[:40])
         routed = ggml.BlockLinear(layer.parts, K, lib=lib, max_rows=MAX_ROWS)  # the tests' row limit
         check_routes(routed, lib, w, column_blocks(part, other), (1, 3, 8, 13, 20, 40))  # 20: decoded tiles

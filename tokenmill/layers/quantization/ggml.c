@@ -1024,6 +1024,7 @@ AI __m512i pair16_512(__m512i lo, __m512i hi) {
     }
 X8_DOT(256, 1, dot_x8_256)
 X8_DOT(256, 2, dot_x8_256x2)
+X8_DOT(256, 4, dot_x8_256x4)
 #if X16
 X8_DOT(512, 2, dot_x8_512)
 #else
@@ -1465,34 +1466,41 @@ AI void store_x8(const int R, const float *res, int width, int k, float *y, int6
  * on an AMD EPYC with AVX-512 (Q4_K/Q8_0 x8, 1-8 rows, 1 or 2 threads, software prefetch did not close it; in
  * cache the wide form won there too). */
 /* Where one pass of x streams a tile from memory (decode), the x8 kernels of the 32-value types and Q4_K/Q5_K
- * read two ranges of its groups at once, each group's sums in its own registers (X8_DOT and X8K_DOT at 256 bits,
- * two groups): two streams of weight bytes, which the hardware prefetchers fetch faster than one. On an AVX2-only
- * EPYC, 2 threads, a 152k-row head from memory, one row of x: Q4_0 28.0 -> 39.3 GB/s, Q4_1 31.1 -> 43.5, Q5_0
- * 26.8 -> 37.9, Q5_1 28.4 -> 40.3, Q8_0 28.1 -> 36.3, Q4_K 25.5-27.0 -> 33.9-36.4, Q5_K 23.2-24.9 -> 30.1-31.2.
- * With two rows of x (float32 models' two passes) the 4- and 5-bit kernels are bound by their instructions, and
- * two streams ran 0.85-1.09x (Q8_0 still 29.6 -> 36.3): one stream there. Q6_K's per-row kernel (without VNNI)
- * reading two rows at once ran 0.93-0.97x. Each group's arithmetic is the one-stream kernel's: the same bits. */
-AI int two_streams(const int t, const int R, const act_t *a) {
+ * read two (Q8_0 at one row of x: four) ranges of its groups at once, each group's sums in registers of their own
+ * (X8_DOT and X8K_DOT at 256 bits over two or four groups): more streams of weight bytes, which the hardware
+ * prefetchers fetch faster than one. On an AVX2-only EPYC, 2 threads, a 152k-row head from memory, one row of x,
+ * GB/s one stream -> two: Q4_0 28.0 -> 39.3, Q4_1 31.1 -> 43.5, Q5_0 26.8 -> 37.9, Q5_1 28.4 -> 40.3, Q8_0 28.1
+ * -> 36.3, Q4_K 25.5-27.0 -> 33.9-36.4, Q5_K 23.2-24.9 -> 30.1-31.2; Q8_0 two -> four 32.5-33.3 -> 37.1-37.8 (four
+ * for the 4- and 5-bit types ran 0.8-1.0x two: their instructions bound them first). With two rows of x
+ * (float32 models' two passes) the 4- and 5-bit kernels are bound by their instructions, and two streams ran
+ * 0.85-1.09x (Q8_0 still 29.6 -> 36.3): one stream there. Q6_K's per-row kernel (without VNNI) reading two rows
+ * at once ran 0.93-0.97x. Each group's arithmetic is the one-stream kernel's: the same bits. */
+AI int x8_streams(const int t, const int R, const act_t *a) {
     const int x8_32 = t == T_Q4_0X8 || t == T_Q4_1X8 || t == T_Q5_0X8 || t == T_Q5_1X8 || t == T_Q8_0X8;
-    return (x8_32 || t == T_Q4_KX8 || t == T_Q5_KX8) && !a->wide && (R == 1 || (R == 2 && t == T_Q8_0X8));
+    if (a->wide || !(x8_32 || t == T_Q4_KX8 || t == T_Q5_KX8)) return 1;
+    if (R == 1) return t == T_Q8_0X8 ? 4 : 2;
+    return R == 2 && t == T_Q8_0X8 ? 2 : 1;
 }
 #define ONE_STREAM(t, R, w, next, a, res) ((void)0) /* (the families two_streams never picks) */
-#define ROWS_X8(T, NAME, R, DOT, TWO) \
+#define ROWS_X8(T, NAME, R, DOT, TWO, FOUR) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
         enum { RR = R > X8_RMAX(T) ? 1 : R }; /* (run_columns never asks for more) */ \
-        float res[16 * RMAX]; \
+        float res[32 * RMAX]; \
         int64_t i = 0; \
-        if (two_streams(T, RR, a) && n >= 16) { \
-            const int64_t half = n / 16 * 8; /* rows of each stream */ \
-            for (; i < half; i += 8) { \
-                TWO(T, RR, w + i * stride, half * stride, a, res); \
-                for (int k = 0; k < 8; k++) { \
-                    store_x8(RR, res, 16, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
-                    store_x8(RR, res, 16, 8 + k, y + half + i + k, ldy, bias ? bias[half + i + k] : 0.0f, pairs); \
-                } \
+        int S = x8_streams(T, RR, a); \
+        while (S > 1 && n < 8 * S) S /= 2; \
+        if (S > 1) { \
+            const int64_t part = n / (8 * S) * 8; /* rows of each stream */ \
+            for (; i < part; i += 8) { \
+                if (S == 4) FOUR(T, RR, w + i * stride, part * stride, a, res); \
+                else TWO(T, RR, w + i * stride, part * stride, a, res); \
+                for (int st = 0; st < S; st++) \
+                    for (int k = 0; k < 8; k++) \
+                        store_x8(RR, res, 8 * S, 8 * st + k, y + st * part + i + k, ldy, \
+                                 bias ? bias[st * part + i + k] : 0.0f, pairs); \
             } \
-            i = 2 * half; \
+            i = S * part; \
         } \
         for (; X16 && a->wide && i + 16 <= n; i += 16) { \
             DOT##_512(T, RR, w + i * stride, 8 * stride, a, res); \
@@ -1503,23 +1511,23 @@ AI int two_streams(const int t, const int R, const act_t *a) {
             for (int k = 0; k < 8; k++) store_x8(RR, res, 8, k, y + i + k, ldy, bias ? bias[i + k] : 0.0f, pairs); \
         } \
     }
-#define KERNELS_X8(T, NAME, DOT, TWO) \
-    ROWS_X8(T, NAME, 1, DOT, TWO) ROWS_X8(T, NAME, 2, DOT, TWO) ROWS_X8(T, NAME, 4, DOT, TWO) \
-    ROWS_X8(T, NAME, 8, DOT, TWO)
-KERNELS_X8(T_Q4_0X8, d_q4_0x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q4_1X8, d_q4_1x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8, dot_x8_256x2)
-KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k, dot_x8k_256x2)
-KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k, dot_x8k_256x2)
+#define KERNELS_X8(T, NAME, DOT, TWO, FOUR) \
+    ROWS_X8(T, NAME, 1, DOT, TWO, FOUR) ROWS_X8(T, NAME, 2, DOT, TWO, FOUR) ROWS_X8(T, NAME, 4, DOT, TWO, FOUR) \
+    ROWS_X8(T, NAME, 8, DOT, TWO, FOUR)
+KERNELS_X8(T_Q4_0X8, d_q4_0x8, dot_x8, dot_x8_256x2, dot_x8_256x4)
+KERNELS_X8(T_Q4_1X8, d_q4_1x8, dot_x8, dot_x8_256x2, dot_x8_256x4)
+KERNELS_X8(T_Q5_0X8, d_q5_0x8, dot_x8, dot_x8_256x2, dot_x8_256x4)
+KERNELS_X8(T_Q5_1X8, d_q5_1x8, dot_x8, dot_x8_256x2, dot_x8_256x4)
+KERNELS_X8(T_Q8_0X8, d_q8_0x8, dot_x8, dot_x8_256x2, dot_x8_256x4)
+KERNELS_X8(T_Q4_KX8, d_q4_kx8, dot_x8k, dot_x8k_256x2, ONE_STREAM)
+KERNELS_X8(T_Q5_KX8, d_q5_kx8, dot_x8k, dot_x8k_256x2, ONE_STREAM)
 #if X6K_AT_LOAD
-KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k, ONE_STREAM)
+KERNELS_X8(T_Q6_KX8, d_q6_kx8, dot_x6k, ONE_STREAM, ONE_STREAM)
 #endif
-KERNELS_X8(T_KX8D, d_kx8d, dot_kx8d, ONE_STREAM)
-KERNELS_X8(T_IQ4_XSX8, d_iq4_xsx8, dot_x8iq, ONE_STREAM)
-KERNELS_X8(T_Q3_KX8, d_q3_kx8, dot_x8q23, ONE_STREAM)
-KERNELS_X8(T_Q2_KX8, d_q2_kx8, dot_x8q23, ONE_STREAM)
+KERNELS_X8(T_KX8D, d_kx8d, dot_kx8d, ONE_STREAM, ONE_STREAM)
+KERNELS_X8(T_IQ4_XSX8, d_iq4_xsx8, dot_x8iq, ONE_STREAM, ONE_STREAM)
+KERNELS_X8(T_Q3_KX8, d_q3_kx8, dot_x8q23, ONE_STREAM, ONE_STREAM)
+KERNELS_X8(T_Q2_KX8, d_q2_kx8, dot_x8q23, ONE_STREAM, ONE_STREAM)
 #endif
 
 #define PICK(NAME) return R >= 8 ? NAME##_8 : R >= 4 ? NAME##_4 : R >= 2 ? NAME##_2 : NAME##_1
