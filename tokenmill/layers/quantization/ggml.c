@@ -967,13 +967,13 @@ AI __m512i pair16_512(__m512i lo, __m512i hi) {
     AI void NAME(const int t, const int R, const uint8_t *w, int64_t next, const act_t *a, float *res) { \
         const int base = x8_base(t), gb = 8 * tbytes(base), hv = x8_values(base), q8 = base == T_Q8_0;       \
         const __m##W##i m4 = _mm##W##_set1_epi8(15), z = _mm##W##_setzero_si##W();                            \
-        enum { H = W == 256 ? GROUPS : 1 };                                                                    \
+        enum { H = W == 256 ? GROUPS : 1 }; /* groups in registers of their own (at 512 bits: halves) */       \
         __m##W acc[H][RMAX];                                                                                   \
-        for (int h = 0; h < H; h++)                                                                            \
-            for (int r = 0; r < R; r++) acc[h][r] = _mm##W##_setzero_ps();                                     \
+        for (int st = 0; st < H; st++)                                                                          \
+            for (int r = 0; r < R; r++) acc[st][r] = _mm##W##_setzero_ps();                                     \
         for (int64_t j = 0; j < a->K / 32; j++)                                                                \
-        for (int h = 0; h < H; h++) {                                                                          \
-            const uint8_t *g = w + h * next + j * gb;                                                          \
+        for (int st = 0; st < H; st++) {                                                                        \
+            const uint8_t *g = w + st * next + j * gb;                                                         \
             if (H == GROUPS) prefetch_ahead(g, gb, !a->wide);                                                  \
             __m##W##i s0[RMAX], s1[RMAX], p[RMAX]; /* two chains per row of x; p: int16 pair sums (no VNNI) */  \
             for (int r = 0; r < R; r++) s0[r] = s1[r] = p[r] = z;                                              \
@@ -1015,12 +1015,12 @@ AI __m512i pair16_512(__m512i lo, __m512i hi) {
                                            : _mm##W##_mul_ps(d, _mm##W##_set1_ps(-(float)toffset(base)));      \
             for (int r = 0; r < R; r++) {                                                                      \
                 const __m##W dot = _mm##W##_cvtepi32_ps(_mm##W##_add_epi32(s0[r], s1[r]));                     \
-                acc[h][r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(act_d(a, r)[j])), dot, acc[h][r]); \
-                if (!q8) acc[h][r] = _mm##W##_fmadd_ps(m, _mm##W##_set1_ps(act_s32(a, r)[j]), acc[h][r]);      \
+                acc[st][r] = _mm##W##_fmadd_ps(_mm##W##_mul_ps(d, _mm##W##_set1_ps(act_d(a, r)[j])), dot, acc[st][r]); \
+                if (!q8) acc[st][r] = _mm##W##_fmadd_ps(m, _mm##W##_set1_ps(act_s32(a, r)[j]), acc[st][r]);      \
             }                                                                                                  \
         }                                                                                                      \
-        for (int h = 0; h < H; h++)                                                                            \
-            for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r + 8 * h, acc[h][r]);           \
+        for (int st = 0; st < H; st++)                                                                          \
+            for (int r = 0; r < R; r++) _mm##W##_storeu_ps(res + 8 * GROUPS * r + 8 * st, acc[st][r]);         \
     }
 X8_DOT(256, 1, dot_x8_256)
 X8_DOT(256, 2, dot_x8_256x2)
