@@ -44,7 +44,9 @@ SHAPES = {  # name -> (hidden, layers, heads, kv heads, intermediate)
 VOCAB = 151936
 # Llama 3.2 1B's: the llama architecture, no biases, 128256 tokens, rope_theta 5e5 with Llama 3's rope scaling
 # (factor 32, as llama.cpp's converter writes it: rope_freqs.weight, each rotary frequency's divisor)
-LLAMA = {"llama1b": {"vocab": 128256, "theta": 5e5, "rope": (32.0, 1.0, 4.0, 8192)}}
+LLAMA = {"llama1b": {"vocab": 128256, "theta": 5e5,
+                     "rope": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}}
 QUANTS = ("q4_0", "q8_0", "q4_k_m")  # the benchmark's files (NAMES)
 PURE = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q5_k", "q6_k", "iq4_xs")
 NAMES = tuple(f"{s}-{q}" for s in ("0.5b", "1.5b") for q in QUANTS)
@@ -65,16 +67,6 @@ def default_dir() -> str:
 def path_for(directory: str, name: str) -> str:
     arch = "llama" if name.split("-")[0] in LLAMA else "qwen2"
     return os.path.join(directory, f"random-{arch}-{name}.gguf")
-
-
-def llama3_rope_freqs(theta: float, head_dim: int, factor: float, low: float, high: float, original: int):
-    """rope_freqs.weight as llama.cpp's converter computes it for Llama 3's rope scaling (conversion/llama.py)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    medium = 1 / ((1 - smooth) / factor + smooth)
-    out = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
-    return out.astype(np.float32)
 
 
 def q4_k_m_type(name: str, layer: int, layers: int, cols: int) -> str:
@@ -141,6 +133,8 @@ def _header(w, shape: str) -> None:
 def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
     import gguf
 
+    from tokenmill.models.gguf import llama3_divisors
+
     hidden, layers, heads, kv_heads, inter = SHAPES[shape]
     head_dim = hidden // heads
     llama = LLAMA.get(shape)
@@ -156,7 +150,8 @@ def write_file(path: str, shape: str, quant: str, seed: int = 0) -> None:
         return q4_k_m_type(name, layer, layers, cols) if quant == "q4_k_m" else quant.upper()
 
     if llama:
-        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(llama["theta"], head_dim, *llama["rope"]))
+        divisors = llama3_divisors(llama["theta"], head_dim, llama["rope"])
+        w.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
     data, t = random_blocks(rng, vocab, hidden, kind("token_embd", 0, hidden))
     w.add_tensor("token_embd.weight", data, raw_dtype=t)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))

@@ -362,9 +362,10 @@ def _hf_config(path: str, arch: str, meta: dict, shapes: dict, rope_freqs: Optio
     return config
 
 
-def _llama3_divisors(inv_freq: np.ndarray, rope: dict) -> np.ndarray:
+def llama3_divisors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
     """What each rotary frequency is divided by under Llama 3's rope scaling `rope` (transformers' llama3 rope and
-    llama.cpp's converter alike)."""
+    llama.cpp's converter alike): the rope_freqs.weight a GGUF of such a model holds."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     factor, original = rope["factor"], rope["original_max_position_embeddings"]
     low, high = original / rope["low_freq_factor"], original / rope["high_freq_factor"]  # wavelengths
     wavelen = 2 * np.pi / inv_freq
@@ -415,7 +416,8 @@ def _llama3_rope(path: str, config: dict, divisors: np.ndarray) -> dict:
         candidates = [((short_w * long_w * long_w) ** (1 / 3), (short_w * short_w * long_w) ** (1 / 3))]
     for low, high in candidates:
         params = _llama3_params(factor, float(low), float(high))
-        if 0 < high < low and np.allclose(_llama3_divisors(inv_freq, params), divisors, rtol=1e-4):
+        rebuilt = llama3_divisors(config["rope_theta"], head_dim, params)
+        if 0 < high < low and np.allclose(rebuilt, divisors, rtol=1e-4):
             return params
     raise bad
 

@@ -1481,7 +1481,7 @@ AI int x8_streams(const int t, const int R, const act_t *a) {
     if (R == 1) return t == T_Q8_0X8 ? 4 : 2;
     return R == 2 && t == T_Q8_0X8 ? 2 : 1;
 }
-#define ONE_STREAM(t, R, w, next, a, res) ((void)0) /* (the families two_streams never picks) */
+#define ONE_STREAM(t, R, w, next, a, res) ((void)0) /* (the kernels x8_streams never picks) */
 #define ROWS_X8(T, NAME, R, DOT, TWO, FOUR) \
     static void NAME##_##R(const uint8_t *w, int64_t stride, int64_t n, const act_t *a, float *y, int64_t ldy, \
                            const float *bias, int pairs) { \
