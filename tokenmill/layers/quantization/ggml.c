@@ -381,7 +381,9 @@ AI __m256i dec_sub(const int t, const uint8_t *b, int s) {
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + h * 64 + (sp & 1) * 32));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + h * 32));
         const __m256i lo = _mm256_and_si256((sp >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m15);
-        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(srl16(qh, 2 * sp), m3), 4));
+        /* bits 2sp, 2sp + 1 of qh to bits 4, 5: one shift (16-bit lanes: the mask drops what crosses) */
+        const __m256i sh = sp < 2 ? _mm256_slli_epi16(qh, 4 - 2 * sp) : sp == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        return _mm256_or_si256(lo, _mm256_and_si256(sh, _mm256_set1_epi8(48)));
     }
     default: return _mm256_setzero_si256();
     }
@@ -615,12 +617,13 @@ AI __m256i acc_scaled(__m256i acc, __m256i p16, __m256i sc) {
 #endif
 }
 
-/* A K-quant super-block's integer scales in registers: T[0] / T[1] the scales of 16-groups 0-7 / 8-15, each
- * twice in its 32-bit lane (one lane permutation gives a sub-block's vpmaddwd operand), mn the offset/min
- * multipliers of the 16 groups as int16 (khdr_t's, built without a round trip through memory: scalar stores
- * read back as a vector stall on store forwarding). */
+/* A K-quant super-block's integer scales in registers: S the 16 groups' scales as int16, the even groups' in
+ * the low 128-bit lane and the odd ones' in the high lane (word k: group 2k, 2k + 1), so that one in-lane vpshufb
+ * gives sub-block s's vpmaddwd operand (its groups 2s and 2s + 1 each across their half); mn the offset/min
+ * multipliers of the 16 groups as int16 in order (khdr_t's, built without a round trip through memory: scalar
+ * stores read back as a vector stall on store forwarding). */
 typedef struct {
-    __m256i T[2], mn;
+    __m256i S, mn;
     float d, dm;
 } kvec_t;
 
@@ -628,10 +631,15 @@ AI __m256i dup16(__m256i v) {
     return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
 }
 
-/* 16 signed 16-bit scales, one per group, into the two lane-duplicated halves */
-AI void kvec_scales16(__m256i s16, kvec_t *h) {
-    h->T[0] = dup16(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)));
-    h->T[1] = dup16(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+/* 16 bytes as int16 even | odd lanes (S's order), signed or not */
+AI __m256i even_odd16(__m128i bytes, const int sign) {
+    const __m128i eo = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    return sign ? _mm256_cvtepi8_epi16(eo) : _mm256_cvtepu8_epi16(eo);
+}
+
+/* sub-block s's scales from S: word 2s..2s+1 bytes of each lane, repeated */
+AI __m256i sub_scales(__m256i S, const int s) {
+    return _mm256_shuffle_epi8(S, _mm256_set1_epi16((short)(2 * s | (2 * s + 1) << 8)));
 }
 
 AI __m128i words128(const uint32_t *u) { return _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]); }
@@ -640,24 +648,27 @@ AI void dec_kvec(const int t, const uint8_t *b, kvec_t *h) {
     switch (t) {
     case T_Q2_K: {
         const __m128i raw = _mm_loadu_si128((const __m128i *)b), m15 = _mm_set1_epi8(15);
-        kvec_scales16(_mm256_cvtepu8_epi16(_mm_and_si128(raw, m15)), h);
+        h->S = even_odd16(_mm_and_si128(raw, m15), 0);
         h->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m15));
         h->d = f16(b + 80);
         h->dm = -f16(b + 82);
         break;
     }
-    case T_Q3_K: case T_Q6_K: {
-        __m256i s16;
-        if (t == T_Q3_K) {
-            uint32_t u[4];
-            q3k_scale_words(b + 96, u);
-            s16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(words128(u)), _mm256_set1_epi16(32));
-        } else {
-            s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
-        }
-        kvec_scales16(s16, h);
-        h->mn = s16;
-        h->d = f16(b + (t == T_Q3_K ? 108 : 208));
+    case T_Q3_K: {
+        uint32_t u[4];
+        q3k_scale_words(b + 96, u);
+        const __m128i v = words128(u);
+        h->S = _mm256_sub_epi16(even_odd16(v, 0), _mm256_set1_epi16(32));
+        h->mn = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
+        h->d = f16(b + 108);
+        h->dm = -(float)toffset(t) * h->d;
+        break;
+    }
+    case T_Q6_K: {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(b + 192));
+        h->S = even_odd16(raw, 1);
+        h->mn = _mm256_cvtepi8_epi16(raw);
+        h->d = f16(b + 208);
         h->dm = -(float)toffset(t) * h->d;
         break;
     }
@@ -665,7 +676,7 @@ AI void dec_kvec(const int t, const uint8_t *b, kvec_t *h) {
         uint32_t u[4];
         q4k_scale_words(b + 4, u);
         const __m128i v = words128(u); /* bytes 0-7 the sub-blocks' scales, 8-15 their mins */
-        kvec_scales16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)), h); /* group g takes sub-block g / 2's */
+        h->S = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v)); /* groups 2k, 2k + 1 take sub-block k's */
         const __m128i mins = _mm_srli_si128(v, 8);
         h->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins, mins));
         h->d = f16(b);
@@ -676,8 +687,7 @@ AI void dec_kvec(const int t, const uint8_t *b, kvec_t *h) {
         const __m256i L = _mm256_setr_epi32(iq4xs_scale(b, 0), iq4xs_scale(b, 1), iq4xs_scale(b, 2),
                                             iq4xs_scale(b, 3), iq4xs_scale(b, 4), iq4xs_scale(b, 5),
                                             iq4xs_scale(b, 6), iq4xs_scale(b, 7));
-        h->T[0] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
-        h->T[1] = dup16(_mm256_permutevar8x32_epi32(L, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+        h->S = _mm256_permute4x64_epi64(_mm256_packs_epi32(L, L), 0x88); /* the 8 sub-blocks' in each lane */
         h->mn = _mm256_setzero_si256();
         h->d = f16(b);
         h->dm = 0.0f;
@@ -700,14 +710,12 @@ AI void dot_k(const int t, const int R, const uint8_t *w, const act_t *a, float 
         prefetch_ahead(b, tbytes(t), !a->wide);
         kvec_t h;
         dec_kvec(t, b, &h);
-        const __m256i *T = h.T;
         __m256i acc0[RMAX], acc1[RMAX];
         for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             const __m256i u = dec_sub(t, b, s);
-            const int g0 = (2 * s) % 8, g1 = (2 * s + 1) % 8;
-            const __m256i sc = _mm256_permutevar8x32_epi32(T[s / 4], _mm256_setr_epi32(g0, g0, g0, g0, g1, g1, g1, g1));
+            const __m256i sc = sub_scales(h.S, s);
             const __m256i us = is_signed(t) ? _mm256_sign_epi8(u, u) : u;
             for (int r = 0; r < R; r++) {
                 __m256i x = _mm256_loadu_si256((const __m256i *)(act_q256(a, r) + sb * 256 + s * 32));
