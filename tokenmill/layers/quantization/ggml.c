@@ -934,6 +934,14 @@ AI __m256i bit_at_256(__m256i v, const int from, const int to) {
 }
 /* byte j (< 4) of each 32-bit lane, sign-extended (a scale chunk's lanes, 4 int8 scales each) */
 AI __m256i sbyte_256(__m256i v, const int j) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * j), 24); }
+/* bytes of each 32-bit lane picked by `pick` (its byte k: which byte of the lane goes to byte k, or 0x80 for
+ * zero), one vpshufb (the lane offsets ride in the control): e.g. j << 24 | j << 8 | 0x800080 puts byte j atop
+ * both 16-bit halves, which an arithmetic shift by 8 sign-extends (a vpmaddwd operand) */
+AI __m256i lane_bytes_256(__m256i v, const uint32_t pick) {
+    return _mm256_shuffle_epi8(v, _mm256_add_epi8(_mm256_set1_epi32((int)pick),
+                                                  _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
+                                                                    0x04040404, 0x08080808, 0x0c0c0c0c)));
+}
 /* int32 lanes lo and hi as one lane of two int16 (lo's low half, then hi's): a vpmaddwd operand */
 AI __m256i pair16_256(__m256i lo, __m256i hi) {
     return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16));
@@ -962,6 +970,11 @@ AI __m512i bit_at_512(__m512i v, const int from, const int to) {
     return _mm512_and_si512(h, _mm512_set1_epi8((char)(1 << to)));
 }
 AI __m512i sbyte_512(__m512i v, const int j) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24); }
+AI __m512i lane_bytes_512(__m512i v, const uint32_t pick) {
+    return _mm512_shuffle_epi8(v, _mm512_add_epi8(_mm512_set1_epi32((int)pick),
+                                                  _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808,
+                                                                                        0x0c0c0c0c))));
+}
 AI __m512i pair16_512(__m512i lo, __m512i hi) {
     return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
 }
@@ -1416,9 +1429,10 @@ X8Q23_PARTS(512)
             for (int s = 0; s < 8; s++) {                                                                       \
                 _Pragma("GCC unroll 2")                                                                         \
                 for (int half = 0; half < 2; half++) { /* group 2s + half: values 16 half.. of sub-block s */   \
-                    const int gr = 2 * s + half;                                                                \
-                    const __m##W##i sc = sbyte_##W(S[gr / 4], gr % 4);                                   \
-                    const __m##W##i sc16 = pair16_##W(sc, sc);                                                  \
+                    const uint32_t j = (2 * s + half) % 4;                                                      \
+                    const __m##W##i sc = vnni_##W /* its scale per lane: int32, or (without VNNI) twice int16 */ \
+                        ? _mm##W##_srai_epi32(lane_bytes_##W(S[(2 * s + half) / 4], j << 24 | 0x808080u), 24)   \
+                        : _mm##W##_srai_epi16(lane_bytes_##W(S[(2 * s + half) / 4], j << 24 | j << 8 | 0x800080u), 8); \
                     __m##W##i part[RMAX];                                                                       \
                     for (int r = 0; r < R; r++) part[r] = z;                                                    \
                     _Pragma("GCC unroll 4")                                                                     \
@@ -1432,10 +1446,12 @@ X8Q23_PARTS(512)
                     }                                                                                           \
                     for (int r = 0; r < R; r++)                                                                 \
                         isum[r] = _mm##W##_add_epi32(isum[r], vnni_##W ? _mm##W##_mullo_epi32(part[r], sc)       \
-                                                                       : _mm##W##_madd_epi16(part[r], sc16));    \
+                                                                       : _mm##W##_madd_epi16(part[r], sc));     \
                 }                                                                                               \
                 /* groups 2s, 2s + 1's offset scales (Q3_K) or mins (Q2_K) times their x sums */                \
-                const __m##W##i pair = pair16_##W(sbyte_##W(MN[s / 2], 2 * s % 4), sbyte_##W(MN[s / 2], 2 * s % 4 + 1)); \
+                const uint32_t j0 = 2 * s % 4;                                                                  \
+                const __m##W##i pair = _mm##W##_srai_epi16(                                                     \
+                    lane_bytes_##W(MN[s / 2], (j0 + 1) << 24 | j0 << 8 | 0x800080u), 8);                        \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
