@@ -1930,7 +1930,7 @@ static void linear(const float *x, int64_t M, const gg_part_t *parts, int32_t np
          * handing them out cost more than they balanced */
         const int per = total < SMALL_LAYER_BYTES ? 1 : CHUNKS_PER_THREAD;
         const int C = omp_get_num_threads() == 1 ? 1 : per * omp_get_num_threads();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait /* (the region's end is the barrier) */
         for (int c = 0; c < C; c++) {
             const int64_t n0 = column_at(parts, nparts, K, total * c / C);
             const int64_t n1 = c == C - 1 ? N : column_at(parts, nparts, K, total * (c + 1) / C);
