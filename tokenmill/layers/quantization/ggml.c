@@ -627,10 +627,6 @@ typedef struct {
     float d, dm;
 } kvec_t;
 
-AI __m256i dup16(__m256i v) {
-    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16));
-}
-
 /* 16 bytes as int16 even | odd lanes (S's order), signed or not */
 AI __m256i even_odd16(__m128i bytes, const int sign) {
     const __m128i eo = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
@@ -934,13 +930,13 @@ AI __m256i bit_at_256(__m256i v, const int from, const int to) {
 }
 /* byte j (< 4) of each 32-bit lane, sign-extended (a scale chunk's lanes, 4 int8 scales each) */
 AI __m256i sbyte_256(__m256i v, const int j) { return _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * j), 24); }
-/* bytes of each 32-bit lane picked by `pick` (its byte k: which byte of the lane goes to byte k, or 0x80 for
- * zero), one vpshufb (the lane offsets ride in the control): e.g. j << 24 | j << 8 | 0x800080 puts byte j atop
- * both 16-bit halves, which an arithmetic shift by 8 sign-extends (a vpmaddwd operand) */
-AI __m256i lane_bytes_256(__m256i v, const uint32_t pick) {
-    return _mm256_shuffle_epi8(v, _mm256_add_epi8(_mm256_set1_epi32((int)pick),
-                                                  _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0,
-                                                                    0x04040404, 0x08080808, 0x0c0c0c0c)));
+/* bytes lo and hi (< 4) of each 32-bit lane, sign-extended, as its two int16 halves (a vpmaddwd operand): one
+ * vpshufb puts them atop the halves (the lane offsets ride in its control), an arithmetic shift extends them */
+AI __m256i byte_pair_256(__m256i v, const uint32_t lo, const uint32_t hi) {
+    const __m256i at = _mm256_add_epi8(_mm256_set1_epi32((int)(hi << 24 | lo << 8 | 0x800080u)),
+                                       _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404,
+                                                         0x08080808, 0x0c0c0c0c));
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(v, at), 8);
 }
 /* int32 lanes lo and hi as one lane of two int16 (lo's low half, then hi's): a vpmaddwd operand */
 AI __m256i pair16_256(__m256i lo, __m256i hi) {
@@ -970,10 +966,10 @@ AI __m512i bit_at_512(__m512i v, const int from, const int to) {
     return _mm512_and_si512(h, _mm512_set1_epi8((char)(1 << to)));
 }
 AI __m512i sbyte_512(__m512i v, const int j) { return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24); }
-AI __m512i lane_bytes_512(__m512i v, const uint32_t pick) {
-    return _mm512_shuffle_epi8(v, _mm512_add_epi8(_mm512_set1_epi32((int)pick),
-                                                  _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808,
-                                                                                        0x0c0c0c0c))));
+AI __m512i byte_pair_512(__m512i v, const uint32_t lo, const uint32_t hi) {
+    const __m512i at = _mm512_add_epi8(_mm512_set1_epi32((int)(hi << 24 | lo << 8 | 0x800080u)),
+                                       _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c)));
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(v, at), 8);
 }
 AI __m512i pair16_512(__m512i lo, __m512i hi) {
     return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16));
@@ -1230,7 +1226,7 @@ X8K_DOT(512, 2, dot_x8k_512)
                 for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
             }                                                                                                   \
             for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
-                const __m##W##i pair = pair16_##W(x6k_scale_##W(rec, next, 2 * s), x6k_scale_##W(rec, next, 2 * s + 1)); \
+                const __m##W##i pair = byte_pair_##W(ld_##W(rec + 16 + 32 * (s / 2), next), 2 * s % 4, 2 * s % 4 + 1); \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
@@ -1431,8 +1427,8 @@ X8Q23_PARTS(512)
                 for (int half = 0; half < 2; half++) { /* group 2s + half: values 16 half.. of sub-block s */   \
                     const uint32_t j = (2 * s + half) % 4;                                                      \
                     const __m##W##i sc = vnni_##W /* its scale per lane: int32, or (without VNNI) twice int16 */ \
-                        ? _mm##W##_srai_epi32(lane_bytes_##W(S[(2 * s + half) / 4], j << 24 | 0x808080u), 24)   \
-                        : _mm##W##_srai_epi16(lane_bytes_##W(S[(2 * s + half) / 4], j << 24 | j << 8 | 0x800080u), 8); \
+                        ? sbyte_##W(S[(2 * s + half) / 4], j)                                                   \
+                        : byte_pair_##W(S[(2 * s + half) / 4], j, j);                                          \
                     __m##W##i part[RMAX];                                                                       \
                     for (int r = 0; r < R; r++) part[r] = z;                                                    \
                     _Pragma("GCC unroll 4")                                                                     \
@@ -1450,8 +1446,7 @@ X8Q23_PARTS(512)
                 }                                                                                               \
                 /* groups 2s, 2s + 1's offset scales (Q3_K) or mins (Q2_K) times their x sums */                \
                 const uint32_t j0 = 2 * s % 4;                                                                  \
-                const __m##W##i pair = _mm##W##_srai_epi16(                                                     \
-                    lane_bytes_##W(MN[s / 2], (j0 + 1) << 24 | j0 << 8 | 0x800080u), 8);                        \
+                const __m##W##i pair = byte_pair_##W(MN[s / 2], j0, j0 + 1);                                    \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
@@ -1738,7 +1733,7 @@ static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t 
             uint8_t *o = dst + (g * nsb + sb) * KX8D_REC;
             _mm256_store_ps((float *)o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)x8)));
             for (int k = 0; k < 16; k++) {
-                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), dup16(x6k_scale_256(x8, 0, k)));
+                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), byte_pair_256(ld_256(x8 + 16 + 32 * (k / 4), 0), k % 4, k % 4));
                 for (int c = 0; c < 4; c++)
                     _mm256_store_si256((__m256i *)(o + 544 + 32 * (4 * k + c)),
                                        _mm256_sub_epi8(x6k_u_256(x8, 0, k, 4 * (k % 2) + c), _mm256_set1_epi8(32)));
@@ -1758,8 +1753,7 @@ static void x3k_decode(const uint8_t *w, int64_t stride, int64_t rows, int64_t K
             q3k_scales_256(rec, 0, S);
             _mm256_store_ps((float *)o, f16_256(rec, 0));
             for (int k = 0; k < 16; k++) {
-                const __m256i sc = sbyte_256(S[k / 4], k % 4);
-                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), pair16_256(sc, sc));
+                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), byte_pair_256(S[k / 4], k % 4, k % 4));
             }
             for (int s = 0; s < 8; s++) /* chunk 4k + c of group k = 2s + c / 4: values 32s + 4c.. */
                 for (int c = 0; c < 8; c++)
