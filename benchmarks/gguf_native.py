@@ -22,7 +22,9 @@ interleaved file by file (tokenmill, llama.cpp, tokenmill, ...). Per file:
 - the read roofline of decode: bytes one token reads, from the GGUF's real tensor sizes (every tensor once; an
   untied embedding one row, a tied one whole, as the LM head) over the copy bandwidth measured here
   (tokenmill.perf.hardware.copy_bandwidth: 512 MiB tensor copy, 2 threads, read + write) gives a tok/s
-  ceiling; tokenmill's decode from an empty context (decode_d0: weights only, no KV to read) / ceiling.
+  ceiling; tokenmill's decode from an empty context (decode_d0: weights only, no KV to read) / ceiling, and
+  llama.cpp's by the same measure beside it;
+- beside tokenmill's peak RSS, its RSS after importing torch and tokenmill, before any model (no file changes it).
 Targets (issue 30): decode >= 1.0x llama.cpp (at both depths), prefill >= 1.2x, batched@32 >= 1.5x, RSS <= 1.3x
 llama-bench's, disk <= 1.1x the file, roofline >= 80%.
 
@@ -196,9 +198,10 @@ def child_main(path: str, kwargs: dict, w: Workload, phase: str) -> dict:
 
     from tokenmill import LLM
 
+    rss_imports = psutil.Process().memory_info().rss / 2**20  # torch and the engine, before any model
     t0 = time.perf_counter()
     llm = LLM(path, enable_prefix_caching=False, **kwargs)
-    res: dict[str, Any] = {"start_s": time.perf_counter() - t0,
+    res: dict[str, Any] = {"start_s": time.perf_counter() - t0, "rss_imports_mb": rss_imports,
                            "rss_after_start_mb": psutil.Process().memory_info().rss / 2**20}
     _single(llm, w.prompt, 4, seed=0)  # warm-up: first-call costs (kernel setup for these shapes) out of timings
     if phase == "single":
@@ -326,9 +329,14 @@ def table(results: dict, w: Workload) -> str:
     for name, r in results.items():
         disk = r["tokenmill"]["disk_bytes"] / r["file_bytes"]
         cells = [_cell(r, k, "{:.0f}" if k.endswith("rss_mb") else "{:.1f}") for k in keys]
+        imports = r["tokenmill"].get("rss_imports_mb")
+        if imports is not None:  # what no model size changes: the RSS of importing torch and tokenmill
+            cells[keys.index("peak_rss_mb")] += f" (imports {imports:.0f})"
+        lc = r.get("llama_roofline_fraction")
         lines.append(f"| {name} ({r['file_bytes'] / 2**20:.0f}) | " + " | ".join(cells)
                      + f" | {disk:.3f} {_mark(disk, 'disk')} | {r['roofline_fraction']:.0%} of "
-                       f"{r['roofline_tok_s']:.0f} tok/s {_mark(r['roofline_fraction'], 'roofline')} |")
+                       f"{r['roofline_tok_s']:.0f} tok/s {_mark(r['roofline_fraction'], 'roofline')}"
+                     + ("" if lc is None else f" (llama.cpp {lc:.0%})") + " |")
     return "\n".join(lines)
 
 
@@ -455,6 +463,8 @@ def sitting(a: argparse.Namespace, w: Workload) -> tuple[dict, dict]:
     for r in results.values():
         r["roofline_tok_s"] = best / r["bytes_per_token"]
         r["roofline_fraction"] = r["tokenmill"]["decode_d0"] / r["roofline_tok_s"]
+        if r["llama.cpp"].get("decode_d0"):  # the same measure for the peer: what the target asks of an engine
+            r["llama_roofline_fraction"] = r["llama.cpp"]["decode_d0"] / r["roofline_tok_s"]
     return meta, results
 
 
