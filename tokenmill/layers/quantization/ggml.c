@@ -1173,9 +1173,13 @@ X8K_DOT(512, 2, dot_x8k_512)
  * bits unsigned) meets broadcast activations as in X8_DOT, each group's integer dot scaled per lane; the offset 32
  * is 32 times the scales against the groups' activation sums (the super-block form of x), as Q4_K's mins. */
 #define X6K_DOT(W, GROUPS)                                                                                      \
+    /* the scale chunk holding group g's (< 16) scales: byte g % 4 of each row's 32-bit lane */                 \
+    AI __m##W##i x6k_scale_chunk_##W(const uint8_t *rec, int64_t next, const int g) {                          \
+        return ld_##W(rec + 16 + 32 * (g / 4), next);                                                           \
+    }                                                                                                           \
     /* the eight (sixteen) rows' int8 scales of group g (< 16) of the record at rec, as int32 lanes */          \
     AI __m##W##i x6k_scale_##W(const uint8_t *rec, int64_t next, const int g) {                                \
-        return sbyte_##W(ld_##W(rec + 16 + 32 * (g / 4), next), g % 4);                                         \
+        return sbyte_##W(x6k_scale_chunk_##W(rec, next, g), g % 4);                                             \
     }                                                                                                           \
     /* values 4c..4c+3 (c < 8) of group g's sub-block (half g / 8, quarter g / 2 % 4 of ggml's ql/qh split), u    \
      * in 0..63: a nibble of ql with bits 2sp, 2sp + 1 of qh moved to bits 4, 5 (16-bit shifts: the mask drops   \
@@ -1226,7 +1230,7 @@ X8K_DOT(512, 2, dot_x8k_512)
                 for (int g = 0; g < 16; g++) x6k_group_##W(R, rec, next, a, sb, g, isum);                       \
             }                                                                                                   \
             for (int s = 0; s < 8; s++) { /* the offset's terms: groups 2s, 2s + 1's scales times their x sums */ \
-                const __m##W##i pair = byte_pair_##W(ld_##W(rec + 16 + 32 * (s / 2), next), 2 * s % 4, 2 * s % 4 + 1); \
+                const __m##W##i pair = byte_pair_##W(x6k_scale_chunk_##W(rec, next, 2 * s), 2 * s % 4, 2 * s % 4 + 1); \
                 for (int r = 0; r < R; r++) {                                                                   \
                     const __m##W##i b = bcast_##W((const int8_t *)(act_b16(a, r) + sb * 16 + 2 * s));           \
                     msum[r] = _mm##W##_add_epi32(msum[r], _mm##W##_madd_epi16(b, pair));                        \
@@ -1733,7 +1737,7 @@ static void x6k_regroup(const uint8_t *w, int64_t stride, int64_t rows, int64_t 
             uint8_t *o = dst + (g * nsb + sb) * KX8D_REC;
             _mm256_store_ps((float *)o, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)x8)));
             for (int k = 0; k < 16; k++) {
-                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), byte_pair_256(ld_256(x8 + 16 + 32 * (k / 4), 0), k % 4, k % 4));
+                _mm256_store_si256((__m256i *)(o + 32 + 32 * k), byte_pair_256(x6k_scale_chunk_256(x8, 0, k), k % 4, k % 4));
                 for (int c = 0; c < 4; c++)
                     _mm256_store_si256((__m256i *)(o + 544 + 32 * (4 * k + c)),
                                        _mm256_sub_epi8(x6k_u_256(x8, 0, k, 4 * (k % 2) + c), _mm256_set1_epi8(32)));
